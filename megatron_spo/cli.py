@@ -1,0 +1,64 @@
+"""`megatron-spo` command line: one entry point, one subcommand per operation.
+
+Each subcommand lives in its component's module as ``main(argv: list[str]) -> int`` that parses its own
+arguments (prog "megatron-spo NAME"). Modules are imported only when their subcommand runs, so
+``megatron-spo --help`` stays fast and a missing optional extra breaks only the subcommand needing it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from megatron_spo.config import ConfigError
+
+# name -> ("module:function", one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("megatron_spo.verify:main", "the CPU quickstart (until the trainer lands: the math verification)"),
+    "verify": ("megatron_spo.verify:main", "train tabular policies and check KL(pi || pi*) against the exact optimum"),
+    "convert": ("megatron_spo.models.convert:main", "convert checkpoints: hf-to-megatron | megatron-to-hf"),
+    "check-conversion": ("megatron_spo.models.convert:check_main", "max |logit difference| between HF and Megatron"),
+    "serve": ("megatron_spo.rollout.engine_server:main", "a local engine speaking the SGLang HTTP API"),
+    "fleet": ("megatron_spo.rollout.fleet:main", "start N engines behind sglang-router: fleet up"),
+    "estimate-q0": ("megatron_spo.data.q0:main", "Monte-Carlo Q0 per prompt from reference samples"),
+    "pts": ("megatron_spo.data.pts:main", "pivotal token search: MC-annotated trajectories"),
+    "eval": ("megatron_spo.eval.runner:main", "pass@1 / pass@10 of a model on a task"),
+    "train": ("megatron_spo.training.trainer:main", "train SPO / AGRO / PPO from a config"),
+    "plot": ("megatron_spo.training.metrics:plot_main", "PNG plots of a run's metrics.jsonl"),
+    "plan": ("megatron_spo.training.capacity:main", "memory / weight-sync / throughput plan for a cluster"),
+}
+
+
+def usage() -> str:
+    width = max(len(n) for n in SUBCOMMANDS)
+    rows = "\n".join(f"  {n.ljust(width)}  {h}" for n, (_, h) in SUBCOMMANDS.items())
+    return f"usage: megatron-spo SUBCOMMAND [args...]\n\nsubcommands:\n{rows}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"megatron-spo: unknown subcommand '{name}'\n\n{usage()}", file=sys.stderr)
+        return 2
+    target, _ = SUBCOMMANDS[name]
+    module_name, func_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (err.name == module_name or module_name.startswith(err.name + ".")):
+            print(f"megatron-spo {name}: not available in this build ({module_name} is missing)", file=sys.stderr)
+            return 2
+        raise
+    try:
+        return int(getattr(module, func_name)(rest) or 0)
+    except ConfigError as err:
+        print(f"megatron-spo {name}: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""megatron-spo: Soft Policy Optimization (SPO), AGRO and PPO post-training on megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-spo",
+    version="0.1.0",
+    description="Megatron-based RL post-training of language models with Soft Policy Optimization",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_spo", "megatron_spo.*"]),
+    include_package_data=True,
+    package_data={"megatron_spo": ["py.typed"]},
+    install_requires=[
+        # torch is pinned by tools/bootstrap.sh through a constraints file (see FIELD-NOTES: an unpinned
+        # torch pulls the CUDA build over an existing install).
+        "torch>=2.6",
+        # Pinned: its CPU behaviour (shims in megatron_spo/models/cpu_shims.py) was tested against this version.
+        "megatron-core==0.16.1",
+        "numpy",
+        "pydantic>=2",
+        "pyyaml",
+        "rich",
+        "matplotlib",
+        "psutil",  # megatron dist_checkpointing needs it and does not declare it
+        "transformers>=4.45",
+        "safetensors",
+        "datasets",
+        "sympy",
+        "aiohttp",
+        "sglang-router==0.3.2",
+        "pyseccomp",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "sglang"],
+        "dali": ["nvidia-dali-cuda120"],
+        "wandb": ["wandb"],
+        "test": ["pytest>=8", "pytest-timeout", "ruff", "triton", "msgspec", "wandb"],
+    },
+    entry_points={"console_scripts": ["megatron-spo=megatron_spo.cli:main"]},
+)

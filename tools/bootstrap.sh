@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Set up a fresh machine and run one of the two README jobs.
+#   bash tools/bootstrap.sh quickstart   # install, then run the CPU quickstart (the main job)
+#   bash tools/bootstrap.sh test         # install test extras, then run the whole test suite
+# Idempotent: installs only what is missing. Never replaces an installed torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+job="${1:-}"; shift || true
+case "$job" in quickstart|test) ;; *) echo "usage: bash tools/bootstrap.sh quickstart|test [args...]" >&2; exit 2;; esac
+
+PY="${PYTHON:-python3}"
+log() { printf '\033[1m[bootstrap]\033[0m %s\n' "$*"; }
+
+# 1. Debian packages the project uses at run time (sandbox) and in tests (SLURM cluster).
+debs=(bubblewrap)
+[ "$job" = test ] && debs+=(slurmctld slurmd slurm-client munge)
+missing=()
+for p in "${debs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    for i in 1 2 3 4 5 6; do  # another dpkg may hold the lock for a while on a fresh machine
+      apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 && break
+      apt-get update -qq >/dev/null 2>&1 || true; sleep 5
+    done
+    for p in "${missing[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" \
+      || { echo "bootstrap: could not install Debian package '$p'" >&2; exit 1; }; done
+  else
+    echo "bootstrap: missing Debian packages ${missing[*]} (run as root, or install them yourself)" >&2
+  fi
+fi
+
+# 2. torch first, and pinned for everything after it (a plain 'torch' requirement pulls CUDA wheels).
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  log "pip install torch==2.13.0"
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+constraints="$(mktemp)"; trap 'rm -f "$constraints"' EXIT
+"$PY" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+
+# 3. The package with the extras the job needs (skipped when already installed at this checkout).
+extras=""; [ "$job" = test ] && extras="[test]"
+stamp=".cache/bootstrap-$job-$(cat setup.py tools/bootstrap.sh | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ] || ! "$PY" -c "import megatron_spo, megatron.core" 2>/dev/null; then
+  log "pip install -e .$extras"
+  "$PY" -m pip install -q --disable-pip-version-check -c "$constraints" -e ".$extras"
+  mkdir -p .cache && touch "$stamp"
+fi
+
+# 4. Run.
+if [ "$job" = quickstart ]; then
+  exec "$PY" -m megatron_spo.cli quickstart "$@"
+else
+  "$PY" -m ruff check megatron_spo tests tools
+  exec "$PY" -m pytest -q "$@"
+fi
