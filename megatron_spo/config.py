@@ -9,6 +9,7 @@ their own section classes here, each in its own clearly marked block.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -25,6 +26,7 @@ class StrictModel(BaseModel):
 
 
 M = TypeVar("M", bound=BaseModel)
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,6 +44,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads '2e-5' (no dot) as a string
     return key.split("."), value
 
 

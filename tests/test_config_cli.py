@@ -1,0 +1,129 @@
+"""Config loading, validation messages and the CLI dispatcher."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_spo.cli import SUBCOMMANDS
+from megatron_spo.cli import main as cli_main
+from megatron_spo.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    StrictModel,
+    apply_overrides,
+    load_config,
+)
+
+
+class Inner(StrictModel):
+    lr: float = 1e-3
+    steps: int = 10
+
+
+class Outer(StrictModel):
+    name: str = "run"
+    inner: Inner = Inner()
+
+
+def tiny_model(**kw) -> ModelConfig:
+    base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
+                num_query_groups=4, vocab_size=1000)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def test_overrides_are_typed_and_nested():
+    data = apply_overrides({"inner": {"lr": 1.0}}, ["inner.steps=7", "name=abc", "inner.lr=2e-5"])
+    assert data == {"inner": {"lr": 2e-5, "steps": 7}, "name": "abc"}
+
+
+def test_yaml_plus_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("name: x\ninner:\n  steps: 3\n")
+    cfg = load_config(Outer, p, ["inner.lr=0.5"])
+    assert (cfg.name, cfg.inner.steps, cfg.inner.lr) == ("x", 3, 0.5)
+
+
+def test_unknown_field_is_named_with_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("inner:\n  stesp: 3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: inner.stesp: unknown field"):
+        load_config(Outer, p)
+
+
+def test_wrong_type_names_field_and_value():
+    with pytest.raises(ConfigError, match=r"inner.steps: .*integer.*\(got 'many'\)"):
+        load_config(Outer, None, ["inner.steps=many"])
+
+
+def test_bad_yaml_names_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("a: 1\nb: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml line \d+: invalid YAML"):
+        load_config(Outer, p)
+
+
+def test_missing_file_and_malformed_override(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Outer, tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not of the form key.path=value"):
+        load_config(Outer, None, ["inner.steps"])
+    with pytest.raises(ConfigError, match="'name' is a value, not a section"):
+        apply_overrides({"name": "run"}, ["name.x=1"])
+
+
+def test_model_config_shapes_and_vocab_padding():
+    m = tiny_model(vocab_size=1000, make_vocab_size_divisible_by=128)
+    assert m.head_dim == 8
+    assert m.padded_vocab_size(1) == 1024
+    assert m.padded_vocab_size(3) == 1152  # multiple of 384
+    with pytest.raises(ValueError, match="not divisible by num_query_groups 3"):
+        tiny_model(num_query_groups=3)
+
+
+def test_llama_8b_parameter_count():
+    llama8b = ModelConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                          num_query_groups=8, vocab_size=128256)
+    assert llama8b.num_parameters() == 8_030_261_248  # the published Llama-3.1-8B count
+
+
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        (dict(tensor_model_parallel_size=3), None, "tensor_model_parallel_size 3 does not divide model.num_attention_heads 8"),
+        (dict(tensor_model_parallel_size=8), None, "tensor_model_parallel_size 8 does not divide model.num_query_groups 4"),
+        (dict(pipeline_model_parallel_size=3), None, "= 3 does not divide model.num_layers 4"),
+        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), None, "= 8 does not divide"),
+        (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 6, "world size 6 is not divisible"),
+    ],
+)
+def test_parallel_layout_refused_with_numbers(parallel, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ParallelConfig(**parallel).check(tiny_model(), world)
+
+
+def test_parallel_layout_accepted():
+    p = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    p.check(tiny_model(), 8)
+    assert p.data_parallel_size(8) == 2
+
+
+def test_cli_lists_and_rejects(capsys):
+    assert cli_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in SUBCOMMANDS)
+    assert cli_main(["no-such-thing"]) == 2
+    assert "unknown subcommand 'no-such-thing'" in capsys.readouterr().err
+
+
+def test_cli_entry_point_module_runs():
+    proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "subcommands:" in proc.stdout
+
+
+def test_every_subcommand_target_is_a_module_path():
+    for name, (target, help_text) in SUBCOMMANDS.items():
+        module, func = target.split(":")
+        assert module.startswith("megatron_spo.") and func.isidentifier() and help_text, name
