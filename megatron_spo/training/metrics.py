@@ -1,0 +1,243 @@
+"""Run metrics: always a local metrics.jsonl, wandb when configured, and PNG plots (`megatron-spo plot`).
+
+Each line of metrics.jsonl is one step: {"step": int, "time": unix seconds, <name>: float, ...}.
+Lines are flushed as written, so a crash loses at most the line being written; a torn last line is
+reported by read_metrics, never silently taken as data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from megatron_spo import extras
+
+METRICS_FILE = "metrics.jsonl"
+
+# Plot panels: title -> metric names drawn together (names missing from a run are skipped).
+PANELS: dict[str, tuple[str, ...]] = {
+    "loss": ("loss", "loss/online", "loss/offline", "loss/mc"),
+    "reward": ("reward", "reward/online"),
+    "terminal Q error": ("q_terminal_error",),
+    "KL(pi || pi_0) estimate": ("kl", "log_ratio"),
+    "mean advantage": ("advantage",),
+    "staleness (policy versions)": ("staleness", "staleness/max"),
+    "tokens / s": ("tokens_per_s", "rollout/tokens_per_s"),
+    "step time split (s)": ("time/rollout_wait", "time/forward_backward", "time/weight_sync", "time/step"),
+    "grad norm": ("grad_norm",),
+    "pass@k": ("eval/pass@1", "eval/pass@10"),
+}
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as strings so the line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    """Writes step metrics to run_dir/metrics.jsonl (append; resumable) and to wandb if enabled.
+
+    Only the logging rank should construct one with enabled=True; other ranks get a no-op logger.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool = True,
+        wandb_project: str | None = None,
+        wandb_mode: str = "offline",
+        run_name: str | None = None,
+        config: dict | None = None,
+        resume_from_step: int | None = None,
+    ):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self._wandb_run = None
+        self._file = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():  # resuming: drop replayed steps and any torn line from a crash
+            truncate_after_step(self.path, resume_from_step if resume_from_step is not None else 2**62)
+        self._file = open(self.path, "a", buffering=1)  # line-buffered
+        if wandb_project:
+            wandb = extras.wandb()
+            if wandb is None:
+                raise RuntimeError("metrics: wandb_project is set but the wandb package is not installed "
+                                   "(pip install -e .[wandb])")
+            os.environ.setdefault("WANDB_DIR", str(self.run_dir))
+            self._wandb_run = wandb.init(project=wandb_project, name=run_name, mode=wandb_mode,
+                                         config=config or {}, dir=str(self.run_dir), resume="allow",
+                                         id=(run_name or self.run_dir.name).replace("/", "-"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), "time": time.time()}
+        record.update({k: _finite(float(v)) for k, v in metrics.items()})
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb_run is not None:
+            self._wandb_run.log({k: float(v) for k, v in metrics.items()}, step=int(step))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MetricsFileError(ValueError):
+    pass
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a metrics.jsonl. A malformed line raises, naming file and line."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.exists():
+        raise MetricsFileError(f"{path}: no such metrics file")
+    records = []
+    lines = path.read_text().splitlines(keepends=True)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            if lineno == len(lines) and not line.endswith("\n"):
+                warnings.warn(f"{path} line {lineno}: torn last line skipped (the run stopped while "
+                              "writing it)", stacklevel=2)
+                continue
+            raise MetricsFileError(f"{path} line {lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(rec, dict) or "step" not in rec:
+            raise MetricsFileError(f"{path} line {lineno}: a record needs a 'step' field")
+        records.append({k: (float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v)
+                        for k, v in rec.items()})
+    return records
+
+
+def truncate_after_step(path: Path, step: int) -> int:
+    """Drop records with step > `step` (a resumed run replays those steps). Returns lines dropped."""
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn line from the crash that led to this resume
+        if rec.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, smooth: int = 1) -> list[Path]:
+    """One PNG per panel that has data, plus overview.png with all of them. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    out = Path(out_dir) if out_dir else Path(run_dir) / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    panels = {}
+    for title, names in PANELS.items():
+        series = {}
+        for name in names:
+            pts = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float))]
+            if pts:
+                series[name] = pts
+        if series:
+            panels[title] = series
+    if not panels:
+        raise MetricsFileError(f"{run_dir}: no plottable metrics")
+
+    def draw(ax, title, series):
+        for name, pts in series.items():
+            xs, ys = zip(*pts)
+            ys = _moving_average(ys, smooth)
+            ax.plot(xs, ys, label=name, lw=1.4)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+
+    written = []
+    for title, series in panels.items():
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        draw(ax, title, series)
+        fig.tight_layout()
+        path = out / (_slug(title) + ".png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    cols = 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels.items()):
+        draw(ax, title, series)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path = out / "overview.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def _moving_average(ys: Iterable[float], window: int) -> list[float]:
+    ys = list(ys)
+    if window <= 1:
+        return ys
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _slug(title: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in title.lower()).strip("_").replace("__", "_")
+
+
+def plot_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-spo plot", description="PNG plots of a run's metrics.jsonl")
+    parser.add_argument("run_dir", help="a run directory (holding metrics.jsonl) or the file itself")
+    parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/plots)")
+    parser.add_argument("--smooth", type=int, default=1, help="moving-average window in steps")
+    args = parser.parse_args(argv)
+    try:
+        files = plot_run(args.run_dir, args.out, smooth=args.smooth)
+    except MetricsFileError as err:
+        print(f"megatron-spo plot: {err}")
+        return 1
+    for f in files:
+        print(f)
+    return 0

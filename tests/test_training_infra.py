@@ -1,0 +1,141 @@
+"""Metrics files, plots, atomic checkpoints and preemption signals (the trainer's plumbing)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_spo.training.checkpoint import CheckpointDir, CheckpointError, PreemptionHandler
+from megatron_spo.training.metrics import MetricsFileError, MetricsLogger, plot_main, read_metrics
+
+
+def test_metrics_roundtrip_exact_and_nonfinite(tmp_path):
+    with MetricsLogger(tmp_path) as log:
+        log.log(1, {"loss": 0.5, "reward": -1.0})
+        log.log(2, {"loss": float("nan"), "kl": float("inf")})
+    recs = read_metrics(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[0]["loss"] == 0.5 and recs[0]["reward"] == -1.0
+    assert recs[1]["loss"] != recs[1]["loss"] and recs[1]["kl"] == float("inf")
+
+
+def test_torn_last_line_is_reported_and_repaired_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+    with pytest.warns(UserWarning, match="line 3: torn last line skipped"):
+        assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    # resuming from step 1 replays step 2: both the torn line and step 2 go
+    with MetricsLogger(tmp_path, resume_from_step=1) as log:
+        log.log(2, {"loss": 0.8})
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 1.0), (2, 0.8)]
+
+
+def test_malformed_middle_line_names_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(MetricsFileError, match=r"metrics.jsonl line 2: not valid JSON"):
+        read_metrics(path)
+    path.write_text('{"loss": 1}\n')
+    with pytest.raises(MetricsFileError, match="line 1: a record needs a 'step' field"):
+        read_metrics(path)
+
+
+def test_plot_writes_one_png_per_panel_with_data(tmp_path, capsys):
+    with MetricsLogger(tmp_path) as log:
+        for s in range(1, 6):
+            log.log(s, {"loss": 1.0 / s, "reward": -1 + s / 10, "time/step": 0.1, "time/weight_sync": 0.01})
+    assert plot_main([str(tmp_path), "--smooth", "2"]) == 0
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["loss.png", "overview.png", "reward.png", "step_time_split_s.png"]
+    assert (tmp_path / "plots" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_main([str(tmp_path / "missing")]) == 1
+    assert "no such metrics file" in capsys.readouterr().out
+
+
+def _write(name):
+    def write(d):
+        (d / name).write_text("payload")
+    return write
+
+
+def test_checkpoint_commit_latest_and_prune(tmp_path):
+    ck = CheckpointDir(tmp_path, keep_last=2)
+    assert ck.latest() is None
+    for step in (10, 20, 30):
+        ck.save(step, _write("model.bin"), {"world_size": 1})
+    assert ck.complete_steps() == [20, 30]
+    step, path = ck.latest()
+    assert step == 30 and (path / "model.bin").read_text() == "payload"
+    assert ck.metadata(path)["world_size"] == 1
+    ck.save(30, _write("other.bin"))  # re-save of the same step (after a resume) replaces it whole
+    assert sorted(p.name for p in ck.latest()[1].iterdir()) == ["COMPLETE", "other.bin"]
+
+
+def test_failed_write_leaves_previous_checkpoint_latest(tmp_path):
+    ck = CheckpointDir(tmp_path)
+    ck.save(1, _write("a"))
+
+    def broken(d):
+        (d / "half").write_text("x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ck.save(2, broken)
+    assert ck.latest()[0] == 1
+    assert (tmp_path / "iter_0000002.partial").exists()  # left for inspection, never loaded
+    ck.save(3, _write("b"))
+    assert not (tmp_path / "iter_0000002.partial").exists()
+
+
+def test_sigkill_during_save_never_yields_a_valid_looking_checkpoint(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal
+        from megatron_spo.training.checkpoint import CheckpointDir
+        ck = CheckpointDir({str(tmp_path)!r})
+        ck.save(5, lambda d: (d / "w").write_text("ok"))
+        def die(d):
+            (d / "w").write_text("half")
+            os.kill(os.getpid(), signal.SIGKILL)
+        ck.save(6, die)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script])
+    assert proc.returncode == -signal.SIGKILL
+    step, path = CheckpointDir(tmp_path).latest()
+    assert step == 5 and (path / "w").read_text() == "ok"
+
+
+def test_latest_pointer_to_incomplete_dir_falls_back(tmp_path):
+    ck = CheckpointDir(tmp_path)
+    ck.save(1, _write("a"))
+    (tmp_path / "iter_0000009").mkdir()
+    (tmp_path / "latest").write_text("iter_0000009")
+    assert ck.latest()[0] == 1
+    (tmp_path / "iter_0000001" / "COMPLETE").write_text("{broken")
+    with pytest.raises(CheckpointError, match="unreadable checkpoint marker"):
+        ck.metadata(tmp_path / "iter_0000001")
+    with pytest.raises(CheckpointError, match="keep_last must be >= 1"):
+        CheckpointDir(tmp_path, keep_last=0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_preemption_signal_is_recorded(sig):
+    handler = PreemptionHandler()
+    try:
+        assert not handler.requested()
+        os.kill(os.getpid(), sig)
+        assert handler.requested() and handler.received == sig
+    finally:
+        handler.restore()
+    assert signal.getsignal(sig) is not handler._on_signal
+
+
+def test_metrics_file_is_json_lines(tmp_path):
+    with MetricsLogger(tmp_path) as log:
+        log.log(7, {"a": 1})
+    line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    rec = json.loads(line)
+    assert rec["step"] == 7 and rec["a"] == 1.0 and isinstance(rec["time"], float)
