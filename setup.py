@@ -36,7 +36,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "sglang"],
         "dali": ["nvidia-dali-cuda120"],
         "wandb": ["wandb"],
-        "test": ["pytest>=8", "pytest-timeout", "ruff", "triton", "msgspec", "wandb"],
+        "test": ["pytest>=8", "nvidia-dali-cuda120", "pytest-timeout", "ruff", "triton", "msgspec", "wandb"],
     },
     entry_points={"console_scripts": ["megatron-spo=megatron_spo.cli:main"]},
 )

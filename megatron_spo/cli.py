@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("megatron_spo.rollout.engine_server:main", "a local engine speaking the SGLang HTTP API"),
     "fleet": ("megatron_spo.rollout.fleet:main", "start N engines behind sglang-router: fleet up"),
     "estimate-q0": ("megatron_spo.data.q0:main", "Monte-Carlo Q0 per prompt from reference samples"),
+    "trajectories": ("megatron_spo.data.trajectory:main", "trajectory files: import JSONL -> offline store, export, check"),
     "pts": ("megatron_spo.data.pts:main", "pivotal token search: MC-annotated trajectories"),
     "eval": ("megatron_spo.eval.runner:main", "pass@1 / pass@10 of a model on a task"),
     "train": ("megatron_spo.training.trainer:main", "train SPO / AGRO / PPO from a config"),

@@ -226,3 +226,260 @@ class ParallelConfig(StrictModel):
             raise ConfigError("parallel.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
         if world_size is not None:
             self.data_parallel_size(world_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quickstart reference model: toy code task + tiny Llama + SFT (megatron_spo/training/reference_model.py)
+# ---------------------------------------------------------------------------------------------
+class ToyCodeTaskConfig(StrictModel):
+    """The generated task (megatron_spo/data/toy_code.py): problems, tests per problem, the split."""
+
+    seed: int = 0
+    num_problems: int = Field(160, ge=6)
+    heldout_fraction: float = Field(0.25, gt=0, lt=1)
+    num_tests: int = Field(5, gt=0, description="reward tests per problem")
+    num_hidden_tests: int = Field(5, gt=0, description="evaluation-only tests per problem")
+    max_solutions: int = Field(16, gt=0, description="reference programs kept per problem")
+
+
+class QuickstartModelConfig(StrictModel):
+    """A tiny HF Llama (character vocabulary) and its supervised fine-tuning on the toy task.
+
+    Some SFT targets are swapped for a neighbouring problem's solution (swap_fraction), so the reference
+    policy solves only part of the held-out prompts and RL has room to improve.
+    """
+
+    task: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(3, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    max_position_embeddings: int = Field(256, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_epsilon: float = Field(1e-5, gt=0)
+    seed: int = 0
+    sft_steps: int = Field(800, ge=0)
+    batch_size: int = Field(32, gt=0, description="sequences per SFT step")
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    swap_fraction: float = Field(0.25, ge=0, lt=1, description="SFT targets replaced by a neighbour's solution")
+    num_threads: int = Field(2, gt=0, description="torch CPU threads during SFT (not part of the cache key)")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> QuickstartModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (megatron_spo/training/trainer.py)
+# ---------------------------------------------------------------------------------------------
+Objective = Literal["terminal", "reverse_q", "advantage", "mc"]
+LossName = Literal["squared", "cross_entropy", "sigmoid_bce"]
+
+
+class SourceConfig(StrictModel):
+    """One data source of the training batch. The source named 'online' is the rollout buffer; any other
+    source reads trajectories from `path` (a JSONL file or an offline-store directory)."""
+
+    weight: float = Field(1.0, ge=0, description="share of each batch's trajectories")
+    path: str | None = None
+    objective: Objective = "terminal"
+    loss: LossName = "cross_entropy"
+
+
+class OptimizerConfig(StrictModel):
+    lr: float = Field(6e-8, gt=0, description="paper: 6e-8 for Llama-3.1-8B, constant after warm-up")
+    warmup_steps: int = Field(200, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, gt=0)
+    value_lr: float | None = Field(None, gt=0, description="PPO value model (default: lr)")
+
+
+class BatchConfig(StrictModel):
+    sequences_per_step: int = Field(128, gt=0, description="global batch: trajectories per optimizer step")
+    max_tokens_per_micro_batch: int = Field(16384, gt=0, description="padded tokens per micro-batch")
+    max_seq_length: int = Field(4096, gt=1, description="prompt + response tokens; longer ones are refused")
+
+
+class PPOConfig(StrictModel):
+    clip_eps: float = Field(0.2, gt=0)
+    value_clip_eps: float | None = Field(0.2, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
+
+
+class AGROConfig(StrictModel):
+    on_policy: bool = False
+
+
+class CheckpointConfig(StrictModel):
+    interval: int = Field(100, gt=0, description="save every this many steps (and on SIGTERM / SIGUSR1)")
+    keep_last: int = Field(2, gt=0)
+    dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
+    export_hf: bool = Field(True, description="write the final policy as an HF directory RUN_DIR/hf")
+
+
+class LoggingConfig(StrictModel):
+    wandb_project: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    progress: bool = True
+    max_log_ratio: float | None = Field(
+        50.0, gt=0, description="stop when the mean sequence log(pi / pi_0) exceeds this (a collapse; FIELD-NOTES)"
+    )
+
+
+class InitConfig(StrictModel):
+    hf: str | None = Field(None, description="HF Llama directory: model config, tokenizer, and weights")
+    megatron: str | None = Field(None, description="megatron checkpoint of the same model (converted once)")
+
+
+class TrainConfig(StrictModel):
+    run_dir: str = "runs/spo"
+    seed: int = 1234
+    steps: int = Field(100_000, gt=0)
+    algo: Literal["spo", "agro", "ppo"] = "spo"
+    beta: float = Field(1.0 / math.log(100000.0), gt=0, description="KL strength; paper 1/log(1e5)")
+    model_update_interval: int = Field(10, gt=0, description="steps between weight pushes to the rollout fleet")
+    init: InitConfig = Field(default_factory=InitConfig)
+    model: ModelConfig | None = Field(None, description="default: read from init.hf/config.json")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    sources: dict[str, SourceConfig] = Field(default_factory=lambda: {"online": SourceConfig()})
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    agro: AGROConfig = Field(default_factory=AGROConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    nproc: int = Field(1, gt=0, description="trainer processes when launched without torchrun/srun")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if not self.sources:
+            raise ValueError("sources: at least one data source is needed")
+        if sum(s.weight for s in self.sources.values()) <= 0:
+            raise ValueError("sources: the weights must have a positive sum")
+        for name, src in self.sources.items():
+            if name == "online" and src.path is not None:
+                raise ValueError("sources.online.path: the online source reads the rollout buffer, not a path")
+            if name != "online" and src.path is None:
+                raise ValueError(f"sources.{name}.path: an offline source needs a path")
+        if self.algo == "ppo" and set(self.sources) != {"online"}:
+            raise ValueError("algo ppo is on-policy: use only the 'online' source "
+                             f"(got {', '.join(sorted(self.sources))})")
+        if self.init.hf is None and self.init.megatron is None:
+            raise ValueError("init: give init.hf (an HF model directory) or init.megatron (a converted checkpoint)")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward sandbox (megatron_spo/rewards/sandbox.py)
+# ---------------------------------------------------------------------------------------------
+class SandboxConfig(StrictModel):
+    """Isolation and limits for running model-written programs against tests.
+
+    isolation "bubblewrap" (the default) unshares every namespace; "rlimits-only" keeps seccomp, rlimits
+    and the per-slot uid but no namespaces or filesystem view: chosen explicitly, and warned on every start.
+    """
+
+    isolation: Literal["bubblewrap", "rlimits-only"] = "bubblewrap"
+    bwrap_path: str = "bwrap"
+    python: str = Field("auto", description="interpreter for programs; auto = this one if slot uids can reach it, "
+                        "else /usr/bin/python3")
+    slots: int = Field(0, ge=0, description="sandboxes running at once; 0 = number of CPUs")
+    uid_base: int = Field(1_000_000, ge=1000, description="slot i runs as host uid/gid uid_base + i (when root)")
+    time_limit_s: float = Field(2.0, gt=0, description="CPU seconds per test")
+    wall_factor: float = Field(2.0, ge=1, description="wall deadline = max(time_limit_s * this, time_limit_s + 1)")
+    memory_mb: int = Field(1024, ge=64, description="address-space limit per test (RLIMIT_AS)")
+    output_limit_mb: float = Field(16.0, gt=0, description="stdout (and stderr) cap per test")
+    tmp_size_mb: int = Field(16, gt=0, description="size of the private /tmp")
+    file_size_mb: int = Field(16, gt=0, description="RLIMIT_FSIZE")
+    open_files: int = Field(64, ge=16, description="RLIMIT_NOFILE")
+    processes: int = Field(64, ge=4, description="RLIMIT_NPROC: threads of the slot uid (fork is denied anyway)")
+    startup_timeout_s: float = Field(20.0, gt=0, description="budget for a sandbox to start, on top of its tests")
+    prestart: bool = Field(True, description="keep a started sandbox waiting in every idle slot")
+    float_tolerance: float | None = Field(None, ge=0, description="token-wise float tolerance when comparing outputs")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout fleet (megatron_spo/rollout/: manager, weight sync)
+# ---------------------------------------------------------------------------------------------
+class RolloutConfig(StrictModel):
+    """Asynchronous rollout: sampling, flow control, staleness, retries, weight sync."""
+
+    samples_per_prompt: int = Field(8, gt=0, description="n completions per prompt (one group)")
+    temperature_range: tuple[float, float] = Field((0.1, 0.8), description="T ~ U(lo, hi) per request (paper)")
+    top_p: float = Field(0.95, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 = off")
+    max_new_tokens: int = Field(512, gt=0)
+    max_inflight_requests: int = Field(8, gt=0, description="concurrent /generate requests")
+    buffer_groups: int = Field(64, gt=0, description="bounded buffer of finished groups; full = backpressure")
+    max_staleness: int = Field(4, ge=0, description="policy versions a trajectory may lag behind")
+    stale_policy: Literal["drop", "tag"] = Field("drop", description="drop stale groups, or keep them (tagged)")
+    request_timeout_s: float = Field(300.0, gt=0)
+    max_retries: int = Field(5, ge=0, description="retries of one request on engine errors, then it fails")
+    retry_backoff_s: float = Field(0.5, gt=0, description="first backoff; doubles per retry up to the max")
+    retry_backoff_max_s: float = Field(10.0, gt=0)
+    endpoint_max_failures: int = Field(3, gt=0, description="consecutive errors before an endpoint cools down")
+    endpoint_cooldown_s: float = Field(5.0, gt=0, description="first cooldown; doubles while it keeps failing")
+    seed: int = 0
+    weight_sync: Literal["broadcast", "disk"] = "broadcast"
+    weight_bucket_mb: float = Field(512.0, gt=0)
+    weight_sync_dir: str | None = Field(None, description="shared directory for weight_sync=disk")
+    weight_sync_backend: Literal["gloo", "nccl"] = "gloo"
+
+    @model_validator(mode="after")
+    def _check_rollout(self) -> RolloutConfig:
+        lo, hi = self.temperature_range
+        if not 0 <= lo <= hi:
+            raise ValueError(f"temperature_range must satisfy 0 <= lo <= hi, got {list(self.temperature_range)}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.weight_sync == "disk" and not self.weight_sync_dir:
+            raise ValueError("weight_sync=disk needs weight_sync_dir")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Capacity plan (megatron_spo/training/capacity.py, `megatron-spo plan`)
+# ---------------------------------------------------------------------------------------------
+class CapacityConfig(StrictModel):
+    """Cluster shape and workload of a plan. Defaults: the 64 + 64 H100 layout of the SPO paper's scale."""
+
+    trainer_gpus: int = Field(64, gt=0)
+    worker_gpus: int = Field(64, gt=0)
+    gpus_per_node: int = Field(8, gt=0)
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    micro_batch_size: int = Field(1, gt=0, description="sequences per micro-batch")
+    global_batch_size: int = Field(256, gt=0, description="sequences per optimizer step")
+    seq_length: int = Field(4096, gt=0, description="prompt + response tokens per (packed) sequence")
+    response_tokens: int = Field(2048, gt=0, description="generated tokens per sequence (rollout cost)")
+    online_fraction: float = Field(1.0, ge=0, le=1, description="share of each batch generated online")
+    recompute: Literal["none", "full"] = Field("none", description="activation recompute used for throughput")
+    reference_model: bool = True
+    value_model: bool = Field(False, description="PPO critic of the same size (weights, grads, optimizer)")
+    logprob_chunk_tokens: int = Field(1024, gt=0, description="tokens per chunk of the fused log-prob op")
+    overhead_gb: float = Field(4.0, ge=0, description="CUDA context, NCCL buffers, fragmentation (assumed)")
+    achieved_tflops_per_gpu: float = Field(400.0, gt=0, description="bf16 model TFLOP/s a trainer GPU sustains")
+    model_update_interval: int = Field(10, gt=0, description="trainer steps between weight syncs")
+    weight_sync_bandwidth_gbps: float = Field(400.0, gt=0, description="network Gb/s into each engine GPU")
+    weight_sync_bucket_mb: float = Field(512.0, gt=0)
+    weight_sync_bucket_latency_ms: float = Field(
+        10.0, ge=0, description="fixed cost per bucket: gather, HTTP update call, NCCL launch (assumed)")
+    weight_sync_efficiency: float = Field(0.9, gt=0, le=1, description="achieved share of link bandwidth")

@@ -12,7 +12,7 @@ PY="${PYTHON:-python3}"
 log() { printf '\033[1m[bootstrap]\033[0m %s\n' "$*"; }
 
 # 1. Debian packages the project uses at run time (sandbox) and in tests (SLURM cluster).
-debs=(bubblewrap)
+debs=(bubblewrap python3)  # python3: the sandbox interpreter when this one lies where slot uids cannot reach
 [ "$job" = test ] && debs+=(slurmctld slurmd slurm-client munge)
 missing=()
 for p in "${debs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
@@ -46,6 +46,13 @@ if [ ! -f "$stamp" ] || ! "$PY" -c "import megatron_spo, megatron.core" 2>/dev/n
   log "pip install -e .$extras"
   "$PY" -m pip install -q --disable-pip-version-check -c "$constraints" -e ".$extras"
   mkdir -p .cache && touch "$stamp"
+fi
+
+# 3b. Tests check request bodies against SGLang's own schema: its source only (--no-deps: the full
+#     package needs CUDA kernels and another torch; see FIELD-NOTES).
+if [ "$job" = test ] && ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"; then
+  log "pip install --no-deps sglang==0.5.23"
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23"
 fi
 
 # 4. Run.

@@ -1,0 +1,474 @@
+"""The offline trajectory store: columnar shards of numpy arrays plus a checksummed index.
+
+    write_store(records, "store/", rows_per_shard=65536)           # or OfflineStoreWriter to append
+    store = OfflineStore("store/")                                 # verifies every shard it lists
+    for batch in store.batches(32, shuffle=True, seed=0):          # plain loader (numpy)
+    for batch in DaliLoader(store, 32, shuffle=True, seed=0):      # NVIDIA DALI, CPU (device_id=None) or GPU
+
+Layout of a store folder:
+
+    index.json            {"format", "version", "shards": [{"name", "rows", "files": {file: sha256}}]}
+    shard-00000/          one .npy per column, variable-length columns as flat values + offsets [rows + 1]:
+        prompt_tokens.npy int32, prompt_offsets.npy int64, response_tokens.npy int32, response_offsets.npy,
+        behaviour_logprobs.npy float64 + behaviour_offsets.npy + has_behaviour.npy uint8,
+        reward.npy float64, policy_version.npy int64, q0.npy float64 (NaN = absent),
+        mc_t.npy int64 + mc_p.npy float64 + mc_offsets.npy + has_mc.npy uint8,
+        strings.json      {"prompt_id": [...], "source": [...]}
+
+Writes are atomic: a shard is written into a temporary folder, fsynced, renamed, and only then listed in a
+new index.json (itself written to a temporary file and renamed). A shard that is not in the index (an
+interrupted write) is ignored with a warning; a listed shard whose files do not match their checksums or
+shapes is an error naming the shard and file (``skip_invalid`` skips it, counted and reported).
+
+Both loaders yield identical batches: dicts of arrays padded to the longest row of the batch (tokens and
+mc_t with -1, floats with 0), plus lengths, ``has_*`` flags and ``row`` (the store row, to look up
+prompt_id / source with ``store.prompt_id(row)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from megatron_spo.data.trajectory import (
+    LOGPROB_SLACK,
+    ImportReport,
+    RecordError,
+    Trajectory,
+    validate_record,
+)
+
+logger = logging.getLogger(__name__)
+
+FORMAT, VERSION = "megatron-spo-offline-store", 1
+INDEX = "index.json"
+STRINGS = "strings.json"
+# column -> dtype; "<name>_offsets" columns index the variable-length ones
+COLUMNS = {
+    "prompt_tokens": np.int32, "prompt_offsets": np.int64,
+    "response_tokens": np.int32, "response_offsets": np.int64,
+    "behaviour_logprobs": np.float64, "behaviour_offsets": np.int64, "has_behaviour": np.uint8,
+    "reward": np.float64, "policy_version": np.int64, "q0": np.float64,
+    "mc_t": np.int64, "mc_p": np.float64, "mc_offsets": np.int64, "has_mc": np.uint8,
+}
+RAGGED = {"prompt_tokens": "prompt_offsets", "response_tokens": "response_offsets",
+          "behaviour_logprobs": "behaviour_offsets", "mc_t": "mc_offsets", "mc_p": "mc_offsets"}
+PER_ROW = ("has_behaviour", "reward", "policy_version", "q0", "has_mc")
+# batch key -> (pad value, dtype); per-row keys are not padded
+BATCH_PADDED = {"prompt_tokens": (-1, np.int32), "response_tokens": (-1, np.int32),
+                "behaviour_logprobs": (0.0, np.float64), "mc_t": (-1, np.int64), "mc_p": (0.0, np.float64)}
+BATCH_KEYS = ("prompt_tokens", "prompt_lengths", "response_tokens", "response_lengths", "behaviour_logprobs",
+              "has_behaviour", "reward", "policy_version", "q0", "mc_t", "mc_p", "has_mc", "row")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+def _columns(records: list[Trajectory]) -> dict[str, np.ndarray]:
+    def ragged(lists: list[list]) -> tuple[np.ndarray, np.ndarray]:
+        offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in lists], out=offsets[1:])
+        flat = [v for x in lists for v in x]
+        return np.asarray(flat), offsets
+
+    cols: dict[str, np.ndarray] = {}
+    cols["prompt_tokens"], cols["prompt_offsets"] = ragged([r.prompt_tokens for r in records])
+    cols["response_tokens"], cols["response_offsets"] = ragged([r.response_tokens for r in records])
+    cols["behaviour_logprobs"], cols["behaviour_offsets"] = ragged([r.behaviour_logprobs or [] for r in records])
+    cols["has_behaviour"] = np.array([r.behaviour_logprobs is not None for r in records])
+    cols["reward"] = np.array([r.reward for r in records])
+    cols["policy_version"] = np.array([r.policy_version for r in records])
+    cols["q0"] = np.array([np.nan if r.q0 is None else r.q0 for r in records])
+    mc = [r.mc_targets or [] for r in records]
+    cols["mc_t"], cols["mc_offsets"] = ragged([[m["t"] for m in x] for x in mc])
+    cols["mc_p"], _ = ragged([[m["success_prob"] for m in x] for x in mc])
+    cols["has_mc"] = np.array([r.mc_targets is not None for r in records])
+    for name in ("prompt_tokens", "response_tokens"):
+        if cols[name].size and cols[name].max() > np.iinfo(np.int32).max:
+            raise ValueError(f"offline store: a token id in '{name}' does not fit int32")
+    return {name: cols[name].astype(dtype, copy=False) for name, dtype in COLUMNS.items()}
+
+
+class OfflineStoreWriter:
+    """Appends shards to a store folder (created if absent). Use as a context manager, or call close()."""
+
+    def __init__(self, path: str | Path, rows_per_shard: int = 65536):
+        if rows_per_shard < 1:
+            raise ValueError(f"offline store: rows_per_shard must be >= 1, got {rows_per_shard}")
+        self.path = Path(path)
+        self.rows_per_shard = rows_per_shard
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.index = _read_index(self.path) if (self.path / INDEX).exists() else {
+            "format": FORMAT, "version": VERSION, "shards": []}
+        self.buffer: list[Trajectory] = []
+        self.written = 0
+
+    def add(self, record: Trajectory | dict) -> None:
+        if not isinstance(record, Trajectory):
+            record = validate_record(record, f"record {self.written + len(self.buffer)}")
+        self.buffer.append(record)
+        if len(self.buffer) >= self.rows_per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered records as one shard and list it in the index."""
+        if not self.buffer:
+            return
+        name = f"shard-{len(self.index['shards']):05d}"
+        while (self.path / name).exists():  # a leftover of an interrupted write: never overwrite it
+            name += "x"
+        tmp = self.path / f".{name}.{uuid.uuid4().hex}.tmp"
+        tmp.mkdir()
+        files = {}
+        for col, array in _columns(self.buffer).items():
+            with open(tmp / f"{col}.npy", "wb") as f:
+                np.save(f, array, allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+        with open(tmp / STRINGS, "w", encoding="utf-8") as f:
+            json.dump({"prompt_id": [r.prompt_id for r in self.buffer], "source": [r.source for r in self.buffer]}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        for file in sorted(os.listdir(tmp)):
+            files[file] = _sha256(tmp / file)
+        _fsync_dir(tmp)
+        os.rename(tmp, self.path / name)
+        _fsync_dir(self.path)
+        self.index["shards"].append({"name": name, "rows": len(self.buffer), "files": files})
+        _write_json_atomic(self.path / INDEX, self.index)
+        self.written += len(self.buffer)
+        self.buffer = []
+
+    def close(self) -> None:
+        self.flush()
+        if not (self.path / INDEX).exists():
+            _write_json_atomic(self.path / INDEX, self.index)
+
+    def __enter__(self) -> OfflineStoreWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+
+
+def write_store(records: Iterable[Trajectory | dict], path: str | Path, rows_per_shard: int = 65536) -> int:
+    with OfflineStoreWriter(path, rows_per_shard) as writer:
+        for record in records:
+            writer.add(record)
+    return writer.written
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+def _read_index(path: Path) -> dict:
+    where = str(path / INDEX)
+    try:
+        index = json.loads((path / INDEX).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"offline store: {where} not found (not a store folder, or nothing written)") from None
+    except ValueError as err:
+        raise RecordError(where, None, f"not valid JSON ({err})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise RecordError(where, "format", f"not a megatron-spo offline store index (format {FORMAT!r} expected)")
+    if index.get("version") != VERSION:
+        raise RecordError(where, "version", f"version {index.get('version')!r} is not supported (expected {VERSION})")
+    if not isinstance(index.get("shards"), list):
+        raise RecordError(where, "shards", "must be a list")
+    return index
+
+
+class _Shard:
+    """One verified shard: memory-mapped columns and its strings."""
+
+    def __init__(self, root: Path, entry: dict):
+        self.name = str(entry.get("name"))
+        self.rows = entry.get("rows")
+        where = f"{root / self.name}"
+        files = entry.get("files")
+        if not isinstance(self.rows, int) or not isinstance(files, dict):
+            raise RecordError(str(root / INDEX), "shards", f"entry {self.name!r} lacks rows / files")
+        expected = {f"{c}.npy" for c in COLUMNS} | {STRINGS}
+        if set(files) != expected:
+            missing = sorted(expected - set(files)) or sorted(set(files) - expected)
+            raise RecordError(where, missing[0], "the index lists a different set of files")
+        for file, digest in sorted(files.items()):
+            if not (root / self.name / file).is_file():
+                raise RecordError(where, file, "missing (half-written or deleted shard)")
+            if _sha256(root / self.name / file) != digest:
+                raise RecordError(where, file, "checksum mismatch (half-written or corrupted shard)")
+        self.cols = {c: np.load(root / self.name / f"{c}.npy", mmap_mode="r", allow_pickle=False) for c in COLUMNS}
+        strings = json.loads((root / self.name / STRINGS).read_text())
+        self.prompt_ids, self.sources = strings["prompt_id"], strings["source"]
+        self._check_shapes(where)
+
+    def _check_shapes(self, where: str) -> None:
+        for c, dtype in COLUMNS.items():
+            if self.cols[c].dtype != dtype or self.cols[c].ndim != 1:
+                raise RecordError(where, f"{c}.npy", f"expected a 1-d {np.dtype(dtype)} array")
+        for c in PER_ROW:
+            if len(self.cols[c]) != self.rows:
+                raise RecordError(where, f"{c}.npy", f"has {len(self.cols[c])} rows, the index says {self.rows}")
+        if len(self.prompt_ids) != self.rows or len(self.sources) != self.rows:
+            raise RecordError(where, STRINGS, f"does not hold {self.rows} prompt ids and sources")
+        for values, offsets in RAGGED.items():
+            off = self.cols[offsets]
+            if len(off) != self.rows + 1 or off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != len(self.cols[values]):
+                raise RecordError(where, f"{offsets}.npy", f"offsets do not index {values}.npy")
+
+    def slice(self, name: str, row: int) -> np.ndarray:
+        off = self.cols[RAGGED[name]]
+        return self.cols[name][off[row] : off[row + 1]]
+
+    def invalid_rows(self) -> list[tuple[int, str, str]]:
+        """(row, field, why) for rows whose values break the record schema (vectorised checks)."""
+        c, bad = self.cols, []
+
+        def flag(mask: np.ndarray, field: str, why: str) -> None:
+            bad.extend((int(r), field, why) for r in np.flatnonzero(mask))
+
+        def per_row(name: str, values_bad: np.ndarray) -> np.ndarray:
+            off = c[RAGGED[name]]
+            rows = np.searchsorted(off, np.flatnonzero(values_bad), side="right") - 1
+            return np.isin(np.arange(self.rows), rows)
+
+        lengths = {n: np.diff(c[RAGGED[n]]) for n in ("prompt_tokens", "response_tokens", "behaviour_logprobs")}
+        flag(lengths["prompt_tokens"] == 0, "prompt_tokens", "empty")
+        flag(lengths["response_tokens"] == 0, "response_tokens", "empty")
+        flag(per_row("prompt_tokens", c["prompt_tokens"] < 0), "prompt_tokens", "negative token id")
+        flag(per_row("response_tokens", c["response_tokens"] < 0), "response_tokens", "negative token id")
+        flag(~np.isfinite(c["reward"]), "reward", "not finite")
+        flag(c["policy_version"] < 0, "policy_version", "negative")
+        flag(np.isinf(c["q0"]), "q0", "not finite")
+        has_b = c["has_behaviour"].astype(bool)
+        flag(has_b & (lengths["behaviour_logprobs"] != lengths["response_tokens"]), "behaviour_logprobs",
+             "length differs from response_tokens")
+        flag(~has_b & (lengths["behaviour_logprobs"] != 0), "behaviour_logprobs", "values without has_behaviour")
+        lp = c["behaviour_logprobs"]
+        flag(per_row("behaviour_logprobs", ~np.isfinite(lp) | (lp > LOGPROB_SLACK)), "behaviour_logprobs",
+             "not a finite log-prob <= 0")
+        resp_len_per_mc = np.repeat(lengths["response_tokens"], np.diff(c["mc_offsets"]))
+        flag(per_row("mc_t", (c["mc_t"] < 0) | (c["mc_t"] >= resp_len_per_mc)), "mc_targets", "t outside the response")
+        flag(per_row("mc_p", ~((c["mc_p"] >= 0) & (c["mc_p"] <= 1))), "mc_targets", "success_prob not in [0, 1]")
+        return sorted(set(bad))
+
+
+class OfflineStore:
+    """A verified, read-only view of a store folder. Rows number 0..len-1 across shards (valid rows only)."""
+
+    def __init__(self, path: str | Path, *, skip_invalid: bool = False):
+        self.path = Path(path)
+        index = _read_index(self.path)
+        self.report = ImportReport()
+        self.shards: list[_Shard] = []
+        listed = {str(e.get("name")) for e in index["shards"] if isinstance(e, dict)}
+        for entry in sorted(p.name for p in self.path.iterdir() if p.is_dir()):
+            if entry not in listed:
+                logger.warning("%s: ignoring folder '%s' not listed in %s (an interrupted write)", self.path, entry, INDEX)
+        rows = []
+        for entry in index["shards"]:
+            try:
+                shard = _Shard(self.path, entry if isinstance(entry, dict) else {})
+            except RecordError as err:
+                if not skip_invalid:
+                    raise
+                n = entry.get("rows", 0) if isinstance(entry, dict) else 0
+                self.report.skipped += n if isinstance(n, int) else 0
+                self.report.errors.append(f"{err} ({n} rows skipped)")
+                continue
+            invalid = {}
+            for row, field, why in shard.invalid_rows():
+                invalid.setdefault(row, (field, why))
+            if invalid and not skip_invalid:
+                row, (field, why) = min(invalid.items())
+                raise RecordError(f"{self.path / shard.name} row {row}", field, why)
+            for row, (field, why) in sorted(invalid.items()):
+                self.report.skipped += 1
+                self.report.errors.append(f"{self.path / shard.name} row {row}: field '{field}': {why}")
+            k = len(self.shards)
+            self.shards.append(shard)
+            rows += [(k, r) for r in range(shard.rows) if r not in invalid]
+        self.report.read = len(rows)
+        self._rows = np.array(rows, dtype=np.int64).reshape(-1, 2)
+        if self.report.skipped:
+            logger.warning("%s: skipped %d invalid row(s), kept %d; first: %s", self.path, self.report.skipped,
+                           self.report.read, self.report.errors[0])
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _locate(self, i: int) -> tuple[_Shard, int]:
+        k, r = self._rows[i]
+        return self.shards[k], int(r)
+
+    def prompt_id(self, i: int) -> str | int:
+        shard, r = self._locate(i)
+        return shard.prompt_ids[r]
+
+    def record(self, i: int) -> Trajectory:
+        shard, r = self._locate(i)
+        c = shard.cols
+        mc = None
+        if c["has_mc"][r]:
+            mc = [{"t": int(t), "success_prob": float(p)} for t, p in zip(shard.slice("mc_t", r), shard.slice("mc_p", r))]
+        q0 = float(c["q0"][r])
+        return Trajectory(
+            prompt_id=shard.prompt_ids[r], prompt_tokens=shard.slice("prompt_tokens", r).tolist(),
+            response_tokens=shard.slice("response_tokens", r).tolist(), reward=float(c["reward"][r]),
+            source=shard.sources[r], policy_version=int(c["policy_version"][r]),
+            behaviour_logprobs=shard.slice("behaviour_logprobs", r).tolist() if c["has_behaviour"][r] else None,
+            q0=None if np.isnan(q0) else q0, mc_targets=mc,
+        )
+
+    def trajectories(self) -> list[Trajectory]:
+        return [self.record(i) for i in range(len(self))]
+
+    def sample(self, i: int) -> dict[str, np.ndarray]:
+        """Row ``i`` as the loaders see it: variable-length arrays and 0-d per-row values."""
+        shard, r = self._locate(i)
+        c = shard.cols
+        out = {name: np.ascontiguousarray(shard.slice(name, r)) for name in RAGGED}
+        out.update({name: np.array(c[name][r]) for name in PER_ROW})
+        out["prompt_lengths"] = np.array(len(out["prompt_tokens"]), dtype=np.int64)
+        out["response_lengths"] = np.array(len(out["response_tokens"]), dtype=np.int64)
+        out["row"] = np.array(i, dtype=np.int64)
+        return out
+
+    def epoch_order(self, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+        if not shuffle:
+            return np.arange(len(self))
+        return np.random.default_rng([seed, epoch]).permutation(len(self))
+
+    def batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0,
+                drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
+        """The plain loader: one epoch of padded numpy batches."""
+        order = self.epoch_order(shuffle=shuffle, seed=seed, epoch=epoch)
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            if drop_last and len(idx) < batch_size:
+                return
+            yield collate_samples([self.sample(int(i)) for i in idx])
+
+
+def collate_samples(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Pad each variable-length key to the longest in the batch (the same rule as DALI's fn.pad)."""
+    batch: dict[str, np.ndarray] = {}
+    for key, (pad, dtype) in BATCH_PADDED.items():
+        width = max(len(s[key]) for s in samples)
+        out = np.full((len(samples), width), pad, dtype=dtype)
+        for i, s in enumerate(samples):
+            out[i, : len(s[key])] = s[key]
+        batch[key] = out
+    for key in (*PER_ROW, "prompt_lengths", "response_lengths", "row"):
+        batch[key] = np.stack([s[key] for s in samples])
+    return {k: batch[k] for k in BATCH_KEYS}
+
+
+# ---------------------------------------------------------------------------------------------
+# The DALI loader
+# ---------------------------------------------------------------------------------------------
+# fn.pad has no float64 kernel: these columns cross DALI as their int64 bit patterns (0.0 is all-zero bits).
+_PAD_AS_BITS = ("behaviour_logprobs", "mc_p")
+
+
+class DaliLoader:
+    """The same batches as ``OfflineStore.batches`` through an NVIDIA DALI pipeline.
+
+    CPU (device_id=None): batches are numpy arrays. GPU (device_id=int): the pipeline moves outputs to that
+    device and batches are torch CUDA tensors (not exercised on the CPU-only test machine).
+    """
+
+    def __init__(self, store: OfflineStore, batch_size: int, *, shuffle: bool = False, seed: int = 0,
+                 epoch: int = 0, device_id: int | None = None, num_threads: int = 1):
+        from megatron_spo.extras import dali
+
+        if dali() is None:
+            raise ImportError("DaliLoader needs NVIDIA DALI: pip install nvidia-dali-cuda120 (the 'dali' extra)")
+        if len(store) == 0:
+            raise ValueError(f"DaliLoader: store {store.path} has no rows")
+        self.store, self.batch_size, self.device_id = store, batch_size, device_id
+        self.order = store.epoch_order(shuffle=shuffle, seed=seed, epoch=epoch)
+        self.num_threads = num_threads
+
+    def _source(self, info) -> list[list[np.ndarray]]:
+        start = info.iteration * self.batch_size
+        if start >= len(self.order):
+            raise StopIteration
+        samples = [self.store.sample(int(i)) for i in self.order[start : start + self.batch_size]]
+        return [[s[key].view(np.int64) if key in _PAD_AS_BITS else s[key] for s in samples] for key in self._inputs]
+
+    def __iter__(self) -> Iterator[dict]:
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+        self._inputs = (*RAGGED, *PER_ROW, "prompt_lengths", "response_lengths", "row")
+        dali_types = {np.int32: types.INT32, np.int64: types.INT64, np.float64: types.FLOAT64, np.uint8: types.UINT8}
+        dtypes = [types.INT64 if k in _PAD_AS_BITS or k not in COLUMNS else dali_types[COLUMNS[k]] for k in self._inputs]
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
+                      exec_dynamic=True)
+        def pipeline():
+            data = dict(zip(self._inputs, fn.external_source(
+                source=self._source, num_outputs=len(self._inputs), batch=True, batch_info=True, dtype=dtypes)))
+            outputs = []
+            for key in BATCH_KEYS:
+                if key in BATCH_PADDED:
+                    out = fn.pad(data[key], fill_value=BATCH_PADDED[key][0], axes=(0,))
+                else:
+                    out = data[key]
+                outputs.append(out.gpu() if self.device_id is not None else out)
+            return tuple(outputs)
+
+        pipe = pipeline()
+        pipe.build()
+        for batch in DALIGenericIterator([pipe], list(BATCH_KEYS), auto_reset=False):
+            tensors = batch[0]
+            if self.device_id is None:
+                out = {k: tensors[k].numpy() for k in BATCH_KEYS}
+                yield {k: v.view(np.float64) if k in _PAD_AS_BITS else v for k, v in out.items()}
+            else:
+                import torch
+
+                yield {k: v.view(torch.float64) if k in _PAD_AS_BITS else v for k, v in tensors.items()}
+
+
+def remove_store(path: str | Path) -> None:
+    """Delete a store folder (its index first, so a half-deleted store never reads as valid)."""
+    path = Path(path)
+    (path / INDEX).unlink(missing_ok=True)
+    shutil.rmtree(path)

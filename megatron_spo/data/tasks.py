@@ -1,0 +1,250 @@
+"""Task loaders: CodeContests, TACO and MATH from local files in their published schemas, and prompts.
+
+    problems = load_codecontests("code_contests/train-*.parquet")
+    taco_test = load_taco("taco/test.jsonl")
+    train, dropped = dedup_against(problems, taco_test)          # as the SPO paper does
+    text = build_prompt(train[0], tokenizer)                       # chat template, or a plain fallback
+
+Schemas (files are read with the ``datasets`` library, parquet or json/jsonl by extension):
+  * CodeContests (deepmind/code_contests): name, description, public_tests / private_tests /
+    generated_tests as {"input": [...], "output": [...]}, time_limit {"seconds", "nanos"} (nullable),
+    memory_limit_bytes, source, difficulty.
+  * TACO (BAAI/TACO): question, input_output (a JSON string {"inputs": [...], "outputs": [...],
+    optional "fn_name"}), name, source, difficulty, time_limit, memory_limit (strings). Call-based
+    problems (fn_name) have no stdin/stdout tests: they are skipped and counted.
+  * MATH (hendrycks competition_math): problem, solution (final answer in \\boxed{}), level, type.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Test = tuple[str, str]
+
+CODE_INSTRUCTION = (
+    "Write a Python 3 program that reads the input from standard input and prints the answer to standard "
+    "output. Put the whole program in one ```python code block."
+)
+MATH_INSTRUCTION = "Reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task prompt with what is needed to score a response.
+
+    prompt: the problem statement (no instruction, no chat formatting: see build_prompt).
+    tests / hidden_tests: (stdin, expected stdout) pairs; rewards use ``tests``, evaluation may add the
+    hidden ones. answer: the reference final answer (math). time_limit_s / memory_mb: the problem's own
+    limits when its source gives them.
+    """
+
+    id: str
+    prompt: str
+    tests: tuple[Test, ...] = ()
+    hidden_tests: tuple[Test, ...] = ()
+    source: str = ""
+    kind: Literal["code", "math"] = "code"
+    answer: str | None = None
+    time_limit_s: float | None = None
+    memory_mb: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+class TaskFormatError(ValueError):
+    """A task file row that does not fit its schema; the message names file, row and field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+# ---------------------------------------------------------------------------------------------
+def _expand(paths: str | Sequence[str]) -> list[str]:
+    items = [paths] if isinstance(paths, str) else list(paths)
+    files: list[str] = []
+    for item in items:
+        matched = sorted(glob.glob(item))
+        if not matched:
+            raise FileNotFoundError(f"task file(s) '{item}' not found")
+        files += matched
+    return files
+
+
+def read_rows(paths: str | Sequence[str], cache_dir: str | None = None) -> Iterable[tuple[str, int, dict]]:
+    """(file, row index, row dict) for every row of parquet / json / jsonl files, via ``datasets``."""
+    import datasets
+
+    for path in _expand(paths):
+        fmt = "parquet" if path.endswith(".parquet") else "json"
+        ds = datasets.load_dataset(fmt, data_files=path, split="train", cache_dir=cache_dir)
+        for i, row in enumerate(ds):
+            yield path, i, row
+
+
+def _field(row: dict, name: str, where: str, types: type | tuple[type, ...]) -> Any:
+    if name not in row:
+        raise TaskFormatError(f"{where}: missing field '{name}'")
+    value = row[name]
+    if not isinstance(value, types):
+        raise TaskFormatError(f"{where}: field '{name}' should be {types}, got {type(value).__name__}")
+    return value
+
+
+def _tests(value: Any, where: str, name: str) -> tuple[Test, ...]:
+    """CodeContests {"input": [...], "output": [...]} (None means no tests)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not {"input", "output"} <= set(value):
+        raise TaskFormatError(f"{where}: field '{name}' should be {{'input': [...], 'output': [...]}}")
+    inputs, outputs = value["input"] or [], value["output"] or []
+    if len(inputs) != len(outputs):
+        raise TaskFormatError(f"{where}: field '{name}' has {len(inputs)} inputs but {len(outputs)} outputs")
+    return tuple((str(i), str(o)) for i, o in zip(inputs, outputs))
+
+
+# ---------------------------------------------------------------------------------------------
+# CodeContests
+# ---------------------------------------------------------------------------------------------
+def load_codecontests(paths: str | Sequence[str], *, hidden: Sequence[str] = ("private_tests", "generated_tests"),
+                      cache_dir: str | None = None, min_tests: int = 1) -> list[Problem]:
+    """Reward tests = public tests (the hidden ones when a problem has none); hidden tests = the ``hidden``
+    groups. Problems with fewer than
+    ``min_tests`` tests in total are skipped and counted in the log."""
+    problems, skipped = [], 0
+    for path, i, row in read_rows(paths, cache_dir):
+        where = f"{path} row {i}"
+        name = _field(row, "name", where, str)
+        description = _field(row, "description", where, str)
+        public = _tests(row.get("public_tests"), where, "public_tests")
+        hidden_tests = tuple(t for group in hidden for t in _tests(row.get(group), where, group))
+        if len(public) + len(hidden_tests) < min_tests:
+            skipped += 1
+            continue
+        limit = row.get("time_limit")
+        time_limit_s = None
+        if isinstance(limit, dict) and limit.get("seconds") is not None:
+            time_limit_s = float(limit["seconds"]) + float(limit.get("nanos") or 0) / 1e9 or None
+        memory = row.get("memory_limit_bytes")
+        problems.append(Problem(
+            id=f"codecontests/{name}", prompt=description.strip(), tests=public or hidden_tests,
+            hidden_tests=hidden_tests, source="codecontests", kind="code", time_limit_s=time_limit_s,
+            memory_mb=int(memory) >> 20 if memory else None,
+            metadata={"difficulty": row.get("difficulty"), "cf_rating": row.get("cf_rating")},
+        ))
+    if skipped:
+        logger.info("codecontests: skipped %d problems with fewer than %d tests", skipped, min_tests)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# TACO
+# ---------------------------------------------------------------------------------------------
+def _limit_number(text: Any) -> float | None:
+    match = re.search(r"[\d.]+", str(text or ""))
+    try:
+        return float(match.group()) if match else None
+    except ValueError:
+        return None
+
+
+def load_taco(paths: str | Sequence[str], *, n_reward_tests: int | None = None,
+              cache_dir: str | None = None) -> list[Problem]:
+    """Stdin/stdout TACO problems. The first ``n_reward_tests`` tests reward (all when None); the rest are
+    hidden. Call-based problems (input_output has fn_name) are skipped and counted in the log."""
+    problems, call_based = [], 0
+    for path, i, row in read_rows(paths, cache_dir):
+        where = f"{path} row {i}"
+        question = _field(row, "question", where, str)
+        raw = _field(row, "input_output", where, str)
+        try:
+            io = json.loads(raw)
+        except ValueError as err:
+            raise TaskFormatError(f"{where}: field 'input_output' is not valid JSON ({err})") from None
+        if not isinstance(io, dict) or not {"inputs", "outputs"} <= set(io):
+            raise TaskFormatError(f"{where}: field 'input_output' should hold 'inputs' and 'outputs'")
+        if io.get("fn_name"):
+            call_based += 1
+            continue
+        if len(io["inputs"]) != len(io["outputs"]):
+            raise TaskFormatError(f"{where}: field 'input_output' has {len(io['inputs'])} inputs but "
+                                  f"{len(io['outputs'])} outputs")
+        tests = tuple((_text(x), _text(y)) for x, y in zip(io["inputs"], io["outputs"]))
+        k = len(tests) if n_reward_tests is None else n_reward_tests
+        name = row.get("name") or ""
+        problems.append(Problem(
+            id=f"taco/{i}" + (f"/{name}" if name else ""), prompt=question.strip(), tests=tests[:k],
+            hidden_tests=tests[k:], source="taco", kind="code",
+            time_limit_s=_limit_number(row.get("time_limit")),
+            memory_mb=int(_limit_number(row.get("memory_limit")) or 0) or None,
+            metadata={"difficulty": row.get("difficulty"), "url": row.get("url")},
+        ))
+    if call_based:
+        logger.info("taco: skipped %d call-based problems (fn_name: no stdin/stdout tests)", call_based)
+    return problems
+
+
+def _text(value: Any) -> str:
+    """TACO stores some tests as lists of lines."""
+    return "\n".join(map(str, value)) + "\n" if isinstance(value, list) else str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# MATH
+# ---------------------------------------------------------------------------------------------
+def load_math(paths: str | Sequence[str], *, cache_dir: str | None = None) -> list[Problem]:
+    """MATH problems; the reference answer is the last \\boxed{} of the solution."""
+    from megatron_spo.rewards.math_answer import last_boxed
+
+    problems = []
+    for path, i, row in read_rows(paths, cache_dir):
+        where = f"{path} row {i}"
+        problem = _field(row, "problem", where, str)
+        solution = _field(row, "solution", where, str)
+        answer = last_boxed(solution)
+        if answer is None:
+            raise TaskFormatError(f"{where}: field 'solution' has no \\boxed{{}} answer")
+        problems.append(Problem(
+            id=f"math/{row.get('unique_id') or i}", prompt=problem.strip(), source="math", kind="math",
+            answer=answer, metadata={"level": row.get("level"), "type": row.get("type")},
+        ))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Deduplication and prompts
+# ---------------------------------------------------------------------------------------------
+def text_key(text: str) -> str:
+    """Hash of the statement with case, whitespace and punctuation removed (section headers like
+    '-----Input-----' vs 'Input' then agree)."""
+    return hashlib.sha1(re.sub(r"[^0-9a-z]+", "", text.lower()).encode()).hexdigest()
+
+
+def dedup_against(train: Sequence[Problem], held_out: Sequence[Problem]) -> tuple[list[Problem], list[str]]:
+    """Training problems whose statement does not appear in ``held_out``, and the ids dropped."""
+    held = {text_key(p.prompt) for p in held_out}
+    kept, dropped = [], []
+    for p in train:
+        (dropped.append(p.id) if text_key(p.prompt) in held else kept.append(p))
+    if dropped:
+        logger.info("dedup: dropped %d of %d training problems found in the held-out set", len(dropped), len(train))
+    return kept, dropped
+
+
+def build_prompt(problem: Problem, tokenizer: Any = None, *, system: str | None = None,
+                 instruction: str | None = None) -> str:
+    """The model input text: the tokenizer's chat template when it has one, else a plain layout."""
+    if instruction is None:
+        instruction = MATH_INSTRUCTION if getattr(problem, "kind", "code") == "math" else CODE_INSTRUCTION
+    user = f"{problem.prompt}\n\n{instruction}" if instruction else problem.prompt
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    head = f"{system}\n\n" if system else ""
+    return f"{head}Problem:\n{user}\n\nSolution:\n"

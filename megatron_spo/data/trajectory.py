@@ -1,0 +1,286 @@
+"""Trajectory records: the schema, validation, and JSONL import/export.
+
+One record per sampled response (a JSONL line, or a row of the offline store):
+
+    prompt_id           str | int      which prompt (groups samples of one prompt)
+    prompt_tokens       [int]          non-empty
+    response_tokens     [int]          non-empty
+    reward              float          finite
+    source              str            data source name (online / offline / mc / ...; selects the loss)
+    policy_version      int >= 0       weights that sampled it
+    behaviour_logprobs  [float] | None one log-prob <= 0 per response token (the sampler's)
+    q0                  float | None   Monte-Carlo soft value of the prompt under the reference policy
+    mc_targets          [{t, success_prob}] | None   t: 0-based response position, success_prob in [0, 1]
+
+Bad records raise RecordError naming file, line and field; with ``skip_invalid`` they are skipped, counted
+and reported (a warning per file and the ImportReport), never dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_FIELDS = ("prompt_id", "prompt_tokens", "response_tokens", "reward", "source", "policy_version")
+OPTIONAL_FIELDS = ("behaviour_logprobs", "q0", "mc_targets")
+FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
+LOGPROB_SLACK = 1e-4  # samplers report log-probs a hair above 0 in low precision
+
+
+@dataclass
+class Trajectory:
+    prompt_id: str | int
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    reward: float
+    source: str
+    policy_version: int
+    behaviour_logprobs: list[float] | None = None
+    q0: float | None = None
+    mc_targets: list[dict] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form; absent optional fields are omitted."""
+        return {k: v for k, v in asdict(self).items() if k in REQUIRED_FIELDS or v is not None}
+
+
+class RecordError(ValueError):
+    """An invalid record. ``where`` is 'file:line' (or 'store shard row'), ``field`` the offending field."""
+
+    def __init__(self, where: str, field_name: str | None, message: str):
+        self.where, self.field = where, field_name
+        super().__init__(f"{where}: " + (f"field '{field_name}': " if field_name else "") + message)
+
+
+@dataclass
+class ImportReport:
+    """What an import read: valid records, and every skipped record's error message."""
+
+    read: int = 0
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: ImportReport) -> None:
+        self.read += other.read
+        self.skipped += other.skipped
+        self.errors += other.errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _tokens(obj: dict, name: str, where: str) -> list[int]:
+    value = obj[name]
+    if not isinstance(value, list) or not value:
+        raise RecordError(where, name, f"must be a non-empty list of token ids, got {_show(value)}")
+    for i, tok in enumerate(value):
+        if not _is_int(tok) or tok < 0:
+            raise RecordError(where, name, f"item {i} must be a token id (int >= 0), got {tok!r}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_record(obj: Any, where: str) -> Trajectory:
+    """A Trajectory from a parsed JSON object, or RecordError naming ``where`` and the field."""
+    if not isinstance(obj, dict):
+        raise RecordError(where, None, f"a record must be a JSON object, got {type(obj).__name__}")
+    for name in REQUIRED_FIELDS:
+        if name not in obj:
+            raise RecordError(where, name, "missing")
+    unknown = sorted(set(obj) - set(FIELDS))
+    if unknown:
+        raise RecordError(where, unknown[0], f"unknown field (known: {', '.join(FIELDS)})")
+    prompt_id = obj["prompt_id"]
+    if not (isinstance(prompt_id, str) or _is_int(prompt_id)):
+        raise RecordError(where, "prompt_id", f"must be a string or an integer, got {_show(prompt_id)}")
+    prompt_tokens = _tokens(obj, "prompt_tokens", where)
+    response_tokens = _tokens(obj, "response_tokens", where)
+    if not _is_number(obj["reward"]):
+        raise RecordError(where, "reward", f"must be a finite number, got {_show(obj['reward'])}")
+    if not isinstance(obj["source"], str) or not obj["source"]:
+        raise RecordError(where, "source", f"must be a non-empty string, got {_show(obj['source'])}")
+    if not _is_int(obj["policy_version"]) or obj["policy_version"] < 0:
+        raise RecordError(where, "policy_version", f"must be an integer >= 0, got {_show(obj['policy_version'])}")
+    logprobs = obj.get("behaviour_logprobs")
+    if logprobs is not None:
+        if not isinstance(logprobs, list) or len(logprobs) != len(response_tokens):
+            n = len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__
+            raise RecordError(where, "behaviour_logprobs",
+                              f"must hold one log-prob per response token ({len(response_tokens)}), got {n}")
+        for i, lp in enumerate(logprobs):
+            if not _is_number(lp) or lp > LOGPROB_SLACK:
+                raise RecordError(where, "behaviour_logprobs", f"item {i} must be a finite log-prob <= 0, got {lp!r}")
+    q0 = obj.get("q0")
+    if q0 is not None and not _is_number(q0):
+        raise RecordError(where, "q0", f"must be a finite number, got {_show(q0)}")
+    mc = obj.get("mc_targets")
+    if mc is not None:
+        if not isinstance(mc, list):
+            raise RecordError(where, "mc_targets", f"must be a list of {{t, success_prob}}, got {_show(mc)}")
+        for i, item in enumerate(mc):
+            if not isinstance(item, dict) or set(item) != {"t", "success_prob"}:
+                raise RecordError(where, "mc_targets", f"item {i} must be {{t, success_prob}}, got {_show(item)}")
+            if not _is_int(item["t"]) or not 0 <= item["t"] < len(response_tokens):
+                raise RecordError(where, "mc_targets", f"item {i}: t = {item['t']!r} is not a response position "
+                                  f"(0..{len(response_tokens) - 1})")
+            p = item["success_prob"]
+            if not _is_number(p) or not 0.0 <= p <= 1.0:
+                raise RecordError(where, "mc_targets", f"item {i}: success_prob = {p!r} is not in [0, 1]")
+    return Trajectory(
+        prompt_id=prompt_id, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
+        reward=float(obj["reward"]), source=obj["source"], policy_version=obj["policy_version"],
+        behaviour_logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
+        q0=float(q0) if q0 is not None else None,
+        mc_targets=[{"t": m["t"], "success_prob": float(m["success_prob"])} for m in mc] if mc is not None else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL
+# ---------------------------------------------------------------------------------------------
+def read_jsonl(path: str | Path, *, skip_invalid: bool = False) -> tuple[list[Trajectory], ImportReport]:
+    """All records of a JSONL file (blank lines are allowed and carry nothing)."""
+    records, report = [], ImportReport()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                try:
+                    obj = json.loads(line)
+                except ValueError as err:
+                    raise RecordError(where, None, f"not valid JSON ({err})") from None
+                records.append(validate_record(obj, where))
+                report.read += 1
+            except RecordError as err:
+                if not skip_invalid:
+                    raise
+                report.skipped += 1
+                report.errors.append(str(err))
+    if report.skipped:
+        logger.warning("%s: skipped %d invalid record(s), kept %d; first: %s", path, report.skipped, report.read,
+                       report.errors[0])
+    return records, report
+
+
+def _atomic_write_text(path: Path, lines: Iterable[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_jsonl(records: Iterable[Trajectory | dict], path: str | Path) -> int:
+    """Write records (validated) to a JSONL file atomically; returns how many."""
+    count = 0
+
+    def lines():
+        nonlocal count
+        for i, rec in enumerate(records):
+            traj = rec if isinstance(rec, Trajectory) else validate_record(rec, f"record {i}")
+            count += 1
+            yield json.dumps(traj.to_dict(), allow_nan=False, separators=(",", ":")) + "\n"
+
+    _atomic_write_text(Path(path), lines())
+    return count
+
+
+def load_trajectories(path: str | Path, *, skip_invalid: bool = False) -> list[Trajectory]:
+    """Records from a JSONL file or an offline store folder (megatron_spo.data.offline_store)."""
+    path = Path(path)
+    if path.is_dir():
+        from megatron_spo.data.offline_store import OfflineStore
+
+        return OfflineStore(path, skip_invalid=skip_invalid).trajectories()
+    if not path.is_file():
+        raise FileNotFoundError(f"trajectories: '{path}' is neither a JSONL file nor an offline store folder")
+    return read_jsonl(path, skip_invalid=skip_invalid)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# `megatron-spo trajectories import|export|check`
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    import argparse
+
+    from megatron_spo.data.offline_store import OfflineStore, write_store
+
+    parser = argparse.ArgumentParser(prog="megatron-spo trajectories",
+                                     description="Convert and check trajectory files (JSONL <-> offline store).")
+    sub = parser.add_subparsers(dest="op", required=True)
+    imp = sub.add_parser("import", help="JSONL file(s) -> a new or existing offline store (appends shards)")
+    imp.add_argument("inputs", nargs="+")
+    imp.add_argument("store")
+    imp.add_argument("--rows-per-shard", type=int, default=65536)
+    exp = sub.add_parser("export", help="offline store -> JSONL")
+    exp.add_argument("store")
+    exp.add_argument("output")
+    chk = sub.add_parser("check", help="validate a JSONL file or a store and print counts")
+    chk.add_argument("path")
+    for p in (imp, exp, chk):
+        p.add_argument("--skip-invalid", action="store_true", help="skip bad records (counted and reported)")
+    args = parser.parse_args(argv)
+
+    report = ImportReport()
+    try:
+        if args.op == "import":
+            records = []
+            for path in args.inputs:
+                loaded, rep = read_jsonl(path, skip_invalid=args.skip_invalid)
+                records += loaded
+                report.add(rep)
+            write_store(records, args.store, rows_per_shard=args.rows_per_shard)
+            print(f"imported {report.read} records into {args.store}")
+        elif args.op == "export":
+            store = OfflineStore(args.store, skip_invalid=args.skip_invalid)
+            report = store.report
+            write_jsonl(store.trajectories(), args.output)
+            print(f"exported {report.read} records to {args.output}")
+        else:
+            path = Path(args.path)
+            if path.is_dir():
+                report = OfflineStore(path, skip_invalid=args.skip_invalid).report
+            else:
+                report = read_jsonl(path, skip_invalid=args.skip_invalid)[1]
+            print(f"{args.path}: {report.read} valid records")
+    except (RecordError, FileNotFoundError) as err:
+        print(f"megatron-spo trajectories: {err}", file=sys.stderr)
+        return 1
+    if report.skipped:
+        print(f"skipped {report.skipped} invalid record(s):", file=sys.stderr)
+        for line in report.errors[:20]:
+            print(f"  {line}", file=sys.stderr)
+        if len(report.errors) > 20:
+            print(f"  ... and {len(report.errors) - 20} more", file=sys.stderr)
+    return 0

@@ -1,0 +1,88 @@
+"""The reward interface the rollout manager calls.
+
+    rewards = RewardPool(SandboxPool())
+    result = await rewards.score(problem, completion_text)     # RewardResult(reward=0.0 | -1.0, passed, info)
+
+A problem is anything with ``id``, ``tests`` and optionally ``kind`` ("code" / "math"), ``answer``,
+``time_limit_s``, ``memory_mb`` (megatron_spo.data.tasks.Problem, or the toy task's problems).
+Code is scored in the sandbox pool; math answers by sympy in a worker thread (never in the event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from megatron_spo.rewards.code_reward import extract_program, reward_from_report
+from megatron_spo.rewards.math_answer import SympyJudge, math_reward
+from megatron_spo.rewards.sandbox import SandboxPool, TestReport
+
+PASS_REWARD, FAIL_REWARD = 0.0, -1.0
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    reward: float
+    passed: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class RewardFn(Protocol):
+    def __call__(self, problem: Any, completion_text: str) -> RewardResult: ...
+
+
+def _code_result(report: TestReport) -> RewardResult:
+    return RewardResult(reward_from_report(report), report.passed,
+                        {"statuses": list(report.statuses), "wall_s": round(report.wall_s, 4)})
+
+
+class RewardPool:
+    """Scores completions: programs in the sandbox pool, math answers with sympy. Thread- and asyncio-safe.
+
+    hidden=True also runs the problem's hidden tests (evaluation); rewards use only ``tests``.
+    """
+
+    def __init__(self, sandbox: SandboxPool | None = None, *, judge: SympyJudge | None = None,
+                 hidden: bool = False):
+        self.sandbox = sandbox
+        self.judge = judge or SympyJudge()
+        self.hidden = hidden
+
+    def submit(self, problem: Any, completion_text: str) -> Future:
+        """Future[RewardResult]. A code completion without a program fails without running anything."""
+        future: Future = Future()
+        if getattr(problem, "kind", "code") == "math":
+            future.set_result(self._math(problem, completion_text))
+            return future
+        program = extract_program(completion_text)
+        tests = list(problem.tests) + (list(getattr(problem, "hidden_tests", ())) if self.hidden else [])
+        if program is None or not tests:
+            why = "no_program" if program is None else "no_tests"
+            future.set_result(RewardResult(FAIL_REWARD, False, {"error": why}))
+            return future
+        if self.sandbox is None:
+            raise ValueError(f"RewardPool: problem {problem.id} is a code problem but no SandboxPool was given")
+        limits = {k: v for k in ("time_limit_s", "memory_mb") if (v := getattr(problem, k, None)) is not None}
+        inner = self.sandbox.submit(program, tests, **limits)
+        inner.add_done_callback(lambda f: future.set_exception(f.exception()) if f.exception()
+                                else future.set_result(_code_result(f.result())))
+        return future
+
+    def __call__(self, problem: Any, completion_text: str) -> RewardResult:
+        return self.submit(problem, completion_text).result()
+
+    async def score(self, problem: Any, completion_text: str) -> RewardResult:
+        if getattr(problem, "kind", "code") == "math":  # sympy may take seconds: keep it off the event loop
+            return await asyncio.to_thread(self._math, problem, completion_text)
+        return await asyncio.wrap_future(self.submit(problem, completion_text))
+
+    def _math(self, problem: Any, completion_text: str) -> RewardResult:
+        if getattr(problem, "answer", None) is None:
+            raise ValueError(f"RewardPool: math problem {problem.id} has no reference answer")
+        reward, info = math_reward(completion_text, problem.answer, judge=self.judge)
+        return RewardResult(reward, reward == PASS_REWARD, info)
+
+    def close(self) -> None:
+        self.judge.close()
