@@ -1,0 +1,518 @@
+"""Capacity plan (`megatron-spo plan`): per-GPU memory, weight-sync time and rollout throughput for a cluster.
+
+    megatron-spo plan --preset llama3.1-70b                      # the 64 + 64 H100 layout, rich tables
+    megatron-spo plan --preset llama3.1-8b --tp 2 --seq-length 8192 --json
+    megatron-spo plan --validate-cpu                             # model vs a measured CPU training step
+
+Memory model (bytes per GPU, worst pipeline stage), megatron-core mixed precision:
+  weights       2 B/param (bf16), parameters of one TP x PP shard
+  gradients     4 B/param (fp32 main-grad buffer, kept whole by the distributed optimizer too)
+  optimizer     12 B/param (fp32 master copy + Adam m + v); / DP with the distributed optimizer
+  reference     2 B/param (bf16, no grads, same layout as the policy)
+  activations   per layer per token (bf16 elements, flash attention: no s x s scores):
+                  replicated over TP unless sequence parallel: 4h (input and output of both RMSNorms)
+                  split over TP: Q h + K,V 2kv + attention output h + fc1 output 2f + SwiGLU output f
+                x layers per stage x tokens per micro-batch x micro-batches in flight on stage 0
+                (p for 1F1B, p(1 + (p-1)/(p v)) layers-worth with v virtual stages); full recompute
+                keeps only each layer's input (h) plus one layer's working set
+  log-prob      the fused chunked log-prob op's workspace: chunk tokens x V/TP x 4 B (fp32 logits)
+  overhead      CUDA context, NCCL buffers, allocator fragmentation: a fixed allowance (assumed)
+The same accounting with the dtypes and saved tensors of a transformers Llama on CPU is checked against
+the peak RSS of a real forward + backward + Adam step (`validate_on_cpu`, tests/test_capacity.py).
+
+Weight sync: HF-named bf16 tensors broadcast in buckets; each engine GPU receives every byte through its
+own NIC, so the floor is bytes / bandwidth (70B bf16 at 400 Gb/s: 2.8 s). The bucketed broadcast adds a
+fixed cost per bucket (gather + HTTP update call + NCCL launch + engine copy-in): sequential buckets pay
+n x latency + bytes / (efficiency x bandwidth); with double buffering the latency hides behind the
+previous bucket's transfer when a bucket takes longer to send than its fixed cost.
+
+Rollout throughput: trainer step time from model FLOPs (6N per token for forward + backward, +2N with full
+recompute, +2N reference forward, attention 6 L s h per token causal) at an assumed achieved TFLOP/s per
+GPU; the engines must generate online_fraction x global_batch x response tokens per step in that time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from megatron_spo.config import (
+    CapacityConfig,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RopeScaling,
+    apply_overrides,
+    build_config,
+)
+
+GB = 1e9
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+# ---------------------------------------------------------------------------------------------
+# Presets: the published Llama 3.1 architectures (examples/models/*.yaml win when present)
+# ---------------------------------------------------------------------------------------------
+_LLAMA31 = dict(vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                rope_scaling=RopeScaling(), norm_epsilon=1e-5, params_dtype="bfloat16")
+BUILTIN_PRESETS: dict[str, tuple[ModelConfig, ParallelConfig]] = {
+    "llama3.1-8b": (
+        ModelConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                    num_query_groups=8, **_LLAMA31),
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, sequence_parallel=True,
+                       use_distributed_optimizer=True),
+    ),
+    "llama3.1-70b": (
+        ModelConfig(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                    num_query_groups=8, **_LLAMA31),
+        ParallelConfig(tensor_model_parallel_size=8, pipeline_model_parallel_size=2,
+                       virtual_pipeline_model_parallel_size=4, sequence_parallel=True,
+                       use_distributed_optimizer=True),
+    ),
+}
+
+
+def load_preset(name: str) -> tuple[ModelConfig, ParallelConfig]:
+    """(model, default parallel layout) of a preset: examples/models/NAME.yaml if present, else built in."""
+    path = EXAMPLES / "models" / f"{name}.yaml"
+    if path.is_file():
+        data = yaml.safe_load(path.read_text()) or {}
+        model = build_config(ModelConfig, data.get("model", {}), str(path))
+        parallel = build_config(ParallelConfig, data.get("parallel", {}), str(path))
+        return model, parallel
+    if name not in BUILTIN_PRESETS:
+        known = sorted(set(BUILTIN_PRESETS) | {p.stem for p in (EXAMPLES / "models").glob("*.yaml")})
+        raise ConfigError(f"plan: unknown model preset '{name}' (known: {', '.join(known)})")
+    return BUILTIN_PRESETS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter / activation element of one training recipe."""
+
+    weight: float
+    grad: float
+    optimizer: float  # all optimizer state per parameter (master copy + moments)
+    activation: float
+    reference: float
+
+
+MEGATRON_BF16 = Precision(weight=2, grad=4, optimizer=12, activation=2, reference=2)
+TORCH_FP32_ADAM = Precision(weight=4, grad=4, optimizer=8, activation=4, reference=4)  # the CPU check
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per GPU (worst pipeline stage)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    reference: float
+    value_model: float
+    logprob_workspace: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return sum(asdict(self).values())
+
+    def as_gb(self) -> dict[str, float]:
+        return {**{k: v / GB for k, v in asdict(self).items()}, "total": self.total / GB}
+
+
+def stage_parameters(model: ModelConfig, tp: int, pp: int) -> int:
+    """Parameters held by one GPU of the largest pipeline stage (embedding on the first, LM head on the last)."""
+    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.num_query_groups * model.head_dim
+    vocab = model.padded_vocab_size(tp)
+    layer = (2 * h * h + 2 * h * kv + 3 * h * f) // tp + 2 * h  # norms are replicated over TP
+    layers = math.ceil(model.num_layers / pp) * layer
+    embedding = vocab * h // tp
+    head = 0 if model.tie_word_embeddings else vocab * h // tp
+    if pp == 1:
+        return layers + embedding + head + h
+    return layers + max(embedding, head + h)
+
+
+def layer_activation_elements(model: ModelConfig, tp: int, sequence_parallel: bool,
+                              implementation: Literal["megatron", "transformers"] = "megatron") -> float:
+    """Activation elements one transformer layer saves for backward, per token, on one GPU.
+
+    megatron: TE/local spec with flash attention and the fused SwiGLU (saves fc1 output and its product).
+    transformers: LlamaDecoderLayer with sdpa (unfused RMSNorm and SwiGLU save more); used to check the
+    accounting on CPU.
+    """
+    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.num_query_groups * model.head_dim
+    if implementation == "megatron":
+        replicated = 4 * h  # fused RMSNorms: inputs and outputs (the outputs are the QKV / fc1 GEMM inputs)
+        split = h + 2 * kv + h + 2 * f + f
+    else:
+        replicated = 6 * h  # unfused RMSNorm also keeps x * rsqrt(var) for the weight's gradient
+        split = h + 2 * kv + h + 4 * f  # q, k, v, sdpa output (= o_proj input); gate, silu, up, product
+    if sequence_parallel:
+        return (replicated + split) / tp
+    return replicated + split / tp
+
+
+def activation_bytes(model: ModelConfig, shape: CapacityConfig, parallel: ParallelConfig, recompute: str,
+                     precision: Precision = MEGATRON_BF16,
+                     implementation: Literal["megatron", "transformers"] = "megatron") -> float:
+    """Saved activations of the first pipeline stage at the peak of the 1F1B schedule."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    vp = parallel.virtual_pipeline_model_parallel_size or 1
+    sp = parallel.sequence_parallel
+    tokens = shape.micro_batch_size * shape.seq_length
+    per_layer = layer_activation_elements(model, tp, sp, implementation) * tokens * precision.activation
+    microbatches = num_microbatches(shape, parallel)
+    in_flight = min(pp, microbatches)
+    # Korthikanti et al. 2022: stage 0 holds p micro-batches of L/p layers; interleaving adds (p-1)/(p v).
+    layers_held = math.ceil(model.num_layers / pp) * in_flight
+    if vp > 1 and pp > 1:
+        layers_held *= 1 + (pp - 1) / (pp * vp)
+    # Backward of one layer holds gradients about as large as that layer's saved activations.
+    working_set = per_layer
+    if recompute == "full":
+        layer_input = model.hidden_size * tokens * precision.activation / (tp if sp else 1)
+        return layers_held * layer_input + per_layer + working_set  # + the one layer being recomputed
+    if recompute != "none":
+        raise ConfigError(f"plan: recompute must be 'none' or 'full', got '{recompute}'")
+    return layers_held * per_layer + working_set
+
+
+def num_microbatches(shape: CapacityConfig, parallel: ParallelConfig) -> int:
+    dp = parallel.data_parallel_size(shape.trainer_gpus)
+    per_step = shape.micro_batch_size * dp
+    if shape.global_batch_size % per_step:
+        raise ConfigError(
+            f"plan: global_batch_size {shape.global_batch_size} is not divisible by micro_batch_size "
+            f"{shape.micro_batch_size} x data-parallel size {dp}")
+    return shape.global_batch_size // per_step
+
+
+def memory_per_gpu(model: ModelConfig, shape: CapacityConfig, parallel: ParallelConfig, *,
+                   distributed_optimizer: bool, recompute: str, precision: Precision = MEGATRON_BF16) -> MemoryBreakdown:
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    dp = parallel.data_parallel_size(shape.trainer_gpus)
+    params = stage_parameters(model, tp, pp)
+    optimizer = params * precision.optimizer / (dp if distributed_optimizer else 1)
+    trained = params * (precision.weight + precision.grad) + optimizer
+    return MemoryBreakdown(
+        weights=params * precision.weight,
+        gradients=params * precision.grad,
+        optimizer=optimizer,
+        activations=activation_bytes(model, shape, parallel, recompute, precision),
+        reference=params * precision.reference if shape.reference_model else 0.0,
+        value_model=trained if shape.value_model else 0.0,
+        logprob_workspace=shape.logprob_chunk_tokens * model.padded_vocab_size(tp) / tp * 4,
+        overhead=shape.overhead_gb * GB,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight sync and throughput
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class WeightSync:
+    bytes: float
+    buckets: int
+    floor_s: float  # bytes / bandwidth
+    sequential_s: float  # n x latency + bytes / (efficiency x bandwidth)
+    overlapped_s: float  # double-buffered: latency hidden behind the previous bucket's transfer
+
+    @property
+    def sequential_over_floor(self) -> float:
+        return self.sequential_s / self.floor_s
+
+    @property
+    def overlapped_over_floor(self) -> float:
+        return self.overlapped_s / self.floor_s
+
+
+def weight_sync(model: ModelConfig, shape: CapacityConfig, bucket_mb: float | None = None) -> WeightSync:
+    total = model.num_parameters() * 2  # bf16, HF names, unpadded vocabulary
+    bucket = (bucket_mb or shape.weight_sync_bucket_mb) * 1e6
+    buckets = math.ceil(total / bucket)
+    bandwidth = shape.weight_sync_bandwidth_gbps * 1e9 / 8  # bytes/s
+    latency = shape.weight_sync_bucket_latency_ms / 1e3
+    effective = bandwidth * shape.weight_sync_efficiency
+    send_one = bucket / effective
+    return WeightSync(
+        bytes=total, buckets=buckets, floor_s=total / bandwidth,
+        sequential_s=buckets * latency + total / effective,
+        overlapped_s=latency + buckets * max(send_one, latency) - max(0.0, buckets * bucket - total) / effective,
+    )
+
+
+@dataclass
+class Throughput:
+    flops_per_step: float
+    step_s: float
+    trained_tokens_per_step: int
+    generated_tokens_per_step: float
+    rollout_tokens_per_s: float
+    rollout_tokens_per_s_per_worker_gpu: float
+    weight_sync_share: float  # of wall time, syncing every model_update_interval steps (trainer blocked)
+
+
+def throughput(model: ModelConfig, shape: CapacityConfig, recompute: str, sync_s: float) -> Throughput:
+    n = model.num_parameters()
+    tokens = shape.global_batch_size * shape.seq_length
+    per_token = 6 * n + (2 * n if recompute == "full" else 0) + (2 * n if shape.reference_model else 0)
+    if shape.value_model:
+        per_token += 6 * n
+    per_token += 6 * model.num_layers * shape.seq_length * model.hidden_size  # causal attention, fwd + bwd
+    flops = per_token * tokens
+    step_s = flops / (shape.trainer_gpus * shape.achieved_tflops_per_gpu * 1e12)
+    generated = shape.online_fraction * shape.global_batch_size * shape.response_tokens
+    needed = generated / step_s
+    return Throughput(
+        flops_per_step=flops, step_s=step_s, trained_tokens_per_step=tokens, generated_tokens_per_step=generated,
+        rollout_tokens_per_s=needed, rollout_tokens_per_s_per_worker_gpu=needed / shape.worker_gpus,
+        weight_sync_share=sync_s / (shape.model_update_interval * step_s + sync_s),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+SCENARIOS = [(False, "none"), (True, "none"), (False, "full"), (True, "full")]
+
+
+def scenario_name(distributed: bool, recompute: str) -> str:
+    return f"{'dist-opt' if distributed else 'plain opt'}, {'full recompute' if recompute == 'full' else 'no recompute'}"
+
+
+def make_plan(model: ModelConfig, parallel: ParallelConfig, shape: CapacityConfig) -> dict:
+    parallel.check(model, shape.trainer_gpus)
+    sync = weight_sync(model, shape)
+    chosen_recompute = shape.recompute
+    memory = {}
+    for distributed, recompute in SCENARIOS:
+        m = memory_per_gpu(model, shape, parallel, distributed_optimizer=distributed, recompute=recompute)
+        memory[scenario_name(distributed, recompute)] = {**m.as_gb(), "fits": m.total <= shape.gpu_memory_gb * GB}
+    tput = throughput(model, shape, chosen_recompute, sync.overlapped_s)
+    bucket_sweep = {mb: weight_sync(model, shape, mb).overlapped_over_floor for mb in (64, 128, 256, 512, 1024, 2048)}
+    return {
+        "model": {"parameters": model.num_parameters(), "layers": model.num_layers, "hidden": model.hidden_size,
+                  "vocab": model.vocab_size},
+        "layout": {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
+                   "vpp": parallel.virtual_pipeline_model_parallel_size or 1,
+                   "dp": parallel.data_parallel_size(shape.trainer_gpus),
+                   "sequence_parallel": parallel.sequence_parallel,
+                   "microbatches": num_microbatches(shape, parallel)},
+        "shape": shape.model_dump(),
+        "memory_gb": memory,
+        "weight_sync": {**asdict(sync), "sequential_over_floor": sync.sequential_over_floor,
+                        "overlapped_over_floor": sync.overlapped_over_floor,
+                        "overlapped_over_floor_by_bucket_mb": bucket_sweep},
+        "throughput": asdict(tput),
+    }
+
+
+def print_plan(plan: dict, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 132))
+    lay, shape = plan["layout"], plan["shape"]
+    console.print(f"[bold]{title}[/bold]: {plan['model']['parameters'] / 1e9:.2f}B params; trainer "
+                  f"{shape['trainer_gpus']} GPUs = TP {lay['tp']} x PP {lay['pp']} (VPP {lay['vpp']}) x DP {lay['dp']}"
+                  f"{', sequence parallel' if lay['sequence_parallel'] else ''}; micro-batch "
+                  f"{shape['micro_batch_size']} x seq {shape['seq_length']}, global batch {shape['global_batch_size']} "
+                  f"({lay['microbatches']} micro-batches per DP rank)")
+    mem = Table(title=f"Memory per GPU (GB, worst pipeline stage) vs {shape['gpu_memory_gb']:.0f} GB")
+    mem.add_column("component")
+    for name in plan["memory_gb"]:
+        mem.add_column(name, justify="right")
+    rows = ["weights", "gradients", "optimizer", "activations", "reference", "value_model", "logprob_workspace",
+            "overhead", "total"]
+    for row in rows:
+        mem.add_row(row, *[f"{v[row]:.1f}" for v in plan["memory_gb"].values()])
+    mem.add_row("fits", *["[green]yes[/green]" if v["fits"] else "[red]no[/red]" for v in plan["memory_gb"].values()])
+    console.print(mem)
+
+    ws = plan["weight_sync"]
+    sync = Table(title=f"Weight sync: {ws['bytes'] / GB:.1f} GB bf16 at {shape['weight_sync_bandwidth_gbps']:.0f} Gb/s")
+    for col in ("", "seconds", "x floor"):
+        sync.add_column(col, justify="right")
+    sync.add_row("floor (bytes / bandwidth)", f"{ws['floor_s']:.2f}", "1.00")
+    sync.add_row(f"{ws['buckets']} buckets of {shape['weight_sync_bucket_mb']:.0f} MB, sequential",
+                 f"{ws['sequential_s']:.2f}", f"{ws['sequential_over_floor']:.2f}")
+    sync.add_row("same, double-buffered", f"{ws['overlapped_s']:.2f}", f"{ws['overlapped_over_floor']:.2f}")
+    console.print(sync)
+    sweep = ", ".join(f"{mb} MB: {r:.2f}x" for mb, r in ws["overlapped_over_floor_by_bucket_mb"].items())
+    console.print(f"  double-buffered vs floor by bucket size ({shape['weight_sync_bucket_latency_ms']:.0f} ms per "
+                  f"bucket, {shape['weight_sync_efficiency']:.0%} of link bandwidth): {sweep}")
+
+    t = plan["throughput"]
+    tp_table = Table(title=f"Throughput (assumed {shape['achieved_tflops_per_gpu']:.0f} TFLOP/s achieved per trainer GPU)")
+    tp_table.add_column("")
+    tp_table.add_column("value", justify="right")
+    tp_table.add_row("trainer step", f"{t['step_s']:.1f} s ({t['trained_tokens_per_step'] / 1e6:.2f}M tokens)")
+    tp_table.add_row("generated tokens per step", f"{t['generated_tokens_per_step'] / 1e3:.0f}k")
+    tp_table.add_row("rollout tokens/s needed", f"{t['rollout_tokens_per_s']:,.0f}")
+    tp_table.add_row("  per worker GPU", f"{t['rollout_tokens_per_s_per_worker_gpu']:,.0f}")
+    tp_table.add_row(f"weight sync share (every {shape['model_update_interval']} steps)", f"{t['weight_sync_share']:.1%}")
+    console.print(tp_table)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation on CPU: the same accounting vs a measured training step of a transformers Llama
+# ---------------------------------------------------------------------------------------------
+CPU_CHECK_MODEL = ModelConfig(num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=8,
+                              num_query_groups=8, vocab_size=512, max_position_embeddings=1024,
+                              make_vocab_size_divisible_by=1)
+CPU_CHECK_BATCH, CPU_CHECK_SEQ = 4, 512
+
+
+def predict_cpu_step(model: ModelConfig = CPU_CHECK_MODEL, batch: int = CPU_CHECK_BATCH,
+                     seq: int = CPU_CHECK_SEQ) -> dict[str, float]:
+    """Predicted peak bytes of an fp32 transformers Llama forward + backward + Adam step on one CPU process.
+
+    The same terms as `activation_bytes` (layers as in `layer_activation_elements(..., 'transformers')`,
+    plus one layer's backward working set); the head saves the final norm's 3 h and the log-softmax
+    output, and in its backward also holds that output's gradient and the logits' gradient: 3 V per token.
+    """
+    shape = CapacityConfig(trainer_gpus=1, worker_gpus=1, micro_batch_size=batch, global_batch_size=batch,
+                           seq_length=seq, overhead_gb=0.0)
+    p = TORCH_FP32_ADAM
+    params = model.num_parameters()
+    tokens = batch * seq
+    layers = activation_bytes(model, shape, ParallelConfig(), "none", p, "transformers")
+    head = (3 * model.hidden_size + 3 * model.vocab_size) * tokens * p.activation
+    out = {"weights": params * p.weight, "gradients": params * p.grad, "optimizer": params * p.optimizer,
+           "activations": layers + head}
+    out["total"] = sum(out.values())
+    return out
+
+
+_MEASURE = r"""
+import json, resource, sys, torch
+torch.set_num_threads(1)
+cfg = json.loads(sys.argv[1])
+from transformers import LlamaConfig, LlamaForCausalLM
+
+def rss():  # current resident set, bytes
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+torch.manual_seed(0)
+ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1))
+x, y = ids[:, :-1], ids[:, 1:]
+torch.ones(8, 8).sum()  # load kernels before the baseline
+base = rss()
+hf = LlamaConfig(hidden_size=cfg["h"], intermediate_size=cfg["f"], num_hidden_layers=cfg["layers"],
+                 num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv"], vocab_size=cfg["vocab"],
+                 max_position_embeddings=cfg["seq"], tie_word_embeddings=False, attn_implementation="sdpa")
+model = LlamaForCausalLM(hf).float()
+opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)  # megatron's fused Adam has no big temporaries
+def step():
+    logp = torch.log_softmax(model(input_ids=x).logits, dim=-1).gather(-1, y.unsqueeze(-1))
+    loss = -logp.mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # megatron keeps its grad buffer
+step()  # allocates Adam state and the gradient buffers
+peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+step()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"base": base, "peak": peak, "peak_first_step": peak_before,
+                  "params": sum(p.numel() for p in model.parameters())}))
+"""
+
+
+def measure_cpu_step(model: ModelConfig = CPU_CHECK_MODEL, batch: int = CPU_CHECK_BATCH,
+                     seq: int = CPU_CHECK_SEQ, timeout_s: float = 300) -> dict[str, float]:
+    """Peak RSS growth (bytes) of a real fp32 forward + backward + Adam step, in a fresh subprocess."""
+    cfg = {"h": model.hidden_size, "f": model.ffn_hidden_size, "layers": model.num_layers,
+           "heads": model.num_attention_heads, "kv": model.num_query_groups, "vocab": model.vocab_size,
+           "batch": batch, "seq": seq}
+    # A fixed mmap threshold: glibc otherwise raises it after frees and keeps freed blocks resident.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536",
+               TRANSFORMERS_VERBOSITY="error")
+    out = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(cfg)], capture_output=True, text=True,
+                         env=env, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"CPU memory measurement failed: {out.stderr.strip().splitlines()[-1:]}")
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"measured": float(rec["peak"] - rec["base"]), "params": rec["params"], **rec}
+
+
+def validate_on_cpu() -> dict[str, float]:
+    predicted = predict_cpu_step()
+    measured = measure_cpu_step()
+    return {"predicted": predicted["total"], "measured": measured["measured"],
+            "ratio": predicted["total"] / measured["measured"], "params_model": CPU_CHECK_MODEL.num_parameters(),
+            "params_measured": measured["params"], **{f"predicted_{k}": v for k, v in predicted.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-spo plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama3.1-70b", help="llama3.1-8b | llama3.1-70b (examples/models/*.yaml)")
+    parser.add_argument("--config", help="YAML with a `plan:` section (CapacityConfig) and optionally model/parallel")
+    parser.add_argument("--tp", type=int, help="tensor parallel size (default: the preset's)")
+    parser.add_argument("--pp", type=int, help="pipeline parallel size (default: the preset's)")
+    parser.add_argument("--vpp", type=int, help="virtual pipeline stages (0: none)")
+    parser.add_argument("overrides", nargs="*", help="dotted CapacityConfig overrides, e.g. seq_length=8192")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--validate-cpu", action="store_true",
+                        help="measure a tiny Llama training step on CPU and compare with the memory model")
+    args = parser.parse_args(argv)
+
+    if args.validate_cpu:
+        result = validate_on_cpu()
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            print(f"CPU check ({result['params_measured'] / 1e6:.2f}M-param Llama, fp32, batch {CPU_CHECK_BATCH} x "
+                  f"seq {CPU_CHECK_SEQ}): predicted {result['predicted'] / 1e6:.0f} MB, measured peak RSS growth "
+                  f"{result['measured'] / 1e6:.0f} MB, ratio {result['ratio']:.2f}")
+        return 0
+
+    model, parallel = load_preset(args.preset)
+    data: dict = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"plan: config file '{path}' does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if "model" in data:
+            model = build_config(ModelConfig, data["model"], str(path))
+        if "parallel" in data:
+            parallel = build_config(ParallelConfig, data["parallel"], str(path))
+    updates = {}
+    if args.tp:
+        updates["tensor_model_parallel_size"] = args.tp
+    if args.pp:
+        updates["pipeline_model_parallel_size"] = args.pp
+    if args.vpp is not None:
+        updates["virtual_pipeline_model_parallel_size"] = args.vpp or None
+    if updates:
+        parallel = build_config(ParallelConfig, {**parallel.model_dump(), **updates}, "command line")
+    shape = build_config(CapacityConfig, apply_overrides(dict(data.get("plan", {})), args.overrides),
+                         args.config or "command line")
+    plan = make_plan(model, parallel, shape)
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        print_plan(plan, args.preset if not args.config else f"{args.preset} ({args.config})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
