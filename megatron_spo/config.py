@@ -299,6 +299,15 @@ class SourceConfig(StrictModel):
     objective: Objective = "terminal"
     loss: LossName = "cross_entropy"
 
+    @model_validator(mode="after")
+    def _check_pair(self) -> SourceConfig:
+        from megatron_spo.algorithms.spo import UNSUPPORTED
+
+        why = UNSUPPORTED.get((self.objective, self.loss))
+        if why:
+            raise ValueError(f"objective '{self.objective}' with loss '{self.loss}' is not supported ({why})")
+        return self
+
 
 class OptimizerConfig(StrictModel):
     lr: float = Field(6e-8, gt=0, description="paper: 6e-8 for Llama-3.1-8B, constant after warm-up")
@@ -350,6 +359,31 @@ class InitConfig(StrictModel):
     megatron: str | None = Field(None, description="megatron checkpoint of the same model (converted once)")
 
 
+class TaskConfig(StrictModel):
+    """The prompts of the online source, and their Q0 estimates."""
+
+    kind: Literal["toy", "codecontests", "taco", "math"] = "codecontests"
+    paths: list[str] = Field(default_factory=list, description="parquet / jsonl files (not for 'toy')")
+    dedup_against: list[str] = Field(default_factory=list, description="TACO test files to remove from training")
+    toy: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
+    q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0); else q0 = 0")
+    max_prompt_tokens: int = Field(2048, gt=0)
+
+
+class FleetEndpoints(StrictModel):
+    """Where the rollout engines are. Empty = read SPO_ROUTER_URL / SPO_ENGINE_URLS (set by slurm/spo.sbatch)."""
+
+    router_url: str | None = None
+    engine_urls: list[str] = Field(default_factory=list)
+
+    def resolved(self) -> FleetEndpoints:
+        import os
+
+        router = self.router_url or os.environ.get("SPO_ROUTER_URL") or None
+        engines = self.engine_urls or [u for u in os.environ.get("SPO_ENGINE_URLS", "").replace(",", " ").split() if u]
+        return FleetEndpoints(router_url=router, engine_urls=engines)
+
+
 class TrainConfig(StrictModel):
     run_dir: str = "runs/spo"
     seed: int = 1234
@@ -367,6 +401,10 @@ class TrainConfig(StrictModel):
     agro: AGROConfig = Field(default_factory=AGROConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    fleet: FleetEndpoints = Field(default_factory=FleetEndpoints)
+    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
+    sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig())
     nproc: int = Field(1, gt=0, description="trainer processes when launched without torchrun/srun")
 
     @model_validator(mode="after")
@@ -483,3 +521,67 @@ class CapacityConfig(StrictModel):
     weight_sync_bucket_latency_ms: float = Field(
         10.0, ge=0, description="fixed cost per bucket: gather, HTTP update call, NCCL launch (assumed)")
     weight_sync_efficiency: float = Field(0.9, gt=0, le=1, description="achieved share of link bandwidth")
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline tools: estimate-q0 (megatron_spo/data/q0.py), pts (data/pts.py), eval (eval/runner.py)
+# ---------------------------------------------------------------------------------------------
+class ToolSamplingConfig(StrictModel):
+    """How an offline tool samples from the engines (one SamplingParams per request)."""
+
+    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 = off")
+    max_new_tokens: int = Field(512, gt=0)
+    seed: int | None = Field(0, description="per-prompt sampling seeds derive from it (reproducible resumes); "
+                             "None = engine randomness")
+    samples_per_request: int = Field(64, gt=0, description="n of one /generate call; more samples = more calls")
+    concurrency: int = Field(8, gt=0, description="prompts in flight at once")
+
+    @model_validator(mode="after")
+    def _check_top_k(self) -> ToolSamplingConfig:
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        return self
+
+
+class Q0Config(StrictModel):
+    """Monte-Carlo S0 / Q0 per prompt from reference samples (SPO paper 3.1.3: 800 samples at T = 1)."""
+
+    samples: int = Field(800, gt=0, description="samples per prompt")
+    beta: float = Field(1.0 / math.log(100000.0), gt=0)
+    sampling: ToolSamplingConfig = Field(default_factory=ToolSamplingConfig)
+
+
+class PTSConfig(StrictModel):
+    """Pivotal token search (Abdin et al. 2024, as used by the SPO paper for Monte-Carlo targets)."""
+
+    rollouts_per_point: int = Field(10, gt=0, description="K rollouts estimating S_t at one prefix")
+    threshold: float = Field(0.2, gt=0, le=1, description="recurse while |S(end) - S(start)| >= threshold")
+    max_rollouts: int = Field(200, gt=0, description="rollout budget per trajectory")
+    success_reward: float = Field(0.0, description="a trajectory with reward >= this is successful")
+    source: str = Field("mc", min_length=1, description="source name of the annotated records")
+    sampling: ToolSamplingConfig = Field(default_factory=lambda: ToolSamplingConfig(samples_per_request=16))
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> PTSConfig:
+        if self.max_rollouts < self.rollouts_per_point:
+            raise ValueError(f"max_rollouts ({self.max_rollouts}) < rollouts_per_point ({self.rollouts_per_point}): "
+                             "not one estimate fits the budget")
+        return self
+
+
+class EvalConfig(StrictModel):
+    """pass@k from n samples per problem (SPO paper: n = 20, T = 0.4, top-p 0.95, k = 1 and 10)."""
+
+    n: int = Field(20, gt=0, description="samples per problem")
+    ks: tuple[int, ...] = Field((1, 10), min_length=1)
+    hidden_tests: bool = Field(True, description="score with the problems' hidden tests too, when present")
+    sampling: ToolSamplingConfig = Field(default_factory=lambda: ToolSamplingConfig(temperature=0.4, top_p=0.95))
+
+    @model_validator(mode="after")
+    def _check_ks(self) -> EvalConfig:
+        bad = [k for k in self.ks if not 1 <= k <= self.n]
+        if bad:
+            raise ValueError(f"ks {list(bad)} must lie in [1, n = {self.n}]")
+        return self

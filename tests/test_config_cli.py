@@ -127,3 +127,20 @@ def test_every_subcommand_target_is_a_module_path():
     for name, (target, help_text) in SUBCOMMANDS.items():
         module, func = target.split(":")
         assert module.startswith("megatron_spo.") and func.isidentifier() and help_text, name
+
+
+def test_train_config_refuses_bad_combinations(tmp_path):
+    from megatron_spo.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"sources.offline: Value error, objective 'advantage' with loss "
+                                          r"'cross_entropy' is not supported"):
+        load_config(TrainConfig, None, ["init.hf=x", "sources.offline.path=a.jsonl",
+                                        "sources.offline.objective=advantage", "sources.offline.loss=cross_entropy"])
+    with pytest.raises(ConfigError, match="algo ppo is on-policy: use only the 'online' source"):
+        load_config(TrainConfig, None, ["init.hf=x", "algo=ppo", "sources.offline.path=a.jsonl"])
+    with pytest.raises(ConfigError, match="an offline source needs a path"):
+        load_config(TrainConfig, None, ["init.hf=x", "sources.mine.weight=1"])
+    with pytest.raises(ConfigError, match="give init.hf"):
+        load_config(TrainConfig, None, [])
+    with pytest.raises(ConfigError, match=r"optimizer.lr: Input should be greater than 0 \(got -1\)"):
+        load_config(TrainConfig, None, ["init.hf=x", "optimizer.lr=-1"])

@@ -1,0 +1,292 @@
+"""Soft Policy Optimization: cumulative Q-parameterisation, Q0 estimates, losses and objectives.
+
+Notation (MATH.md section 2): A_t = beta * (log pi_theta - log pi_0)(a_t), Q_t = Q0 + sum_{t' <= t} A_t'.
+Shapes: logp, ref_logp, mask are [B, T] (mask != 0 marks response tokens); reward, q0 are [B].
+Q values are in reward units; the cross-entropy and sigmoid losses work on log-probabilities Q / beta.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_spo.algorithms.validation import check_token_inputs, upcast
+
+OBJECTIVES = ("terminal", "reverse_q", "advantage", "mc")
+LOSSES = ("squared", "cross_entropy", "sigmoid_bce")
+# Advantages r - Q0 can be positive, so they are not log-probabilities: no cross-entropy for them.
+UNSUPPORTED = {
+    ("advantage", "cross_entropy"): "advantages r - Q0 can be positive; use sigmoid_bce or squared"
+}
+
+
+def supported_combinations() -> list[tuple[str, str]]:
+    """Every (objective, loss) pair spo_loss accepts."""
+    return [(o, loss) for o in OBJECTIVES for loss in LOSSES if (o, loss) not in UNSUPPORTED]
+
+
+def _check_beta(where: str, beta: float) -> None:
+    if isinstance(beta, bool) or not (isinstance(beta, numbers.Real) and math.isfinite(beta) and beta > 0):
+        raise ValueError(f"{where}: beta must be a finite number > 0, got {beta!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cumulative Q and its targets
+# ---------------------------------------------------------------------------------------------
+def token_advantages(logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """A_t = beta * (logp - ref_logp) on response tokens, exactly 0 on padding. [B, T], float32 or wider."""
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    logp, ref_logp = upcast(logp), upcast(ref_logp)
+    return torch.where(valid, beta * (logp - ref_logp), torch.zeros((), dtype=logp.dtype, device=logp.device))
+
+
+def cumulative_q(logp: Tensor, ref_logp: Tensor, mask: Tensor, q0: Tensor, beta: float) -> Tensor:
+    """Q_t = q0 + cumsum(A)_t, [B, T].
+
+    Padding adds nothing, so a masked position holds the last valid Q (q0 before the first response token).
+    """
+    adv = token_advantages(logp, ref_logp, mask, beta)
+    return q0.to(adv.dtype).unsqueeze(1) + adv.cumsum(dim=1)
+
+
+def reverse_q_targets(logp: Tensor, ref_logp: Tensor, mask: Tensor, reward: Tensor, beta: float) -> Tensor:
+    """R_t = detach(r - sum_{t' > t} A_t'), [B, T] (SPO paper 3.1.2).
+
+    The suffix sum is a reversed cumsum (no total-minus-prefix cancellation in low precision).
+    """
+    adv = token_advantages(logp.detach(), ref_logp, mask, beta)
+    suffix_inclusive = adv.flip(1).cumsum(1).flip(1)
+    suffix_after = F.pad(suffix_inclusive[:, 1:], (0, 1))
+    return reward.to(adv.dtype).unsqueeze(1) - suffix_after
+
+
+def _as_float_tensor(x) -> Tensor:
+    """Tensors keep their float dtype; Python numbers, lists and integer tensors become float64."""
+    if isinstance(x, Tensor) and x.is_floating_point():
+        return x
+    return torch.as_tensor(x, dtype=torch.float64)
+
+
+def q0_from_rewards(rewards: Tensor, beta: float) -> Tensor:
+    """Monte-Carlo soft value beta * log mean_i exp(r_i / beta) over the LAST dim of rewards [..., N] -> [...]."""
+    _check_beta("q0_from_rewards", beta)
+    rewards = _as_float_tensor(rewards)
+    if rewards.shape[-1] == 0:
+        raise ValueError("q0_from_rewards: rewards has no samples (last dim is 0)")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError(
+            f"q0_from_rewards: rewards has {int((~torch.isfinite(rewards)).sum())} non-finite values"
+        )
+    return beta * (torch.logsumexp(rewards / beta, dim=-1) - math.log(rewards.shape[-1]))
+
+
+def q0_from_success(p: Tensor | float, beta: float) -> Tensor:
+    """Soft value for rewards in {0 (success), -1}: beta * log(S + (1 - S) exp(-1/beta)), elementwise.
+
+    Computed as logaddexp(log S, log(1 - S) - 1/beta): exact -1 at S = 0 and exact 0 at S = 1.
+    """
+    _check_beta("q0_from_success", beta)
+    p = _as_float_tensor(p)
+    if not bool(((p >= 0) & (p <= 1)).all()):
+        raise ValueError("q0_from_success: p must lie in [0, 1] (a success probability)")
+    log_success = torch.log(p)
+    log_failure = torch.log1p(-p) - 1.0 / beta
+    return beta * torch.logaddexp(log_success, log_failure)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses L(prediction, target), elementwise, both in Q (reward) units
+# ---------------------------------------------------------------------------------------------
+def straight_through_clamp_max(x: Tensor, max_value: float) -> Tensor:
+    """min(x, max_value) in the forward pass, identity gradient in the backward pass."""
+    return x.clamp(max=max_value).detach() + (x - x.detach())  # value exactly min(x, max): x - x == 0
+
+
+def cross_entropy_log_space(pred_logp: Tensor, target_logp: Tensor, eps: float = 1e-6) -> Tensor:
+    """Binary cross-entropy between probabilities given as log-probabilities (SPO paper 3.1.1).
+
+    L = x * relu(-y_hat) - (1 - x) * log(1 - exp(y_hat_c)), x = exp(min(y, 0)) (no gradient),
+    y_hat_c = min(y_hat, -eps) with a straight-through gradient. Minimised at y_hat = y.
+    """
+    target_logp = target_logp.detach().clamp(max=0.0)
+    x = target_logp.exp()
+    clipped = straight_through_clamp_max(pred_logp, -eps)
+    return x * F.relu(-pred_logp) - (1.0 - x) * torch.log(-torch.expm1(clipped))
+
+
+def regression_loss(pred_q: Tensor, target_q: Tensor, loss: str, beta: float, eps: float = 1e-6) -> Tensor:
+    """Elementwise L(pred, target) for Q values; cross_entropy and sigmoid_bce act on Q / beta."""
+    if loss == "squared":
+        return (pred_q - target_q) ** 2
+    if loss == "cross_entropy":
+        return cross_entropy_log_space(pred_q / beta, target_q / beta, eps)
+    if loss == "sigmoid_bce":
+        target_prob = torch.sigmoid(target_q.detach() / beta)
+        return F.binary_cross_entropy_with_logits(pred_q / beta, target_prob, reduction="none")
+    raise ValueError(f"unknown loss '{loss}' (choose from {', '.join(LOSSES)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The SPO loss
+# ---------------------------------------------------------------------------------------------
+def _weighted_mean(per_sequence: Tensor, weights: Tensor | None) -> Tensor:
+    if weights is None:
+        return per_sequence.mean()
+    return (per_sequence * weights).sum() / weights.sum()
+
+
+def spo_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    reward: Tensor,
+    q0: Tensor,
+    *,
+    beta: float,
+    objective: str,
+    loss: str,
+    mc_positions: Tensor | None = None,
+    mc_success: Tensor | None = None,
+    mc_q: Tensor | None = None,
+    weights: Tensor | None = None,
+    per_token_mean: bool = False,
+    eps: float = 1e-6,
+) -> tuple[Tensor, dict[str, float]]:
+    """SPO loss, mean over sequences, and metrics (floats).
+
+    logp, ref_logp, mask: [B, T]; reward, q0: [B].
+    objective:
+      terminal   L(Q_T, r)
+      reverse_q  sum_t L(Q_t, R_t) over response tokens, R_t = detach(r - sum_{t' > t} A_t')
+      advantage  L(sum_t A_t, r - q0)
+      mc         sum_k L(Q_{t_k}, Q target_k) at annotated positions: mc_positions [B, K] (token index into
+                 T, -1 = padding) with either mc_success [B, K] (success probabilities, rewards in {0, -1})
+                 or mc_q [B, K] (Q targets in reward units).
+    loss: squared | cross_entropy | sigmoid_bce.
+    weights: optional [B] sequence weights (e.g. exact probabilities); default uniform.
+    per_token_mean: for reverse_q / mc, average instead of sum the per-position terms of a sequence.
+    """
+    where = "spo_loss"
+    if objective not in OBJECTIVES:
+        raise ValueError(f"{where}: unknown objective '{objective}' (choose from {', '.join(OBJECTIVES)})")
+    if loss not in LOSSES:
+        raise ValueError(f"{where}: unknown loss '{loss}' (choose from {', '.join(LOSSES)})")
+    if (objective, loss) in UNSUPPORTED:
+        raise ValueError(
+            f"{where}: objective '{objective}' with loss '{loss}' is not supported "
+            f"({UNSUPPORTED[(objective, loss)]})"
+        )
+    _check_beta(where, beta)
+    valid = check_token_inputs(
+        where, mask, {"logp": logp, "ref_logp": ref_logp}, {"reward": reward, "q0": q0, "weights": weights}
+    )
+    logp, ref_logp = upcast(logp), upcast(ref_logp)
+    if objective == "mc":
+        mc_index, mc_targets, mc_valid = _mc_targets(where, mask, mc_positions, mc_success, mc_q, beta)
+    elif any(x is not None for x in (mc_positions, mc_success, mc_q)):
+        raise ValueError(f"{where}: mc_positions / mc_success / mc_q are only used by objective 'mc'")
+
+    reward = reward.to(logp.dtype)
+    q0 = q0.to(logp.dtype)
+    fvalid = valid.to(logp.dtype)
+    q = cumulative_q(logp, ref_logp, valid, q0, beta)
+    q_terminal = q[:, -1]
+    seq_log_ratio = q_terminal.detach() - q0  # = beta * sum_t log(pi / pi_0); divided by beta below
+
+    if objective == "terminal":
+        per_sequence = regression_loss(q_terminal, reward, loss, beta, eps)
+    elif objective == "advantage":
+        per_sequence = regression_loss(q_terminal - q0, reward - q0, loss, beta, eps)
+    elif objective == "reverse_q":
+        targets = reverse_q_targets(logp, ref_logp, valid, reward, beta)
+        per_token = regression_loss(q, targets, loss, beta, eps)
+        per_sequence = torch.where(valid, per_token, torch.zeros_like(per_token)).sum(1)
+        if per_token_mean:
+            per_sequence = per_sequence / fvalid.sum(1)
+    else:
+        q_at = q.gather(1, mc_index)
+        per_target = regression_loss(q_at, mc_targets.to(q.dtype), loss, beta, eps)
+        per_target = torch.where(mc_valid, per_target, torch.zeros_like(per_target))
+        per_sequence = per_target.sum(1)
+        if per_token_mean:
+            per_sequence = per_sequence / mc_valid.sum(1).clamp(min=1).to(per_sequence.dtype)
+
+    total = _weighted_mean(per_sequence, weights)
+    with torch.no_grad():
+        n_tokens = fvalid.sum()
+        stats = torch.stack(
+            [
+                total.detach(),
+                (q_terminal.detach() - reward).abs().mean(),
+                (token_advantages(logp.detach(), ref_logp, valid, beta).sum() / n_tokens),
+                (seq_log_ratio / beta).mean(),
+                q_terminal.detach().mean(),
+            ]
+        ).tolist()  # one sync for all metrics
+    metrics = dict(
+        zip(
+            ("loss", "terminal_q_abs_error", "mean_token_advantage", "mean_seq_log_ratio", "mean_q_terminal"),
+            stats,
+            strict=True,
+        )
+    )
+    return total, metrics
+
+
+def _mc_targets(
+    where: str,
+    mask: Tensor,
+    positions: Tensor | None,
+    success: Tensor | None,
+    q_targets: Tensor | None,
+    beta: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Validated (gather index [B, K] int64, Q targets [B, K], bool [B, K] of annotated entries)."""
+    if positions is None:
+        raise ValueError(f"{where}: objective 'mc' needs mc_positions [B, K] (-1 = no target)")
+    if (success is None) == (q_targets is None):
+        raise ValueError(f"{where}: objective 'mc' needs exactly one of mc_success or mc_q")
+    name, values = ("mc_success", success) if success is not None else ("mc_q", q_targets)
+    if positions.dim() != 2 or positions.shape[0] != mask.shape[0]:
+        raise ValueError(f"{where}: mc_positions shape {tuple(positions.shape)} is not [{mask.shape[0]}, K]")
+    if values.shape != positions.shape:
+        raise ValueError(
+            f"{where}: {name} shape {tuple(values.shape)} != mc_positions shape {tuple(positions.shape)}"
+        )
+    if positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{where}: mc_positions must be an integer tensor, got {positions.dtype}")
+    annotated = positions >= 0
+    t_max = mask.shape[1]
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    on_token = valid.gather(1, positions.clamp(min=0, max=t_max - 1).long())
+    ok = torch.stack(
+        [
+            (positions < t_max).all(),
+            (positions >= -1).all(),
+            (on_token | ~annotated).all(),
+            (torch.isfinite(values) | ~annotated).all(),
+            ((values >= 0) & (values <= 1) | ~annotated).all()
+            if success is not None
+            else annotated.new_ones(()),
+        ]
+    ).tolist()
+    problems = [
+        f"mc_positions has indices >= T = {t_max}",
+        "mc_positions has values < -1 (-1 marks no target)",
+        "mc_positions points at padding (mask 0)",
+        f"{name} has non-finite values at annotated positions",
+        "mc_success has values outside [0, 1]",
+    ]
+    for good, problem in zip(ok, problems, strict=True):
+        if not good:
+            raise ValueError(f"{where}: {problem}")
+    index = positions.long().clamp(min=0)
+    if success is not None:
+        targets = q0_from_success(torch.where(annotated, success, torch.ones_like(success)), beta)
+    else:
+        targets = torch.where(annotated, q_targets, torch.zeros_like(q_targets))
+    return index, targets, annotated

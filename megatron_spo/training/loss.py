@@ -1,0 +1,100 @@
+"""The trainer's loss for one micro-batch: SPO per data source, AGRO, or PPO, from token log-probs.
+
+Inputs are the shifted [B, L] layout of data/batching.py: logp / ref_logp / values at every position,
+batch.loss_mask = 1 where the target is a response token.
+
+Micro-batch weighting: the gradient of a step must be the mean over ALL sequences of the global batch,
+however a token budget split them. Megatron's schedules divide each micro-batch loss by the number of
+micro-batches and DDP averages over data-parallel ranks, so each micro-batch loss is scaled by
+    n_mb * num_microbatches * dp_size / n_global
+which turns their sum into sum_mb n_mb * mean_mb / n_global = the global mean.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from megatron_spo import algorithms
+from megatron_spo.data.batching import TrainBatch
+
+
+def microbatch_scale(n_mb: int, num_microbatches: int, dp_size: int, n_global: int) -> float:
+    return n_mb * num_microbatches * dp_size / n_global
+
+
+def _rows(batch: TrainBatch, rows: list[int], *tensors: Tensor | None) -> list[Tensor | None]:
+    idx = torch.tensor(rows, dtype=torch.long, device=batch.loss_mask.device)
+    return [None if t is None else t.index_select(0, idx) for t in tensors]
+
+
+def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: float,
+                   objectives: dict[str, tuple[str, str]]) -> tuple[Tensor, dict[str, float]]:
+    """Mean over sequences of spo_loss, each source with its own (objective, loss).
+
+    objectives: source name -> (objective, loss), e.g. {"online": ("terminal", "cross_entropy"),
+    "mc": ("mc", "cross_entropy")}. A source in the batch with no entry is an error naming it.
+    """
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(batch.source):
+        by_source[s].append(i)
+    total = logp.new_zeros(())
+    metrics: dict[str, float] = {}
+    n = batch.num_sequences
+    for source, rows in sorted(by_source.items()):
+        if source not in objectives:
+            raise ValueError(f"spo: the batch has trajectories of source '{source}' but the config names no "
+                             f"objective for it (configured: {', '.join(sorted(objectives))})")
+        objective, loss_name = objectives[source]
+        lp, rlp, mask, reward, q0, mc_pos, mc_succ = _rows(
+            batch, rows, logp, ref_logp, batch.loss_mask, batch.reward, batch.q0, batch.mc_positions,
+            batch.mc_success)
+        kw = {}
+        if objective == "mc":
+            kw = dict(mc_positions=mc_pos, mc_success=mc_succ)
+        loss, m = algorithms.spo_loss(lp, rlp, mask, reward, q0, beta=beta, objective=objective,
+                                      loss=loss_name, **kw)
+        total = total + loss * (len(rows) / n)
+        for k, v in m.items():
+            metrics[f"{k}/{source}"] = v
+        for k, v in m.items():  # sequence-weighted means over sources
+            metrics[k] = metrics.get(k, 0.0) + v * len(rows) / n
+    metrics["loss"] = float(total.detach())
+    return total, metrics
+
+
+def agro_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: float,
+                    on_policy: bool) -> tuple[Tensor, dict[str, float]]:
+    return algorithms.agro_loss(logp, ref_logp, batch.loss_mask, batch.reward, batch.group, beta=beta,
+                                on_policy=on_policy)
+
+
+def ppo_advantages(batch: TrainBatch, ref_logp: Tensor, old_values: Tensor, *, beta: float, gamma: float,
+                   lam: float, whiten: bool = True) -> tuple[Tensor, Tensor]:
+    """GAE advantages and returns [B, L] from the KL-regularised token rewards of the behaviour policy.
+
+    The KL term uses the behaviour log-probs the engines reported (the policy that produced the tokens).
+    """
+    mask = batch.loss_mask
+    token_rewards = algorithms.kl_regularised_token_rewards(batch.reward, batch.behaviour_logp, ref_logp, mask,
+                                                            beta=beta)
+    advantages, returns = algorithms.gae(token_rewards, old_values, mask, gamma=gamma, lam=lam)
+    if whiten:
+        valid = mask.bool()
+        mean = advantages[valid].mean()
+        std = advantages[valid].std(unbiased=False).clamp(min=1e-6)
+        advantages = torch.where(valid, (advantages - mean) / std, torch.zeros_like(advantages))
+    return advantages.detach(), returns.detach()
+
+
+def ppo_batch_loss(batch: TrainBatch, logp: Tensor, advantages: Tensor, *, clip_eps: float,
+                   ) -> tuple[Tensor, dict[str, float]]:
+    return algorithms.ppo_policy_loss(logp, batch.behaviour_logp, advantages, batch.loss_mask, clip_eps=clip_eps)
+
+
+def value_batch_loss(batch: TrainBatch, values: Tensor, old_values: Tensor, returns: Tensor, *,
+                     clip_eps: float | None) -> tuple[Tensor, dict[str, float]]:
+    loss = algorithms.ppo_value_loss(values, old_values, returns, batch.loss_mask, clip_eps=clip_eps)
+    return loss, {"value_loss": float(loss.detach())}
