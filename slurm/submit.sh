@@ -1,7 +1,7 @@
 #!/bin/bash
 # Submit slurm/spo.sbatch (trainer component : worker component) with sizes and commands as parameters.
 #
-#   slurm/submit.sh --preset llama3.1-70b --config examples/llama3-70b.yaml --model-path /ckpt/llama3.1-70b-hf \
+#   slurm/submit.sh --preset llama3.1-70b --config examples/llama3.1-70b-spo.yaml --model-path /ckpt/llama3.1-70b-hf \
 #       --trainer-nodes 8 --worker-nodes 8 --q0
 #   slurm/submit.sh --mode cpu --trainer-nodes 2 --procs-per-node 2 --worker-nodes 1 --probe   # launch check
 #
@@ -17,7 +17,7 @@ usage() {
 options (defaults in brackets):
   --mode gpu|cpu            [gpu] cpu: no GPUs requested, ranks per node from --procs-per-node
   --preset NAME             [llama3.1-8b] llama3.1-8b (engines TP 1) | llama3.1-70b (engines TP 8)
-  --config PATH             training config [examples/llama3-8b.yaml or examples/llama3-70b.yaml]
+  --config PATH             training config [examples/llama3.1-8b-spo.yaml or examples/llama3.1-70b-spo.yaml]
   --model-path DIR          HF directory the engines start from (the reference model)
   --trainer-nodes N         [8]    --worker-nodes M [8]    --gpus-per-node G [8]
   --procs-per-node P        trainer ranks per node [G in gpu mode, 1 in cpu mode]

@@ -1,0 +1,370 @@
+"""N generation engines behind the real sglang-router, started, health-checked and torn down together.
+
+    megatron-spo fleet up --model HF_DIR --engines 2 --router-port 30000
+
+Engines are the local engine (``megatron-spo serve``) by default, or any command template, e.g. real
+SGLang servers on a GPU node: ``--engine-command "python -m sglang.launch_server --model-path {model}
+--host {host} --port {port}"``. Every child runs in its own process group and gets SIGTERM if this
+process dies (PR_SET_PDEATHSIG), so neither Ctrl-C, SIGTERM nor a crash leaves a process behind.
+
+Also a context manager, for the trainer and tests:
+
+    with Fleet("tiny_dir", num_engines=2) as fleet:
+        client = EngineClient(fleet.router_url)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from megatron_spo.rollout.client import get_json, post_json
+from megatron_spo.rollout.weight_sync import free_port
+
+log = logging.getLogger("megatron_spo.fleet")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the process that started it exits (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class FleetError(RuntimeError):
+    pass
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    command: list[str]
+    url: str
+    proc: subprocess.Popen | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Fleet:
+    """Start ``num_engines`` engines (ports base_port.., default: free ports) and sglang-router."""
+
+    def __init__(self, model_dir: str | None = None, num_engines: int = 1, *, router_port: int | None = None,
+                 host: str = "127.0.0.1", engine_ports: list[int] | None = None, engine_command: str | None = None,
+                 engine_args: list[str] | None = None, router: bool = True, router_args: list[str] | None = None,
+                 threads_per_engine: int | None = 1, startup_timeout_s: float = 300.0, log_dir: str | None = None,
+                 env: dict | None = None):
+        if num_engines < 1:
+            raise FleetError(f"fleet: --engines must be >= 1, got {num_engines}")
+        if engine_command is None and (model_dir is None or not os.path.isdir(model_dir)):
+            raise FleetError(f"fleet: model directory '{model_dir}' does not exist")
+        if engine_ports is not None and len(engine_ports) != num_engines:
+            raise FleetError(f"fleet: {len(engine_ports)} engine ports for {num_engines} engines")
+        self.model_dir, self.host = model_dir, host
+        self.startup_timeout_s, self.log_dir = startup_timeout_s, log_dir
+        self.env = dict(os.environ if env is None else env)
+        if threads_per_engine:
+            self.env.update(OMP_NUM_THREADS=str(threads_per_engine), MKL_NUM_THREADS=str(threads_per_engine))
+        ports = engine_ports or [free_port() for _ in range(num_engines)]
+        self.engines = [
+            ManagedProcess(f"engine{i}", self._engine_command(engine_command, engine_args or [], port,
+                                                              threads_per_engine), f"http://{host}:{port}")
+            for i, port in enumerate(ports)
+        ]
+        self.router: ManagedProcess | None = None
+        self._watcher: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.removed_dead: list[str] = []
+        if router:
+            port = router_port or free_port()
+            cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+                   "--worker-urls", *[e.url for e in self.engines], "--policy", "round_robin",
+                   "--log-level", "warn", "--health-check-interval-secs", "2", "--health-failure-threshold", "1",
+                   "--worker-startup-timeout-secs", str(int(startup_timeout_s)),
+                   # its metrics exporter binds a fixed default port: a second router on the host would panic
+                   "--prometheus-host", host, "--prometheus-port", str(free_port()), *(router_args or [])]
+            self.router = ManagedProcess("router", cmd, f"http://{host}:{port}")
+
+    def _engine_command(self, template: str | None, extra: list[str], port: int, threads: int | None) -> list[str]:
+        if template is not None:
+            return shlex.split(template.format(model=self.model_dir, host=self.host, port=port))
+        cmd = [sys.executable, "-m", "megatron_spo.cli", "serve", "--model", self.model_dir, "--host", self.host,
+               "--port", str(port), "--log-level", "warning"]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        return cmd + extra
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    @property
+    def engine_urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    @property
+    def router_url(self) -> str:
+        if self.router is None:
+            raise FleetError("fleet started without a router")
+        return self.router.url
+
+    def _spawn(self, mp: ManagedProcess) -> None:
+        out = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{mp.name}.log"), "ab")  # noqa: SIM115 (child owns it)
+        mp.proc = subprocess.Popen(mp.command, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                   start_new_session=True, preexec_fn=_die_with_parent)
+        if out is not None:
+            out.close()
+        log.info("started %s (pid %d): %s", mp.name, mp.proc.pid, " ".join(mp.command))
+
+    def start(self) -> Fleet:
+        try:
+            for engine in self.engines:
+                self._spawn(engine)
+            for engine in self.engines:
+                self.wait_healthy(engine)
+            if self.router is not None:
+                self._spawn(self.router)
+                self.wait_healthy(self.router)
+                self.wait_router_workers(len(self.engines))
+                self._watcher = threading.Thread(target=self._watch, name="fleet-watch", daemon=True)
+                self._watcher.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _watch(self, interval_s: float = 0.5) -> None:
+        """Take an engine whose process exited out of the router at once (the router's own health check
+        would later re-admit a restarted engine before it has the current weights)."""
+        while not self._stopping.wait(interval_s):
+            for i in self.dead_engines():
+                engine = self.engines[i]
+                if engine.url in self.removed_dead:
+                    continue
+                log.error("%s at %s exited (code %s): removing it from the router", engine.name, engine.url,
+                          engine.proc.returncode)
+                try:
+                    self.router_remove(engine.url)
+                    self.removed_dead.append(engine.url)
+                except (OSError, FleetError) as err:
+                    log.error("could not remove %s from the router: %s", engine.url, err)
+
+    def wait_healthy(self, mp: ManagedProcess, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
+        while time.monotonic() < deadline:
+            if not mp.alive:
+                raise FleetError(f"{mp.name} exited with code {mp.proc.returncode if mp.proc else None} "
+                                 f"before becoming healthy ({' '.join(mp.command)})")
+            try:
+                if get_json(mp.url + "/health", 2.0)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise FleetError(f"{mp.name} at {mp.url} not healthy after {timeout_s or self.startup_timeout_s:g} s")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is left after grace_s."""
+        self._stopping.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=15)
+        procs = [p for p in [self.router, *self.engines] if p is not None and p.proc is not None]
+        for mp in procs:
+            _signal_group(mp.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for mp in procs:
+            try:
+                mp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(mp.proc, signal.SIGKILL)  # also reaps any grandchild left in the group
+            try:
+                mp.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) survived SIGKILL", mp.name, mp.proc.pid)
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- faults and membership -------------------------------------------------------------------
+    def dead_engines(self) -> list[int]:
+        return [i for i, e in enumerate(self.engines) if e.proc is not None and e.proc.poll() is not None]
+
+    def kill_engine(self, index: int, sig: int = signal.SIGKILL) -> None:
+        engine = self.engines[index]
+        _signal_group(engine.proc, sig)
+        engine.proc.wait(timeout=30)
+
+    def restart_engine(self, index: int) -> str:
+        """Start engine ``index`` again on its port and wait for /health. It is NOT added back to the
+        router: the caller first brings it to the current weights, then calls router_add."""
+        engine = self.engines[index]
+        if engine.alive:
+            raise FleetError(f"{engine.name} is still running")
+        self._spawn(engine)
+        self.wait_healthy(engine)
+        if engine.url in self.removed_dead:
+            self.removed_dead.remove(engine.url)
+        return engine.url
+
+    def engine_versions(self) -> dict[str, str | None]:
+        """url -> weight_version reported by each live engine (None when it does not answer)."""
+        out: dict[str, str | None] = {}
+        for engine in self.engines:
+            try:
+                status, body = get_json(engine.url + "/get_model_info", 10.0) if engine.alive else (0, None)
+                out[engine.url] = body.get("weight_version") if status == 200 and isinstance(body, dict) else None
+            except OSError:
+                out[engine.url] = None
+        return out
+
+    def sync_weights(self, broadcaster, named_tensors_fn, version: str) -> list[str]:
+        """Bring every live engine to ``version`` and route only to engines that have it.
+
+        named_tensors_fn() returns a fresh iterator of (hf_name, tensor) (called once per push). Engines
+        in the router get the update first; engines outside it (restarted) are caught up separately and
+        only then added. Returns the urls left lagging (out of the router until a later sync)."""
+        from megatron_spo.rollout.weight_sync import WeightSyncError
+
+        version = str(version)
+        live = [e.url for e in self.engines if e.alive]
+        routed = set(self.router_workers()) if self.router is not None else set(live)
+        for group in ([u for u in live if u in routed], [u for u in live if u not in routed]):
+            if not group:
+                continue
+            try:
+                broadcaster.push(named_tensors_fn(), version, engines=group)
+            except WeightSyncError as err:
+                log.error("weight sync to %s failed: %s", group, err)
+        versions = self.engine_versions()
+        lagging = [u for u in live if versions.get(u) != version]
+        if self.router is not None:
+            for url in live:
+                if url in lagging and url in routed:
+                    self.router_remove(url)
+                elif url not in lagging and url not in routed:
+                    self.router_add(url)
+        return lagging
+
+    def router_workers(self) -> dict[str, str]:
+        """url -> router worker id, for the workers the router currently knows."""
+        status, body = get_json(self.router_url + "/workers", 10.0)
+        if status != 200 or not isinstance(body, dict):
+            raise FleetError(f"router GET /workers: HTTP {status}: {body}")
+        return {w["url"]: w["id"] for w in body.get("workers", [])}
+
+    def wait_router_workers(self, count: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if len(self.router_workers()) >= count:
+                return
+            time.sleep(0.2)
+        raise FleetError(f"router registered {len(self.router_workers())} of {count} workers in {timeout_s:g} s")
+
+    def router_remove(self, url: str) -> bool:
+        """Stop routing to an engine (the router keeps no record of it afterwards)."""
+        import urllib.request
+
+        worker_id = self.router_workers().get(url)
+        if worker_id is None:
+            return False
+        req = urllib.request.Request(f"{self.router_url}/workers/{worker_id}", method="DELETE")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            ok = resp.status < 300
+        deadline = time.monotonic() + 30
+        while url in self.router_workers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return ok
+
+    def router_add(self, url: str, timeout_s: float = 60.0) -> None:
+        status, body = post_json(self.router_url + "/workers", {"url": url}, 10.0)
+        if status >= 300:
+            raise FleetError(f"router POST /workers {url}: HTTP {status}: {body}")
+        deadline = time.monotonic() + timeout_s
+        while url not in self.router_workers():
+            if time.monotonic() > deadline:
+                raise FleetError(f"router did not register {url} in {timeout_s:g} s")
+            time.sleep(0.1)
+
+
+def _signal_group(proc: subprocess.Popen | None, sig: int) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)  # start_new_session: the child's pid is its process group id
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -------------------------------------------------------------------------------------------------
+# CLI
+# -------------------------------------------------------------------------------------------------
+class _Stop(Exception):
+    pass
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-spo fleet", description="start N engines behind sglang-router")
+    sub = parser.add_subparsers(dest="action", required=True)
+    up = sub.add_parser("up", help="start the fleet and keep it running until Ctrl-C / SIGTERM")
+    up.add_argument("--model", required=True, help="HF model directory")
+    up.add_argument("--engines", type=int, default=1)
+    up.add_argument("--router-port", type=int, default=30000)
+    up.add_argument("--engine-base-port", type=int, default=None, help="engine ports base, base+1, ... (default: free)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--engine-command", default=None,
+                    help="command template for one engine with {model} {host} {port} (default: megatron-spo serve)")
+    up.add_argument("--threads-per-engine", type=int, default=1)
+    up.add_argument("--restart-dead", action="store_true",
+                    help="restart an engine that exits and add it back to the router (weights as at start)")
+    up.add_argument("--log-dir", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet %(levelname)s %(message)s")
+    ports = None if args.engine_base_port is None else [args.engine_base_port + i for i in range(args.engines)]
+    try:
+        fleet = Fleet(args.model, args.engines, router_port=args.router_port, host=args.host, engine_ports=ports,
+                      engine_command=args.engine_command, threads_per_engine=args.threads_per_engine,
+                      log_dir=args.log_dir)
+    except FleetError as err:  # its message starts with "fleet: "
+        print(f"megatron-spo {err}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum, frame):
+        raise _Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        fleet.start()
+        print(f"fleet up: router {fleet.router_url}, engines {' '.join(fleet.engine_urls)}", flush=True)
+        while True:
+            if args.restart_dead:
+                for url in list(fleet.removed_dead):  # the watcher already took it out of the router
+                    fleet.restart_engine(fleet.engine_urls.index(url))
+                    fleet.router_add(url)
+                    log.info("engine %s restarted and re-added", url)
+            time.sleep(1.0)
+    except _Stop as stop:
+        log.info("%s: stopping the fleet", stop)
+    except FleetError as err:
+        print(f"megatron-spo fleet: {err}", file=sys.stderr)
+        return 1
+    finally:
+        fleet.stop()
+    return 0

@@ -1,0 +1,165 @@
+"""The fleet for real: engine processes behind sglang-router, weight sync by gloo broadcast, an engine
+killed mid-run and restarted, and Ctrl-C of `megatron-spo fleet up` leaving no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rollout_helpers import engine_env, make_tiny_llama, perturbed_state_dict  # noqa: E402
+
+from megatron_spo.config import RolloutConfig  # noqa: E402
+from megatron_spo.rollout.client import get_json, post_json  # noqa: E402
+from megatron_spo.rollout.fleet import Fleet  # noqa: E402
+from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
+from megatron_spo.rollout.weight_sync import WeightBroadcaster, WeightSyncError, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    with Fleet(model_dir, 2, env=engine_env(), log_dir=str(tmp_path_factory.mktemp("fleet_logs"))) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def new_weights(model_dir):
+    return perturbed_state_dict(model_dir, seed=11)
+
+
+def reference_greedy(model_dir: str, state: dict, prompt: list[int], steps: int):
+    """Greedy tokens and their log-probs from a fresh transformers model holding ``state``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0].tolist()
+        logits = model(torch.tensor([out])).logits[0, len(prompt) - 1:-1]
+    tokens = out[len(prompt):]
+    return tokens, torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def versions(fleet: Fleet) -> list[str]:
+    return [get_json(u + "/get_model_info")[1]["weight_version"] for u in fleet.engine_urls]
+
+
+def test_broadcast_sync_then_router_serves_new_weights(fleet, model_dir, new_weights):
+    with WeightBroadcaster(fleet.engine_urls, mode="broadcast", bucket_bytes=30_000) as sync:
+        report = sync.push(new_weights.items(), version="1")
+    assert report.num_buckets > 1 and report.bytes_sent == sum(t.numel() * 4 for t in new_weights.values())
+    assert versions(fleet) == ["1", "1"]
+    prompt = [7, 8, 9, 10]
+    tokens, logprobs = reference_greedy(model_dir, new_weights, prompt, 8)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+            "return_logprob": True}
+    for _ in range(2):  # round robin: once per engine
+        status, item = post_json(fleet.router_url + "/generate", body)
+        assert status == 200 and item["output_ids"] == tokens and item["meta_info"]["weight_version"] == "1"
+        got = torch.tensor([e[0] for e in item["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, logprobs, atol=2e-5, rtol=0)
+    # the router does not proxy weight updates: they must go to each engine (FIELD-NOTES)
+    assert post_json(fleet.router_url + "/update_weights_from_disk", {"model_path": model_dir})[0] == 404
+
+
+def test_killed_engine_requests_retried_and_restart_rejoins_after_catch_up(fleet, model_dir, new_weights):
+    assert versions(fleet) == ["1", "1"]
+    cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=24, max_inflight_requests=4, max_retries=10,
+                        retry_backoff_s=0.2, retry_backoff_max_s=1.0, request_timeout_s=30, seed=3)
+    prompts = [Prompt(f"p{i}", [3 + i, 4, 5 + i]) for i in range(8)]
+    victim = fleet.engine_urls[1]
+
+    def run_manager(endpoints, max_requests, kill_after=None, **overrides):
+        async def go():
+            manager = RolloutManager(cfg.model_copy(update=overrides), prompts, lambda problem, text: 1.0,
+                                     endpoints=endpoints)
+            manager.set_policy_version(1)
+            await manager.start(max_requests=max_requests)
+            if kill_after is not None:
+                while manager.metrics.groups_delivered < kill_after:
+                    await asyncio.sleep(0.02)
+                fleet.kill_engine(1)  # SIGKILL while requests are in flight on it
+            await manager.join()
+            groups = await manager.get_groups(manager.metrics.groups_delivered, timeout_s=5)
+            await manager.stop()
+            return manager, groups
+
+        return asyncio.run(go())
+
+    # 1. direct routing over both engines; engine 1 dies mid-run: its requests are retried on engine 0
+    manager, groups = run_manager(fleet.engine_urls, 30, kill_after=3)
+    ids = [g[0].request_id for g in groups]
+    assert len(ids) == 30 and len(set(ids)) == 30 and manager.metrics.failed_requests == 0
+    assert manager.metrics.duplicates_dropped == 0 and manager.metrics.retries >= 1
+    assert all(t.policy_version == 1 for g in groups for t in g)
+
+    # 2. the fleet's watcher took the dead engine out of the router; the router keeps serving
+    deadline = time.monotonic() + 10
+    while victim in fleet.router_workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert victim not in fleet.router_workers()
+    with WeightBroadcaster(fleet.engine_urls, mode="broadcast") as sync, pytest.raises(
+            WeightSyncError, match=f"engines not healthy, no update sent: {{'{victim}'"):
+        sync.push(new_weights.items(), version="1", engines=[victim])
+    manager, groups = run_manager([fleet.router_url], 6, max_new_tokens=4)
+    assert len(groups) == 6 and manager.metrics.failed_requests == 0
+
+    # 3. a restarted engine has the initial weights: not in the router, and given no work by direct routing
+    fleet.restart_engine(1)
+    assert get_json(victim + "/get_model_info")[1]["weight_version"] == "default"
+    assert victim not in fleet.router_workers()
+    manager, groups = run_manager(fleet.engine_urls, 6, max_new_tokens=4)
+    assert len(groups) == 6 and [ep.requests for ep in manager.endpoints][1] == 0
+
+    # 4. the trainer's sync call: routed engines are already at "1"; the restarted one is caught up through
+    #    the same broadcast path, on its own, and only then added back to the router
+    with WeightBroadcaster(fleet.engine_urls, mode="broadcast") as sync:
+        assert fleet.sync_weights(sync, lambda: iter(new_weights.items()), "1") == []
+    assert versions(fleet) == ["1", "1"] and victim in fleet.router_workers()
+    manager, groups = run_manager(fleet.engine_urls, 8, max_new_tokens=4)
+    assert len(groups) == 8 and all(ep.requests > 0 for ep in manager.endpoints)
+    assert all(t.policy_version == 1 for g in groups for t in g)
+
+
+def test_sigint_of_fleet_up_leaves_no_process(model_dir, tmp_path):
+    port = free_port()
+    stderr = open(tmp_path / "fleet.stderr", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_spo.cli", "fleet", "up", "--model", model_dir,
+                             "--engines", "1", "--router-port", str(port), "--log-dir", str(tmp_path)],
+                            env=engine_env(), stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        line = ""
+        while not line.startswith("fleet up:") and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                stderr.seek(0)
+                raise AssertionError(f"fleet up exited before it was up: {stderr.read()[-2000:]}")
+        assert line.startswith("fleet up:"), "fleet never came up"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2  # one engine + the router
+        assert get_json(f"http://127.0.0.1:{port}/health")[0] == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        survivors = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert survivors == [], f"left behind: {[c.cmdline() for c in survivors]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stderr.close()
