@@ -1,0 +1,182 @@
+"""pass@k evaluation (`megatron-spo eval`): n samples per problem through the engines, each scored on the
+problem's reward tests plus its hidden tests when present, unbiased pass@k per problem and averaged.
+
+SPO paper protocol (the defaults): n = 20 samples at temperature 0.4, top-p 0.95; pass@1 and pass@10.
+
+    async with EngineClient(url) as client:
+        result = await evaluate(prompts, client, RewardPool(SandboxPool(), hidden=True), n=20, ks=(1, 10))
+    result.mean[1], result.to_json(), result.table()
+
+    megatron-spo eval --engine-url URL --task toy --split heldout --out eval.jsonl --json eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_spo.config import EvalConfig, ToolSamplingConfig, build_config
+from megatron_spo.data.q0 import (
+    ResultLog,
+    add_sampling_args,
+    add_task_args,
+    apply_train_config,
+    close_reward_pool,
+    prompts_from_args,
+    reward_pool_from_args,
+    run_cli,
+    run_resumable,
+    sample,
+    sampling_from_args,
+    score_all,
+)
+from megatron_spo.eval.passk import pass_at_k
+from megatron_spo.rollout.manager import Prompt
+
+
+@dataclass(frozen=True)
+class ProblemEval:
+    """One problem: ``correct`` of ``n`` samples passed; pass_at[k]; tests: what was scored
+    ({"reward": count, "hidden": count} for code, {"answer": 1} for math)."""
+
+    prompt_id: str
+    n: int
+    correct: int
+    pass_at: dict[int, float]
+    tests: dict[str, int]
+
+    def to_record(self) -> dict:
+        return {"prompt_id": self.prompt_id, "n": self.n, "correct": self.correct,
+                **{f"pass@{k}": v for k, v in self.pass_at.items()}, "tests": self.tests}
+
+    @classmethod
+    def from_record(cls, record: dict, ks: Sequence[int]) -> ProblemEval:
+        return cls(str(record["prompt_id"]), record["n"], record["correct"],
+                   {k: record[f"pass@{k}"] for k in ks}, record["tests"])
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Per-problem results (input order) and mean pass@k over problems."""
+
+    problems: list[ProblemEval]
+    ks: tuple[int, ...]
+    n: int
+    temperature: float
+    top_p: float
+
+    @property
+    def mean(self) -> dict[int, float]:
+        return {k: sum(p.pass_at[k] for p in self.problems) / len(self.problems) for k in self.ks}
+
+    def to_json(self) -> dict:
+        return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "ks": list(self.ks),
+                "num_problems": len(self.problems), "mean": {f"pass@{k}": v for k, v in self.mean.items()},
+                "problems": [p.to_record() for p in self.problems]}
+
+    def table(self, max_rows: int = 50):
+        from rich.table import Table
+
+        table = Table(title=f"pass@k: n = {self.n}, T = {self.temperature:g}, top-p = {self.top_p:g}")
+        table.add_column("problem")
+        table.add_column("correct", justify="right")
+        for k in self.ks:
+            table.add_column(f"pass@{k}", justify="right")
+        table.add_column("tests")
+        for p in self.problems[:max_rows]:
+            tests = ", ".join(f"{name} {count}" for name, count in p.tests.items())
+            table.add_row(p.prompt_id, f"{p.correct}/{p.n}", *(f"{p.pass_at[k]:.3f}" for k in self.ks), tests)
+        if len(self.problems) > max_rows:
+            table.add_row(f"... {len(self.problems) - max_rows} more", "", *("" for _ in self.ks), "")
+        table.add_section()
+        total = sum(p.correct for p in self.problems)
+        table.add_row(f"mean of {len(self.problems)}", f"{total}/{self.n * len(self.problems)}",
+                      *(f"{v:.3f}" for v in self.mean.values()), "")
+        return table
+
+
+def tests_used(problem: Any, hidden: bool) -> dict[str, int]:
+    if getattr(problem, "kind", "code") == "math":
+        return {"answer": 1}
+    return {"reward": len(problem.tests), "hidden": len(getattr(problem, "hidden_tests", ())) if hidden else 0}
+
+
+def pass_at_ks(n: int, correct: int, ks: Sequence[int]) -> dict[int, float]:
+    return {k: float(pass_at_k(n, correct, k)) for k in ks}
+
+
+async def evaluate(prompts: Sequence[Prompt], client: Any, reward_pool: Any, *, n: int = 20, temperature: float = 0.4,
+                   top_p: float = 0.95, ks: Sequence[int] = (1, 10), sampling: ToolSamplingConfig | None = None,
+                   out_path: str | Path | None = None, progress: bool = False) -> EvalResult:
+    """pass@k of the engines' model on ``prompts``. Hidden tests count when ``reward_pool.hidden`` is set
+    (RewardPool(..., hidden=True)); each problem's record says which tests were used. ``sampling`` sets the
+    rest (max_new_tokens, seed, samples per request, concurrency); temperature and top_p override it."""
+    base = (sampling or ToolSamplingConfig()).model_dump()
+    cfg = build_config(EvalConfig, {"n": n, "ks": tuple(ks), "hidden_tests": bool(getattr(reward_pool, "hidden", False)),
+                                    "sampling": {**base, "temperature": temperature, "top_p": top_p}})
+    log = ResultLog(out_path) if out_path is not None else None
+    if log is not None:
+        for key, rec in log.records.items():
+            had = [int(name[5:]) for name in rec if name.startswith("pass@")]
+            if rec.get("n") != cfg.n or not set(cfg.ks) <= set(had):
+                raise ValueError(f"{out_path}: problem '{key}' was evaluated with n={rec.get('n')}, ks={had}; "
+                                 f"this run asks n={cfg.n}, ks={list(cfg.ks)} (use another output file)")
+
+    async def work(prompt: Prompt) -> dict:
+        completions = await sample(client, prompt.tokens, cfg.n, cfg.sampling, seed_key=("eval", prompt.prompt_id))
+        results = await score_all(reward_pool, prompt.problem, [c.text for c in completions])
+        correct = sum(r.passed for r in results)
+        return ProblemEval(prompt.prompt_id, cfg.n, correct, pass_at_ks(cfg.n, correct, cfg.ks),
+                           tests_used(prompt.problem, cfg.hidden_tests)).to_record()
+
+    try:
+        records = await run_resumable(prompts, lambda p: p.prompt_id, work, log, concurrency=cfg.sampling.concurrency,
+                                      description="eval", progress=progress)
+    finally:
+        if log is not None:
+            log.close()
+    problems = [ProblemEval.from_record(r, cfg.ks) for r in records.values()]
+    return EvalResult(problems, tuple(cfg.ks), cfg.n, cfg.sampling.temperature, cfg.sampling.top_p)
+
+
+def main(argv: list[str]) -> int:
+    defaults = EvalConfig()
+    parser = argparse.ArgumentParser(prog="megatron-spo eval", description="pass@k of a model on a task.")
+    add_task_args(parser, default_split="heldout")
+    parser.add_argument("--out", required=True, help="per-problem results JSONL (resumable)")
+    parser.add_argument("--json", default=None, help="also write the whole result (mean + per problem) as JSON")
+    parser.add_argument("-n", "--n", type=int, default=defaults.n, help="samples per problem")
+    parser.add_argument("--ks", type=int, nargs="+", default=list(defaults.ks))
+    parser.add_argument("--no-hidden-tests", action="store_true", help="score on the reward tests only")
+    add_sampling_args(parser, defaults.sampling)
+    args = parser.parse_args(argv)
+    apply_train_config(args, parser)
+    cfg = build_config(EvalConfig, {"n": args.n, "ks": tuple(args.ks), "hidden_tests": not args.no_hidden_tests,
+                                    "sampling": sampling_from_args(args)})
+
+    async def body() -> int:
+        from rich.console import Console
+
+        from megatron_spo.rollout.client import EngineClient
+
+        prompts = prompts_from_args(args)
+        pool = reward_pool_from_args(args, [p.problem for p in prompts], hidden=cfg.hidden_tests)
+        try:
+            async with EngineClient(args.engine_url, timeout_s=args.request_timeout) as client:
+                result = await evaluate(prompts, client, pool, n=cfg.n, temperature=cfg.sampling.temperature,
+                                        top_p=cfg.sampling.top_p, ks=cfg.ks, sampling=cfg.sampling, out_path=args.out,
+                                        progress=not args.no_progress)
+        finally:
+            close_reward_pool(pool)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        Console().print(result.table())
+        print("eval: " + ", ".join(f"pass@{k} {v:.4f}" for k, v in result.mean.items())
+              + f" over {len(result.problems)} problems -> {args.out}")
+        return 0
+
+    return run_cli("megatron-spo eval", body)
