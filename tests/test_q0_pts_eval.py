@@ -415,9 +415,9 @@ def test_cli_estimate_q0_and_eval_on_the_toy_task_with_the_sandbox(engine, sandb
 
 def test_cli_estimate_q0_from_a_training_config_feeds_the_trainer(engine, model_dir, sandbox_ok, tmp_path):
     """The SLURM Q0 stage's form: `estimate-q0 CONFIG --router-url URL --out DIR`; the task, tokenizer and beta
-    come from the training config, DIR/q0.jsonl is written, and the trainer's Q0 reader takes it."""
+    come from the training config, DIR/q0.jsonl is written, and read_q0 (what the trainer's online source
+    attaches to each trajectory) takes it."""
     from megatron_spo.data import q0
-    from megatron_spo.training.online import read_q0 as trainer_read_q0
 
     config = tmp_path / "train.yaml"
     config.write_text(f"beta: 0.5\ninit: {{hf: {model_dir}}}\ntask: {{kind: toy, toy: {{num_problems: 12}}}}\n")
@@ -429,7 +429,7 @@ def test_cli_estimate_q0_from_a_training_config_feeds_the_trainer(engine, model_
 
     assert [r["prompt_id"] for r in lines] == [p.id for p in make_task(num_problems=12).train[:2]]
     assert [(r["s0"], r["q0"], r["beta"]) for r in lines] == [(0.0, -1.0, 0.5)] * 2
-    assert trainer_read_q0(str(out_dir / "q0.jsonl")) == {r["prompt_id"]: -1.0 for r in lines}
+    assert {k: v.q0 for k, v in q0.read_q0(out_dir / "q0.jsonl").items()} == {r["prompt_id"]: -1.0 for r in lines}
 
 
 def test_cli_pts_through_megatron_spo_with_the_sandbox(engine, tokenizer, sandbox_ok, tmp_path, capsys):
