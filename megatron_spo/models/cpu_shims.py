@@ -1,0 +1,100 @@
+"""Every CPU workaround megatron-core 0.16.1 needs, in one place, applied once and only without CUDA.
+
+megatron-core assumes a GPU in a handful of spots (see FIELD-NOTES.md, "megatron-core on CPU"). Each
+shim below names the spot it covers. On a machine with a CUDA device ``apply_cpu_shims()`` does nothing.
+
+    from megatron_spo.models.cpu_shims import apply_cpu_shims
+    apply_cpu_shims()   # before building models or process groups; idempotent
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+_MODE: TorchFunctionMode | None = None
+
+# CPU tensor type names that megatron's optimizer / grad clipping compare against their CUDA names.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` onto the CPU.
+
+    Covers the hard-coded CUDA sites: the token counter in pipeline schedules, optimizer setup and
+    fully-parallel checkpoint loading with DP > 1.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def cpu_shims_needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_shims() -> bool:
+    """Install the shims when no CUDA device is present. Returns True when shims are active."""
+    global _APPLIED, _MODE
+    if _APPLIED:
+        return True
+    if not cpu_shims_needed():
+        return False
+
+    # RoPE inv_freq, the global memory buffer and p2p shape exchange pass current_device() as a device.
+    torch.cuda.current_device = lambda: "cpu"
+    # p2p communication and async checkpoint writing synchronise the (absent) stream.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    # Activation recompute and the RNG tracker save/restore "CUDA" RNG state: use the CPU generator.
+    get_state = functools.wraps(torch.cuda.get_rng_state)(lambda device="cuda": torch.get_rng_state())
+    set_state = functools.wraps(torch.cuda.set_rng_state)(lambda new_state, device="cuda": None)
+    torch.cuda.get_rng_state = get_state
+    torch.cuda.random.get_rng_state = get_state
+    torch.cuda.set_rng_state = set_state
+    torch.cuda.random.set_rng_state = set_state
+    import megatron.core.tensor_parallel.random as mp_random
+
+    mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
+
+    # Optimizer setup and grad clipping assert param.type() == 'torch.cuda.FloatTensor'.
+    original_type = torch.Tensor.type
+
+    @functools.wraps(original_type)
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original_type(self)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = tensor_type
+
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _APPLIED = True
+    return True
+
+
+def cpu_shims_active() -> bool:
+    return _APPLIED

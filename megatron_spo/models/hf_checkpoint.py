@@ -1,0 +1,317 @@
+"""Read and write real Hugging Face Llama checkpoints: config.json, (sharded) safetensors, index.
+
+    cfg = read_hf_config(hf_dir)                  # ModelConfig; refuses unsupported architectures
+    reader = HFReader(hf_dir); reader.validate(cfg)   # missing / extra / wrong-shape tensors -> HFCheckpointError
+    t = reader.get("model.layers.0.mlp.up_proj.weight")    # one tensor at a time (lazy safetensors)
+    with HFWriter(out_dir, max_shard_bytes=5 * 2**30) as w: w.add(name, tensor)   # streaming shards + index
+    write_hf_config(out_dir, cfg)
+
+Errors are one line naming the tensor or config.json field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_spo.config import ConfigError, ModelConfig, RopeScaling
+from megatron_spo.models.hf_map import hf_shapes
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files copied through conversions so the output loads in transformers / SGLang unchanged.
+TOKENIZER_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+)
+_DTYPE_NAMES = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+}
+# Tensors some Llama checkpoints carry that hold no weights (recomputed from config).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint that cannot be converted; the message names the tensor or field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+# ---------------------------------------------------------------------------------------------
+def read_hf_config(hf_dir: str | Path) -> ModelConfig:
+    """ModelConfig from config.json (Llama only; unsupported features are refused by field name)."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise HFCheckpointError(f"{path}: config.json not found")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise HFCheckpointError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None
+    return hf_config_to_model_config(raw, source=str(path))
+
+
+def hf_config_to_model_config(raw: dict, source: str = "config.json") -> ModelConfig:
+    archs = raw.get("architectures") or []
+    if archs != ["LlamaForCausalLM"] and not (not archs and raw.get("model_type") == "llama"):
+        raise HFCheckpointError(
+            f"{source}: unsupported architecture {archs or raw.get('model_type')!r} "
+            f"(field 'architectures'; supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def need(field: str):
+        if field not in raw:
+            raise HFCheckpointError(f"{source}: missing field '{field}'")
+        return raw[field]
+
+    def refuse(field: str, ok) -> None:
+        if field in raw and raw[field] not in ok:
+            raise HFCheckpointError(f"{source}: unsupported {field}={raw[field]!r} (supported: {ok})")
+
+    refuse("hidden_act", ("silu",))
+    refuse("attention_bias", (False,))
+    refuse("mlp_bias", (False,))
+    refuse("pretraining_tp", (1,))
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    if raw.get("head_dim") not in (None, hidden // heads):
+        raise HFCheckpointError(
+            f"{source}: unsupported head_dim={raw['head_dim']} (must equal hidden_size / num_attention_heads "
+            f"= {hidden // heads})"
+        )
+    rope = dict(raw.get("rope_parameters") or {})
+    rope.update(raw.get("rope_scaling") or {})
+    rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise HFCheckpointError(
+            f"{source}: unsupported rope_scaling type {rope_type!r} (supported: default, llama3)"
+        )
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position_embeddings=rope["original_max_position_embeddings"],
+        )
+    dtype = _DTYPE_NAMES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), "float32")
+    try:
+        return ModelConfig(
+            num_layers=need("num_hidden_layers"),
+            hidden_size=hidden,
+            ffn_hidden_size=need("intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=raw.get("num_key_value_heads") or heads,
+            vocab_size=need("vocab_size"),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            norm_epsilon=raw.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            params_dtype=dtype,
+        )
+    except (ValueError, ConfigError) as err:
+        first = str(err).splitlines()
+        raise HFCheckpointError(f"{source}: {first[-1] if len(first) > 1 else first[0]}") from None
+
+
+def model_config_to_hf_config(cfg: ModelConfig, extra: dict | None = None) -> dict:
+    """config.json contents for LlamaForCausalLM (classic rope_theta / rope_scaling fields, which
+    transformers 4.x, 5.x and SGLang all read)."""
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.norm_epsilon,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": cfg.params_dtype,
+    }
+    if cfg.rope_scaling is not None:
+        raw["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling.factor,
+            "low_freq_factor": cfg.rope_scaling.low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_scaling.original_max_position_embeddings,
+        }
+    # Token ids and similar fields of the source config ride along unchanged.
+    for key, value in (extra or {}).items():
+        if key in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache"):
+            raw[key] = value
+    return raw
+
+
+def write_hf_config(out_dir: str | Path, cfg: ModelConfig, extra: dict | None = None) -> None:
+    (Path(out_dir) / "config.json").write_text(
+        json.dumps(model_config_to_hf_config(cfg, extra), indent=2) + "\n"
+    )
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy tokenizer / generation config files from src to dst; returns the names copied."""
+    copied = []
+    for pattern in TOKENIZER_PATTERNS:
+        for path in sorted(Path(src).glob(pattern)):
+            if path.is_file() and path.name not in copied:
+                shutil.copy2(path, Path(dst) / path.name)
+                copied.append(path.name)
+    return copied
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------------
+class HFReader:
+    """Lazy access to the tensors of an HF checkpoint (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        index = self.dir / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise HFCheckpointError(f"{index}: not a safetensors index (no 'weight_map')") from None
+        elif (self.dir / SINGLE_NAME).is_file():
+            with safe_open(self.dir / SINGLE_NAME, framework="pt") as f:
+                weight_map = {name: SINGLE_NAME for name in f.keys()}
+        else:
+            raise HFCheckpointError(f"{self.dir}: no {INDEX_NAME} or {SINGLE_NAME}")
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def _handle(self, name: str):
+        if name not in self.weight_map:
+            raise HFCheckpointError(f"{self.dir}: missing tensor '{name}'")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            path = self.dir / file
+            if not path.is_file():
+                raise HFCheckpointError(
+                    f"{self.dir}: tensor '{name}' is indexed in '{file}', which does not exist"
+                )
+            self._handles[file] = safe_open(path, framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def validate(self, cfg: ModelConfig) -> None:
+        """Every tensor config.json implies is present with the right shape, and nothing else is."""
+        expected = hf_shapes(cfg)
+        present = {n for n in self.names() if not n.endswith(_IGNORED_SUFFIXES)}
+        if cfg.tie_word_embeddings:
+            present.discard("lm_head.weight")  # some tied checkpoints store it anyway
+        for name, shape in expected.items():
+            if name not in present:
+                raise HFCheckpointError(
+                    f"{self.dir}: missing tensor '{name}' (config.json expects shape {list(shape)})"
+                )
+            got = self.shape(name)
+            if got != shape:
+                raise HFCheckpointError(
+                    f"{self.dir}: tensor '{name}' has shape {list(got)} but config.json implies {list(shape)}"
+                )
+        extra = sorted(present - set(expected))
+        if extra:
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise HFCheckpointError(
+                f"{self.dir}: unexpected tensor '{extra[0]}'{more} not in a Llama with this config.json"
+            )
+
+    def total_bytes(self) -> int:
+        return sum((self.dir / f).stat().st_size for f in set(self.weight_map.values()))
+
+
+def fsync_file(path: str | Path) -> None:
+    """Flush a written file to disk (outputs are renamed into place only once durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class HFWriter:
+    """Streams tensors into safetensors shards of at most ``max_shard_bytes`` plus the index JSON."""
+
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().contiguous()
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        path = self.dir / f"shard-{len(self._shards):05d}.tmp"
+        save_file(self._pending, path, metadata={"format": "pt"})
+        fsync_file(path)
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        n = len(self._shards)
+        weight_map = {}
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.dir / f"shard-{i:05d}.tmp").rename(self.dir / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        fsync_file(self.dir / INDEX_NAME)
+
+    def __enter__(self) -> HFWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()

@@ -1,0 +1,133 @@
+"""torch.distributed + megatron parallel_state from a ParallelConfig (gloo on CPU, NCCL on GPU).
+
+    init_parallel(parallel_cfg, model_cfg, seed=1234)   # reads RANK / WORLD_SIZE / MASTER_* (torchrun)
+    ...
+    destroy_parallel()
+
+``spawn_local(fn, world_size, *args)`` runs ``fn(*args)`` in ``world_size`` fresh processes with the
+torchrun environment set (free port on 127.0.0.1): tests and ``check-conversion`` use it on one machine.
+Scripts that call it need an ``if __name__ == "__main__":`` guard (spawn re-imports the main module).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_spo.models.cpu_shims import apply_cpu_shims
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def check_layout(parallel_cfg: ParallelConfig, model_cfg: ModelConfig, world_size: int) -> None:
+    """Refuse layouts that cannot work, before any process group exists (one-line ConfigError)."""
+    parallel_cfg.check(model_cfg, world_size)
+    if parallel_cfg.sequence_parallel and not torch.cuda.is_available():
+        raise ConfigError(
+            "parallel.sequence_parallel needs a GPU (megatron's local-spec norms refuse it on CPU)"
+        )
+    if parallel_cfg.sequence_parallel and parallel_cfg.tensor_model_parallel_size == 1:
+        raise ConfigError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
+    if model_cfg.fp8:
+        from megatron_spo import extras
+
+        if extras.transformer_engine() is None:
+            raise ConfigError("model.fp8 needs transformer-engine and a GPU; neither is usable here")
+
+
+def init_parallel(
+    parallel_cfg: ParallelConfig,
+    model_cfg: ModelConfig,
+    *,
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> None:
+    """Initialise the default process group and megatron's TP/PP/DP groups, then seed RNGs.
+
+    The layout is checked first: a bad layout raises ConfigError and builds no group.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    check_layout(parallel_cfg, model_cfg, world_size)
+    apply_cpu_shims()
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    on_gpu = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if on_gpu:
+            torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel_cfg.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    torch.manual_seed(seed)
+    if on_gpu:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        # The plain call needs the CUDA RNG; the inference tracker keeps its states on the CPU.
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, inference_rng_tracker=True, force_reset_rng=True
+        )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    fn(*args)
+
+
+def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Run ``fn(*args)`` in ``world_size`` spawned processes with a torchrun-style environment.
+
+    ``fn`` must be importable (module level). Raises if any process fails.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)

@@ -1,0 +1,39 @@
+"""Which transformer layer spec to build: Transformer Engine (FP8-capable) or megatron's local modules.
+
+One guarded probe (``extras.transformer_engine()``: TE imports AND a GPU is present, catching
+ImportError, RuntimeError and OSError) decides. Both specs write the same dist-checkpoint keys (the
+local spec maps its norms onto TE's fused names), so a checkpoint moves between them unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from megatron_spo import extras
+from megatron_spo.config import ConfigError, ModelConfig
+
+Backend = Literal["transformer_engine", "local"]
+
+
+def spec_backend(prefer: Backend | None = None) -> Backend:
+    """'transformer_engine' when usable (or asked for and usable), else 'local'."""
+    te_usable = extras.transformer_engine() is not None
+    if prefer == "transformer_engine" and not te_usable:
+        raise ConfigError(
+            "transformer_engine layer spec asked for, but transformer-engine or a GPU is not usable"
+        )
+    if prefer == "local":
+        return "local"
+    return "transformer_engine" if te_usable else "local"
+
+
+def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None):
+    """(ModuleSpec for one Llama decoder layer, backend name). FP8 needs the TE spec."""
+    backend = spec_backend(prefer)
+    if model_cfg.fp8 and backend != "transformer_engine":
+        raise ConfigError("model.fp8 needs the transformer_engine layer spec (transformer-engine + a GPU)")
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if backend == "transformer_engine":  # GPU path: not exercised on the CPU test machine
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), backend
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"), backend

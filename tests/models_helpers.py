@@ -1,0 +1,298 @@
+"""Helpers for the models tests: tiny random Llama checkpoints and the multi-process worker.
+
+The worker runs inside ``spawn_local`` processes (gloo): for each layout it builds the policy, loads
+the HF weights through hf_map, and records measured numbers in a JSON file that the test asserts on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+VOCAB = 1001  # TP=2 does not divide it; padded to 1024
+SEQ = 48  # longer than original_max_position_embeddings=32 below, so llama3 rope scaling matters
+
+
+def tiny_hf_config(num_layers: int = 4, vocab_size: int = VOCAB, **overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def make_tiny_llama(
+    out_dir: str | Path, seed: int = 0, max_shard_size: str | None = "40KB", **overrides
+) -> Path:
+    """Write a random fp32 LlamaForCausalLM (config.json + safetensors shards + index + tokenizer file)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_hf_config(**overrides)).float().eval()
+    with torch.no_grad():  # non-trivial norm weights, so a swapped norm cannot go unnoticed
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    out_dir = Path(out_dir)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}) + "\n")
+    return out_dir
+
+
+def tokens(batch: int = 4, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def hf_reference(hf_dir: str | Path, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits [B, S, V] and gradients (by HF name) of the mean next-token cross-entropy."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    logits = model(ids).logits
+    loss = next_token_loss(logits, ids)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return logits.detach(), grads
+
+
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    v = logits.shape[-1]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process worker (runs in every spawned rank)
+# ---------------------------------------------------------------------------------------------
+LAYOUTS = [  # (TP, PP, VPP); world size 4, so DP = 4 / (TP * PP)
+    (1, 1, None),
+    (2, 1, None),
+    (1, 2, None),
+    (2, 2, None),
+    (1, 2, 2),
+]
+
+
+def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_spo.config import ParallelConfig
+    from megatron_spo.models.builders import build_policy, lm_head_weight, mask_padded_logits
+    from megatron_spo.models.hf_checkpoint import HFReader, read_hf_config
+    from megatron_spo.models.hf_map import iter_hf_tensors, load_hf_into_model
+    from megatron_spo.models.megatron_checkpoint import load_megatron, save_megatron
+    from megatron_spo.models.parallel import init_parallel
+    from megatron_spo.models.pipeline import gather_logits_to_rank0, run_pipeline
+
+    try:  # the fused log-prob op (another component); its parity check is skipped when absent
+        from megatron_spo.ops.token_logprobs import token_logprobs
+    except ImportError:
+        token_logprobs = None
+
+    cfg = read_hf_config(hf_dir)
+    reader = HFReader(hf_dir)
+    ids = tokens()
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        ref_logits, ref_grads = hf_reference(hf_dir, ids)
+    results: dict = {}
+
+    def loss_fn(logits_local, index):
+        # mean next-token CE over one micro-batch of 2 sequences; the batch of 4 has 2 micro-batches
+        losses = vocab_parallel_cross_entropy(logits_local[:, :-1].float().contiguous(), mb_ids[index][:, 1:])
+        return losses.mean()  # the schedule divides by the number of micro-batches
+
+    mb_ids = [ids[0:2], ids[2:4]]
+    for tp, pp, vpp in LAYOUTS:
+        name = f"tp{tp}_pp{pp}" + (f"_vpp{vpp}" if vpp else "")
+        pcfg = ParallelConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+        )
+        init_parallel(pcfg, cfg, seed=123)
+        chunks = build_policy(cfg, pcfg)
+        load_hf_into_model(chunks, cfg, reader.get)
+        rec: dict = {}
+
+        # 1. logit parity with transformers
+        logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=2)
+        if rank == 0:
+            rec["logit_max_abs_diff"] = (logits - ref_logits).abs().max().item()
+
+        # 2. final hidden states @ LM-head shard == this rank's logits shard (last stage)
+        hidden = run_pipeline(chunks, ids, micro_batch_size=2, hidden_states=True)
+        logit_out = run_pipeline(chunks, ids, micro_batch_size=2)
+        diff = torch.zeros(())
+        if hidden:
+            head = chunks[-1]
+            w = lm_head_weight(head)
+            recomputed = mask_padded_logits(
+                torch.cat(hidden) @ w.T, head.output_layer_vocab_start(), cfg.vocab_size
+            )
+            got = torch.cat(logit_out)
+            finite = torch.isfinite(got)
+            assert torch.equal(finite, torch.isfinite(recomputed))
+            diff = (recomputed[finite] - got[finite]).abs().max()
+            rec_hidden_shape = list(hidden[0].shape)
+            rec_padded_cols = int((~finite[0, 0]).sum())
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        rec["hidden_matmul_vs_logits"] = diff.item()
+
+        # 3. gradients vs the single-process transformers run
+        for c in chunks:
+            c.train()
+            c.zero_grad(set_to_none=True)
+        run_pipeline(chunks, ids, micro_batch_size=2, loss_fn=loss_fn)
+        worst = 0.0
+        worst_name = ""
+        for hf_name, g in iter_hf_tensors(chunks, cfg, grads=True):
+            d = (g - ref_grads[hf_name]).abs().max().item() / (ref_grads[hf_name].abs().max().item() + 1e-12)
+            if d > worst:
+                worst, worst_name = d, hf_name
+        if rank == 0:
+            rec["grad_max_rel_diff"] = worst
+            rec["grad_worst_tensor"] = worst_name
+
+        # 3b. the trainer's path: final hidden states + LM-head shard -> fused token log-probs (ops)
+        if token_logprobs is not None:
+            tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+
+            def hidden_loss_fn(hidden_mb, index, head=chunks[-1], tp_group=tp_group):
+                h = hidden_mb[:, :-1].reshape(-1, hidden_mb.shape[-1])
+                targets = mb_ids[index][:, 1:].reshape(-1)
+                logp = token_logprobs(
+                    h, lm_head_weight(head), targets, tp_group=tp_group, valid_vocab_size=cfg.vocab_size
+                )
+                return -logp.mean()
+
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+            run_pipeline(chunks, ids, micro_batch_size=2, loss_fn=hidden_loss_fn, hidden_states=True)
+            worst = 0.0
+            for hf_name, g in iter_hf_tensors(chunks, cfg, grads=True):
+                ref = ref_grads[hf_name]
+                worst = max(worst, (g - ref).abs().max().item() / (ref.abs().max().item() + 1e-12))
+            if rank == 0:
+                rec["grad_via_hidden_max_rel_diff"] = worst
+
+        # 4. streaming export to rank 0 is bit-exact
+        exact = True
+        count = 0
+        for hf_name, t in iter_hf_tensors(chunks, cfg):
+            exact &= torch.equal(t, reader.get(hf_name))
+            count += 1
+        if rank == 0:
+            rec["export_bit_exact"] = bool(exact)
+            rec["export_count"] = count
+
+        # 5. the TP=2 x PP=2 layout writes the dist checkpoint that TP=1 loads below
+        if (tp, pp, vpp) == (2, 2, None):
+            save_megatron(chunks, cfg, ckpt_dir)
+        if hidden:
+            rec["hidden_shape"] = rec_hidden_shape
+            rec["padded_cols_on_last_rank"] = rec_padded_cols
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(
+            gathered, {k: v for k, v in rec.items() if k.startswith(("hidden_shape", "padded"))}
+        )
+        rec["last_stage_info"] = [g for g in gathered if g]
+        results[name] = rec
+        del chunks
+        ps.destroy_model_parallel()
+
+    # TP=2 x PP=2 checkpoint -> TP=1 (DP=4) model: same logits as transformers
+    pcfg = ParallelConfig()
+    init_parallel(pcfg, cfg, seed=7)
+    chunks = build_policy(cfg, pcfg)
+    load_megatron(chunks, ckpt_dir)
+    logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size)
+    if rank == 0:
+        results["ckpt_tp2pp2_to_tp1"] = {"logit_max_abs_diff": (logits - ref_logits).abs().max().item()}
+
+    # reference and value models (TP=1 here)
+    from megatron_spo.models.builders import build_reference, build_value_model, gpt_hidden_states
+
+    reference = build_reference(cfg, pcfg)
+    value = build_value_model(cfg, pcfg)
+    load_megatron(reference, ckpt_dir)
+    load_hf_into_model(value, cfg, reader.get)  # the trunk; the value model has no LM head
+    head = value[0].value_head
+    with torch.no_grad():
+        head.weight.copy_(torch.randn_like(head.weight))
+        head.bias.fill_(0.5)
+        values = value[0](ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+        hidden = gpt_hidden_states(chunks[0], ids)
+    if rank == 0:
+        results["reference"] = {
+            "any_requires_grad": any(p.requires_grad for c in reference for p in c.parameters()),
+            "training": any(c.training for c in reference),
+            "logits_equal_policy": torch.equal(
+                gather_logits_to_rank0(reference, ids, cfg.vocab_size), logits
+            ),
+        }
+        results["value"] = {
+            "shape": list(values.shape),
+            "max_abs_diff_vs_hidden_dot_head": (values - (hidden @ head.weight[0] + 0.5)).abs().max().item(),
+        }
+    else:
+        gather_logits_to_rank0(reference, ids, cfg.vocab_size)
+
+    # megatron DDP + distributed optimizer over DP=4 run on CPU through the shims: the pre-clip grad
+    # norm equals the transformers gradient norm (every DP rank sees the same batch)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    wrapped = [DistributedDataParallel(c.config, ddp_cfg, c) for c in chunks]
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True, clip_grad=1.0)
+    optimizer = get_megatron_optimizer(opt_cfg, wrapped)
+    for c in wrapped:
+        c.train()
+        c.zero_grad_buffer()
+    optimizer.zero_grad()
+    before = chunks[0].decoder.final_layernorm.weight.detach().clone()
+    run_pipeline(wrapped, ids, micro_batch_size=2, loss_fn=loss_fn)
+    for c in wrapped:
+        c.finish_grad_sync()
+    stepped, grad_norm, _ = optimizer.step()
+    if rank == 0:
+        ref_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())).item()
+        moved = (chunks[0].decoder.final_layernorm.weight - before).abs().max().item()
+        results["ddp_distributed_optimizer"] = {
+            "stepped": bool(stepped),
+            "grad_norm": grad_norm,
+            "hf_grad_norm": ref_norm,
+            "param_moved": moved,
+        }
+
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(results, indent=2))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()

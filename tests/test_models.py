@@ -1,0 +1,388 @@
+"""Megatron Llama models, the HF<->Megatron map and checkpoint conversion (tiny random Llama, fp32, CPU).
+
+One 4-process gloo spawn runs every layout (TP=1, TP=2, PP=2, TP=2 x PP=2, PP=2 x VPP=2) and records
+numbers; the tests assert them. The CLI runs in subprocesses so megatron's CPU shims never enter the
+pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+import models_helpers as mh  # noqa: E402
+
+from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
+from megatron_spo.models import hf_checkpoint as hfc  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return mh.make_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def parallel_results(hf_dir, tmp_path_factory) -> dict:
+    from megatron_spo.models.parallel import spawn_local
+
+    work = tmp_path_factory.mktemp("parallel")
+    spawn_local(mh.parallel_worker, 4, str(hf_dir), str(work / "results.json"), str(work / "ckpt"))
+    return json.loads((work / "results.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process: parity, gradients, export, checkpoint resharding
+# ---------------------------------------------------------------------------------------------
+LAYOUT_NAMES = ["tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2", "tp1_pp2_vpp2"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_layout_matches_transformers(parallel_results, layout):
+    r = parallel_results[layout]
+    assert r["logit_max_abs_diff"] < 1e-4, r
+    # final hidden states @ LM-head shard reproduces the model's (masked) logits exactly
+    assert r["hidden_matmul_vs_logits"] < 1e-5, r
+    # gradients of a next-token loss match a single-process transformers backward
+    assert r["grad_max_rel_diff"] < 1e-4, r
+    # the streaming HF export gathers every tensor bit-exactly (4 layers x 9 + embed, norm, lm_head)
+    assert r["export_bit_exact"] is True
+    assert r["export_count"] == 4 * 9 + 3
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_hidden_states_with_fused_logprobs_give_transformers_gradients(parallel_results, layout):
+    """The trainer's path: gpt hidden states + lm_head_weight shard -> ops.token_logprobs (vocab-parallel)."""
+    r = parallel_results[layout]
+    if "grad_via_hidden_max_rel_diff" not in r:
+        pytest.skip("megatron_spo.ops.token_logprobs is not available")
+    assert r["grad_via_hidden_max_rel_diff"] < 1e-4, r
+
+
+@pytest.mark.multiproc
+def test_padded_vocab_columns_are_masked(parallel_results):
+    # vocab 1001 padded to 1024: the last TP rank's shard (or the only shard) holds 23 padded columns
+    tp1 = parallel_results["tp1_pp1"]["last_stage_info"]
+    tp2 = parallel_results["tp2_pp1"]["last_stage_info"]
+    assert {d["padded_cols_on_last_rank"] for d in tp1} == {23}
+    assert sorted(d["padded_cols_on_last_rank"] for d in tp2) == [0, 0, 23, 23]  # DP=2 x TP=2
+    assert all(d["hidden_shape"] == [2, mh.SEQ, 64] for d in tp1 + tp2)
+
+
+@pytest.mark.multiproc
+def test_tp2_pp2_checkpoint_loads_at_tp1(parallel_results):
+    assert parallel_results["ckpt_tp2pp2_to_tp1"]["logit_max_abs_diff"] < 1e-4
+
+
+@pytest.mark.multiproc
+def test_reference_and_value_models(parallel_results):
+    ref = parallel_results["reference"]
+    assert ref == {"any_requires_grad": False, "training": False, "logits_equal_policy": True}
+    value = parallel_results["value"]
+    assert value["shape"] == [4, mh.SEQ]
+    assert value["max_abs_diff_vs_hidden_dot_head"] < 1e-5
+
+
+@pytest.mark.multiproc
+def test_ddp_and_distributed_optimizer_step_on_cpu(parallel_results):
+    """The CPU shims carry megatron DDP + the distributed optimizer (DP=4, gloo) through one Adam step."""
+    r = parallel_results["ddp_distributed_optimizer"]
+    assert r["stepped"] is True
+    assert r["grad_norm"] == pytest.approx(r["hf_grad_norm"], rel=1e-5)
+    # Adam's first step moves every parameter by ~lr (1e-3) regardless of the gradient's scale
+    assert r["param_moved"] == pytest.approx(1e-3, rel=0.05)
+
+
+def test_rope_scaling_changes_logits_at_test_length(hf_dir):
+    """The 1e-4 parity tests would catch missing rope scaling, or megatron's hard-coded llama3
+    parameters (original_max_position_embeddings 8192) instead of the config's (32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = mh.tokens()
+    with torch.no_grad():
+        scaled = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(ids).logits
+        for rope in (
+            {"rope_type": "default", "rope_theta": 500000.0},
+            {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ):
+            other_cfg = LlamaConfig.from_pretrained(hf_dir)
+            other_cfg.rope_parameters = rope
+            other = LlamaForCausalLM.from_pretrained(hf_dir, config=other_cfg, dtype=torch.float32).eval()
+            assert (scaled - other(ids).logits).abs().max().item() > 1e-3, rope
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI conversion (subprocesses)
+# ---------------------------------------------------------------------------------------------
+def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_spo.cli", *args], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _all_tensors(hf: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_hf_megatron_hf_round_trip_and_check(hf_dir, tmp_path):
+    meg, back = tmp_path / "meg", tmp_path / "back"
+    _cli("convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(meg))
+    assert (meg / "metadata.json").is_file() and not (tmp_path / "meg.tmp").exists()
+    _cli("convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(back))
+
+    src, dst = _all_tensors(hf_dir), _all_tensors(back)
+    assert src.keys() == dst.keys()
+    assert all(torch.equal(src[k], dst[k]) for k in src), "round trip is not bit-exact"
+    assert hfc.read_hf_config(back) == hfc.read_hf_config(hf_dir)
+    assert (back / "tokenizer_config.json").read_text() == (hf_dir / "tokenizer_config.json").read_text()
+    assert (back / "generation_config.json").is_file()
+    index = json.loads((back / hfc.INDEX_NAME).read_text())
+    assert set(index["weight_map"]) == set(src)
+
+    # the output loads in transformers unchanged and gives identical logits
+    from transformers import AutoModelForCausalLM
+
+    ids = mh.tokens(batch=2)
+    a = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    b = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+    # check-conversion under TP=2 (spawns 2 ranks) passes; an impossible tolerance fails with exit 1
+    ok = _cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tp", "2", "--tol", "1e-4")
+    line = ok.stdout.strip().splitlines()[-1]
+    assert line.startswith("max abs logit diff ") and line.endswith("(TP=2 PP=1, tol 0.0001): OK"), line
+    assert float(line.split()[4]) < 1e-4
+    bad = _cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tol", "1e-12", check=False)
+    assert bad.returncode == 1 and bad.stdout.strip().endswith("FAIL")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one-line errors naming the tensor or field; nothing half-written
+# ---------------------------------------------------------------------------------------------
+def _copy_hf(hf_dir: Path, dst: Path) -> Path:
+    dst.mkdir()
+    tensors = _all_tensors(hf_dir)
+    save_file(tensors, dst / "model.safetensors")
+    (dst / "config.json").write_text((hf_dir / "config.json").read_text())
+    return dst
+
+
+def _convert_error(hf: Path, out: Path) -> str:
+    from megatron_spo.models.convert import hf_to_megatron
+
+    with pytest.raises((hfc.HFCheckpointError, ConfigError)) as info:
+        hf_to_megatron(hf, out)
+    assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_unsupported_architecture(hf_dir, tmp_path):
+    bad = _copy_hf(hf_dir, tmp_path / "hf")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    msg = _convert_error(bad, tmp_path / "out")
+    assert msg == (
+        f"{bad}/config.json: unsupported architecture ['MistralForCausalLM'] "
+        "(field 'architectures'; supported: LlamaForCausalLM)"
+    )
+
+
+def test_unsupported_config_field(hf_dir, tmp_path):
+    bad = _copy_hf(hf_dir, tmp_path / "hf")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert _convert_error(bad, tmp_path / "out") == (
+        f"{bad}/config.json: unsupported hidden_act='gelu' (supported: ('silu',))"
+    )
+
+
+def test_config_not_matching_tensors(hf_dir, tmp_path):
+    bad = _copy_hf(hf_dir, tmp_path / "hf")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert _convert_error(bad, tmp_path / "out") == (
+        f"{bad}: tensor 'model.layers.0.mlp.gate_proj.weight' has shape [96, 64] but config.json implies [128, 64]"
+    )
+
+
+def test_missing_and_extra_tensor(hf_dir, tmp_path):
+    tensors = _all_tensors(hf_dir)
+    missing = _copy_hf(hf_dir, tmp_path / "missing")
+    save_file(
+        {k: v for k, v in tensors.items() if k != "model.layers.2.self_attn.v_proj.weight"},
+        missing / "model.safetensors",
+    )
+    assert _convert_error(missing, tmp_path / "out1") == (
+        f"{missing}: missing tensor 'model.layers.2.self_attn.v_proj.weight' (config.json expects shape [32, 64])"
+    )
+    extra = _copy_hf(hf_dir, tmp_path / "extra")
+    save_file(
+        {**tensors, "model.layers.9.mlp.gate_proj.weight": torch.zeros(2, 2)}, extra / "model.safetensors"
+    )
+    assert _convert_error(extra, tmp_path / "out2") == (
+        f"{extra}: unexpected tensor 'model.layers.9.mlp.gate_proj.weight' not in a Llama with this config.json"
+    )
+
+
+def test_index_pointing_to_missing_shard(hf_dir, tmp_path):
+    bad = tmp_path / "hf"
+    bad.mkdir()
+    dropped = sorted(hf_dir.glob("*.safetensors"))[2].name
+    for f in hf_dir.iterdir():
+        if f.name != dropped:
+            (bad / f.name).write_bytes(f.read_bytes())
+    msg = _convert_error(bad, tmp_path / "out")
+    assert msg.startswith(f"{bad}: tensor '") and msg.endswith(
+        f"indexed in '{dropped}', which does not exist"
+    ), msg
+
+
+def test_existing_output_is_refused(hf_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    from megatron_spo.models.convert import hf_to_megatron
+
+    with pytest.raises(ConfigError, match=f"^output directory '{out}' already exists"):
+        hf_to_megatron(hf_dir, out)
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    from megatron_spo.models.convert import _atomic_dir
+
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with _atomic_dir(out) as tmp:
+            (tmp / "metadata.json").write_text("{}")
+            raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+# ---------------------------------------------------------------------------------------------
+def test_hf_config_round_trip_and_both_rope_styles(hf_dir):
+    cfg = hfc.read_hf_config(hf_dir)  # transformers 5 writes rope_parameters
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position_embeddings == 32
+    assert (cfg.num_query_groups, cfg.vocab_size, cfg.norm_epsilon) == (2, mh.VOCAB, 1e-5)
+    classic = hfc.model_config_to_hf_config(cfg)  # rope_theta + rope_scaling, as Llama 3.1 on the hub
+    assert "rope_parameters" not in classic and classic["rope_scaling"]["rope_type"] == "llama3"
+    assert hfc.hf_config_to_model_config(classic) == cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Refused parallel layouts (before any process group is built)
+# ---------------------------------------------------------------------------------------------
+TINY = ModelConfig(
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=1001,
+)
+
+
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        (
+            dict(tensor_model_parallel_size=4),
+            4,
+            "parallel.tensor_model_parallel_size 4 does not divide model.num_query_groups 2",
+        ),
+        (
+            dict(tensor_model_parallel_size=3),
+            3,
+            "parallel.tensor_model_parallel_size 3 does not divide model.num_attention_heads 4",
+        ),
+        (
+            dict(pipeline_model_parallel_size=3),
+            3,
+            "parallel: pipeline_model_parallel_size 3 x virtual_pipeline_model_parallel_size 1 = 3 does not divide "
+            "model.num_layers 4",
+        ),
+        (
+            dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4),
+            2,
+            "parallel: pipeline_model_parallel_size 2 x virtual_pipeline_model_parallel_size 4 = 8 does not divide "
+            "model.num_layers 4",
+        ),
+        (
+            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            6,
+            "parallel: world size 6 is not divisible by tensor_model_parallel_size 2 x pipeline_model_parallel_size "
+            "2 = 4",
+        ),
+        (
+            dict(tensor_model_parallel_size=2, sequence_parallel=True),
+            2,
+            "parallel.sequence_parallel needs a GPU (megatron's local-spec norms refuse it on CPU)",
+        ),
+    ],
+)
+def test_refused_layouts(monkeypatch, parallel, world, message):
+    import torch.distributed as dist
+
+    from megatron_spo.models.parallel import init_parallel
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError) as info:
+        init_parallel(ParallelConfig(**parallel), TINY)
+    assert str(info.value) == message
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "preset, params, dp, padded_vocab",
+    [("llama3.1-8b", 8_030_261_248, 32, 128256), ("llama3.1-70b", 70_553_706_496, 4, 129024)],
+)
+def test_presets_are_valid_64_gpu_layouts(preset, params, dp, padded_vocab):
+    from megatron_spo.config import StrictModel, load_config
+
+    class Preset(StrictModel):
+        model: ModelConfig
+        parallel: ParallelConfig
+
+    cfg = load_config(Preset, REPO / "examples" / "models" / f"{preset}.yaml")
+    cfg.parallel.check(cfg.model, world_size=64)
+    assert cfg.model.num_parameters() == params  # the published Llama 3.1 parameter count
+    assert cfg.parallel.data_parallel_size(64) == dp
+    assert cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size) == padded_vocab
