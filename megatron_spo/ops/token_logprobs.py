@@ -1,0 +1,470 @@
+"""Fused LM-head log-probabilities of the taken tokens: chunked, vocabulary-parallel, never [N x V].
+
+    logp = token_logprobs(hidden, weight, targets)            # hidden [N, H], weight [V_local, H], targets [N]
+    logp, entropy = token_logprobs(..., return_entropy=True)  # both [N] fp32
+
+The forward pass walks blocks of logits (a vocabulary tile x a chunk of tokens), computes each block with
+one GEMM into a reused fp32 buffer, and folds it into per-token online-softmax statistics: running max m,
+sum s = sum exp(z - m), t = sum exp(z - m) * z (for the entropy) and the target logit. Nothing of size
+N x V survives a block. The backward pass recomputes each block's logits and turns them in place into
+dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z), then accumulates grad_hidden += dz @ W_tile and
+grad_weight_tile += dz^T @ hidden_chunk. Peak extra memory: one (two with entropy) block of
+chunk_size x vocab_tile fp32, bounded by ``max_block_bytes``.
+
+Tensor parallelism (megatron's VocabParallel layout): rank r holds rows [r * V_local, (r + 1) * V_local)
+of the LM head. Each rank computes its local statistics; max is all-reduced, then the rescaled sums and
+the target logit (non-zero only on the owning rank) are all-reduced in one call. In the backward pass each
+rank's grad_hidden is a partial sum over its vocabulary shard and is all-reduced here, so pass the LM
+head's input as it is (do NOT also route it through megatron's copy_to_tensor_model_parallel_region).
+
+Vocabulary padding: rows at global index >= valid_vocab_size are never multiplied, so they cannot enter the
+softmax; their weight gradient is 0. Targets equal to ``ignore_index`` give log-prob 0, entropy 0 and no
+gradient. bf16/fp16 inputs: GEMMs accumulate in fp32 with fp32 output; all statistics are fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_spo import extras
+
+DEFAULT_CHUNK_SIZE = 4096  # tokens per block; the vocabulary tile then fills max_block_bytes
+DEFAULT_MAX_BLOCK_BYTES = 64 * 2**20  # one fp32 logits block: 4096 tokens x 4096 vocabulary entries
+# On a GPU a block's GEMM takes well under a millisecond, so larger blocks amortise the ~10 kernel
+# launches per block; 512 MiB is 4096 x 32768, still 8x below a naive [16384 x 128256] bf16 logits tensor.
+DEFAULT_MAX_BLOCK_BYTES_CUDA = 512 * 2**20
+MIN_VOCAB_TILE = 128
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: first GPUs with FP8 tensor cores
+_BACKENDS = ("auto", "torch", "triton")
+
+
+class FP8UnavailableError(RuntimeError):
+    """FP8 was asked for on a machine that cannot run FP8 GEMMs."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything the autograd function needs besides tensors."""
+
+    chunk_size: int
+    vocab_tile: int
+    vocab_start: int  # global vocabulary index of local row 0
+    valid_local: int  # local rows [0, valid_local) are real tokens; the rest is padding
+    tp_group: Any
+    kernels: Any  # module with update_stats(...) and logits_grad(...)
+    fp8: bool
+    return_entropy: bool
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    vocab_tile: int | None = None,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    vocab_start_index: int | None = None,
+    valid_vocab_size: int | None = None,
+    fp8: bool = False,
+    backend: str = "auto",
+    max_block_bytes: int | None = None,
+    check_targets: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets | hidden) [N] fp32 (and entropy [N] fp32), gradients for hidden and weight.
+
+    hidden [N, H]; weight [V_local, H], this rank's contiguous shard of the LM head; targets [N] global
+    vocabulary ids or ``ignore_index``. vocab_start_index defaults to rank * V_local in ``tp_group``;
+    valid_vocab_size (global, default tp_size * V_local) marks where vocabulary padding starts.
+    chunk_size: tokens per block (default min(N, 4096)); vocab_tile: vocabulary rows per block (default:
+    what keeps one fp32 block within max_block_bytes, at least 128). max_block_bytes defaults to 64 MiB on
+    CPU and 512 MiB on CUDA. backend: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or
+    "auto" (triton on CUDA when installed, else torch). fp8: run the logits GEMM in FP8 (E4M3,
+    per-tensor scales, fp32 output); needs a GPU with FP8 tensor cores and Transformer Engine.
+    check_targets: verify target ids are in range (one host sync).
+    """
+    _check_shapes(hidden, weight, targets)
+    n_tokens, v_local = hidden.shape[0], weight.shape[0]
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    if vocab_start_index is None:
+        vocab_start_index = tp_rank * v_local
+    if valid_vocab_size is None:
+        valid_vocab_size = tp_size * v_local
+    if vocab_start_index < 0:
+        raise ValueError(f"token_logprobs: vocab_start_index must be >= 0, got {vocab_start_index}")
+    if not 0 < valid_vocab_size <= tp_size * v_local:
+        raise ValueError(
+            f"token_logprobs: valid_vocab_size={valid_vocab_size} must be in [1, {tp_size * v_local}] "
+            f"(tp_size {tp_size} x V_local {v_local})"
+        )
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    if vocab_tile is not None and vocab_tile < 1:
+        raise ValueError(f"token_logprobs: vocab_tile must be >= 1, got {vocab_tile}")
+    if max_block_bytes is None:
+        max_block_bytes = DEFAULT_MAX_BLOCK_BYTES_CUDA if hidden.is_cuda else DEFAULT_MAX_BLOCK_BYTES
+    if max_block_bytes < 4:
+        raise ValueError(f"token_logprobs: max_block_bytes must be >= 4, got {max_block_bytes}")
+    if fp8:
+        _require_fp8(hidden)
+    if check_targets and n_tokens:
+        _check_target_range(targets, ignore_index, valid_vocab_size)
+
+    valid_local = max(0, min(v_local, valid_vocab_size - vocab_start_index))
+    chunk, vocab_tile = default_block_shape(n_tokens, valid_local, max_block_bytes, chunk_size, vocab_tile)
+    plan = _Plan(
+        chunk_size=chunk,
+        vocab_tile=vocab_tile,
+        vocab_start=vocab_start_index,
+        valid_local=valid_local,
+        tp_group=tp_group if tp_size > 1 else None,
+        kernels=_select_kernels(backend, hidden),
+        fp8=fp8,
+        return_entropy=return_entropy,
+    )
+    logp, entropy = _TokenLogprobs.apply(hidden, weight, targets, ignore_index, plan)
+    return (logp, entropy) if return_entropy else logp
+
+
+def default_block_shape(
+    n_tokens: int,
+    v_local: int,
+    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+    chunk_size: int | None = None,
+    vocab_tile: int | None = None,
+) -> tuple[int, int]:
+    """(chunk_size, vocab_tile) of the blocks token_logprobs walks; given values are only clipped to the problem."""
+    chunk = max(1, min(chunk_size or DEFAULT_CHUNK_SIZE, n_tokens))
+    if vocab_tile is None:
+        vocab_tile = max(MIN_VOCAB_TILE, max_block_bytes // (4 * chunk))
+    return chunk, max(1, min(vocab_tile, v_local))
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, plan):
+        ignored = targets == ignore_index
+        target_col = _local_target_columns(targets, ignored, plan)
+        m, s, t, target_logit = _local_statistics(hidden, weight, target_col, plan)
+        lse, mean_logit, target_logit = _combine_across_ranks(m, s, t, target_logit, plan.tp_group)
+        logp = (target_logit - lse).masked_fill_(ignored, 0.0)
+        entropy = (lse - mean_logit).masked_fill_(ignored, 0.0) if plan.return_entropy else None
+        ctx.save_for_backward(
+            hidden, weight, target_col, ignored, lse, mean_logit if plan.return_entropy else lse
+        )
+        ctx.plan = plan
+        if entropy is None:
+            entropy = torch.zeros_like(logp)  # a placeholder output, dropped by token_logprobs
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, target_col, ignored, lse, mean_logit = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_hidden or need_weight):
+            return None, None, None, None, None
+        zero = torch.zeros((), device=lse.device)
+        grad_logp = torch.where(ignored, zero, _as_fp32(grad_logp, lse))
+        grad_entropy = (
+            torch.where(ignored, zero, _as_fp32(grad_entropy, lse)) if plan.return_entropy else None
+        )
+        grad_hidden, grad_weight = _recompute_gradients(
+            hidden,
+            weight,
+            target_col,
+            lse,
+            mean_logit,
+            grad_logp,
+            grad_entropy,
+            plan,
+            need_hidden,
+            need_weight,
+        )
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _as_fp32(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks of logits
+# ---------------------------------------------------------------------------------------------
+def _blocks(plan: _Plan, n_tokens: int):
+    """(v0, v1, c0, c1) for every block: vocabulary tiles outer, token chunks inner."""
+    for v0 in range(0, plan.valid_local, plan.vocab_tile):
+        v1 = min(v0 + plan.vocab_tile, plan.valid_local)
+        for c0 in range(0, n_tokens, plan.chunk_size):
+            yield v0, v1, c0, min(c0 + plan.chunk_size, n_tokens)
+
+
+def _block_buffer(plan: _Plan, n_tokens: int, device: torch.device) -> torch.Tensor:
+    """One flat fp32 buffer reused by every block (no allocation, no page faults, per block)."""
+    size = min(plan.chunk_size, n_tokens) * min(plan.vocab_tile, max(plan.valid_local, 1))
+    return torch.empty(size, dtype=torch.float32, device=device)
+
+
+def _logits_block(
+    hidden_chunk: torch.Tensor, weight_tile: torch.Tensor, buffer: torch.Tensor, fp8: bool
+) -> torch.Tensor:
+    """hidden_chunk [C, H] @ weight_tile [Vt, H]^T -> contiguous fp32 [C, Vt] (in ``buffer`` when possible)."""
+    rows, cols = hidden_chunk.shape[0], weight_tile.shape[0]
+    out = buffer[: rows * cols].view(rows, cols)
+    if fp8:
+        out.copy_(_fp8_matmul(hidden_chunk, weight_tile))
+    elif hidden_chunk.dtype == torch.float32:
+        torch.mm(hidden_chunk, weight_tile.t(), out=out)
+    elif hidden_chunk.is_cuda:
+        out.copy_(torch.mm(hidden_chunk, weight_tile.t(), out_dtype=torch.float32))
+    else:  # CPU has no mixed-precision GEMM with fp32 output: upcast (products of bf16 are exact in fp32)
+        torch.mm(hidden_chunk.float(), weight_tile.float().t(), out=out)
+    return out
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, where a is fp32 (a logits gradient) and b is in the model dtype."""
+    if b.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif b.is_cuda:  # the logits gradient goes through the GEMM in the model dtype, as in megatron
+        acc.add_(torch.mm(a.to(b.dtype), b, out_dtype=torch.float32))
+    else:
+        acc.addmm_(a, b.float())
+
+
+def _local_target_columns(targets: torch.Tensor, ignored: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """[N] int64: the target's local row on this rank, or -1 when another rank owns it (or it is ignored)."""
+    col = targets.long() - plan.vocab_start
+    owned = (col >= 0) & (col < plan.valid_local) & ~ignored
+    return torch.where(owned, col, torch.full_like(col, -1))
+
+
+def _block_target_columns(target_col: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+    col = target_col - v0
+    return torch.where((target_col >= 0) & (col < v1 - v0), col, torch.full_like(col, -1))
+
+
+def _local_statistics(hidden, weight, target_col, plan: _Plan):
+    """Per-token online-softmax statistics over this rank's valid vocabulary: m, s, t (or None), target logit."""
+    n_tokens, device = hidden.shape[0], hidden.device
+    m = torch.full((n_tokens,), float("-inf"), dtype=torch.float32, device=device)
+    s = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    t = torch.zeros(n_tokens, dtype=torch.float32, device=device) if plan.return_entropy else None
+    target_logit = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    if n_tokens == 0 or plan.valid_local == 0:
+        return m, s, t, target_logit
+    buffer = _block_buffer(plan, n_tokens, device)
+    for v0, v1, c0, c1 in _blocks(plan, n_tokens):
+        z = _logits_block(hidden[c0:c1], weight[v0:v1], buffer, plan.fp8)
+        plan.kernels.update_stats(
+            z,
+            _block_target_columns(target_col[c0:c1], v0, v1),
+            m[c0:c1],
+            s[c0:c1],
+            None if t is None else t[c0:c1],
+            target_logit[c0:c1],
+        )
+    return m, s, t, target_logit
+
+
+def _combine_across_ranks(m, s, t, target_logit, tp_group):
+    """Global logsumexp [N], E_p[z] [N] (or None) and target logit [N] from every rank's local statistics."""
+    if tp_group is not None:
+        global_max = m.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        scale = torch.exp(m - global_max)  # a rank with no valid vocabulary has m = -inf: scale 0
+        parts = [s * scale, target_logit] + ([t * scale] if t is not None else [])
+        packed = torch.stack(parts)
+        dist.all_reduce(packed, group=tp_group)
+        s, target_logit = packed[0], packed[1]
+        t = packed[2] if t is not None else None
+        m = global_max
+    lse = m + torch.log(s)
+    mean_logit = t / s if t is not None else None
+    return lse, mean_logit, target_logit
+
+
+def _recompute_gradients(
+    hidden, weight, target_col, lse, mean_logit, grad_logp, grad_entropy, plan, need_hidden, need_weight
+):
+    """grad_hidden [N, H] (all-reduced over TP) and grad_weight [V_local, H], block by block."""
+    n_tokens, device = hidden.shape[0], hidden.device
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_hidden else None
+    grad_weight = torch.zeros_like(weight) if need_weight else None  # padding rows keep 0
+    weight_acc = None
+    if need_weight and weight.dtype != torch.float32:
+        weight_acc = torch.empty(
+            min(plan.vocab_tile, max(plan.valid_local, 1)),
+            weight.shape[1],
+            dtype=torch.float32,
+            device=device,
+        )
+    if n_tokens and plan.valid_local:
+        buffer = _block_buffer(plan, n_tokens, device)
+        for v0, v1, c0, c1 in _blocks(plan, n_tokens):
+            hidden_chunk, weight_tile = hidden[c0:c1], weight[v0:v1]
+            dz = _logits_block(hidden_chunk, weight_tile, buffer, plan.fp8)
+            plan.kernels.logits_grad(
+                dz,
+                _block_target_columns(target_col[c0:c1], v0, v1),
+                lse[c0:c1],
+                grad_logp[c0:c1],
+                None if grad_entropy is None else grad_entropy[c0:c1],
+                None if grad_entropy is None else mean_logit[c0:c1],
+            )
+            if need_hidden:
+                _add_matmul(grad_hidden[c0:c1], dz, weight_tile)
+            if need_weight:
+                acc = grad_weight[v0:v1] if weight_acc is None else weight_acc[: v1 - v0]
+                if c0 == 0 and weight_acc is not None:
+                    acc.zero_()
+                _add_matmul(acc, dz.t(), hidden_chunk)
+                if weight_acc is not None and c1 == n_tokens:
+                    grad_weight[v0:v1].copy_(acc)
+    if need_hidden and plan.tp_group is not None:
+        dist.all_reduce(grad_hidden, group=plan.tp_group)  # each rank saw only its vocabulary shard
+    if need_hidden:
+        grad_hidden = grad_hidden.to(hidden.dtype)
+    return grad_hidden, grad_weight
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-block math, torch backend (the Triton backend in triton_logprobs.py has the same two functions)
+# ---------------------------------------------------------------------------------------------
+class TorchKernels:
+    """Per-block statistics and logits gradient in torch; z is a contiguous fp32 [C, Vt] block."""
+
+    @staticmethod
+    def update_stats(z, col, m, s, t, target_logit) -> None:
+        """Fold block z into the running m, s, t (None: no entropy) and target_logit, all [C], in place.
+
+        col [C]: the target's column in this block, or -1. z is overwritten.
+        """
+        owned = col >= 0
+        picked = z.gather(1, col.clamp(min=0)[:, None]).squeeze(1)
+        target_logit.add_(torch.where(owned, picked, torch.zeros_like(picked)))
+        m_new = torch.maximum(m, z.amax(dim=1))  # finite: a block has at least one column
+        alpha = torch.exp(m - m_new)
+        z.sub_(m_new[:, None])
+        if t is None:
+            s_block = z.exp_().sum(dim=1)
+        else:
+            e = torch.exp(z)
+            s_block = e.sum(dim=1)
+            # sum e * z_raw = sum e * (z - m_new) + m_new * sum e; bmm avoids a [C, Vt] temporary
+            t_block = torch.bmm(e[:, None, :], z[:, :, None]).view(-1) + m_new * s_block
+            t.mul_(alpha).add_(t_block)
+        s.mul_(alpha).add_(s_block)
+        m.copy_(m_new)
+
+    @staticmethod
+    def logits_grad(z, col, lse, grad_logp, grad_entropy, mean_logit) -> None:
+        """Overwrite z [C, Vt] with dL/dz = p * (-g + g_H * (E_p[z] - z)) + g * onehot(col)."""
+        if grad_entropy is None:
+            z.sub_(lse[:, None]).exp_().mul_(-grad_logp[:, None])
+        else:
+            p = torch.sub(z, lse[:, None]).exp_()  # the one extra block entropy needs
+            z.neg_().add_(mean_logit[:, None]).mul_(grad_entropy[:, None]).sub_(grad_logp[:, None]).mul_(p)
+        owned = col >= 0
+        rows = torch.nonzero(owned).squeeze(1)
+        z[rows, col[rows]] += grad_logp[rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks, backend and FP8 selection
+# ---------------------------------------------------------------------------------------------
+def _check_shapes(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"token_logprobs: hidden must be [N, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"token_logprobs: weight must be [V_local, H] with H={hidden.shape[1]} (hidden's), got shape {tuple(weight.shape)}"
+        )
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(
+            f"token_logprobs: targets must be [N] with N={hidden.shape[0]}, got shape {tuple(targets.shape)}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"token_logprobs: targets must be integer token ids, got dtype {targets.dtype}")
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"token_logprobs: hidden and weight must share one of float32/bfloat16/float16, got {hidden.dtype} and {weight.dtype}"
+        )
+    if not (hidden.device == weight.device == targets.device):
+        raise ValueError(
+            f"token_logprobs: hidden, weight and targets must be on one device, got {hidden.device}, {weight.device}, {targets.device}"
+        )
+
+
+def _check_target_range(targets: torch.Tensor, ignore_index: int, valid_vocab_size: int) -> None:
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= valid_vocab_size))
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"token_logprobs: targets[{i}]={int(targets[i])} is outside the vocabulary [0, {valid_vocab_size}) "
+            f"and is not ignore_index={ignore_index}"
+        )
+
+
+def _select_kernels(backend: str, hidden: torch.Tensor):
+    if backend not in _BACKENDS:
+        raise ValueError(f"token_logprobs: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and not (hidden.is_cuda and extras.triton() is not None)):
+        return TorchKernels
+    if extras.triton() is None:
+        raise ValueError("token_logprobs: backend='triton' but triton is not installed")
+    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "token_logprobs: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
+        )
+    from megatron_spo.ops import triton_logprobs
+
+    return triton_logprobs.TritonKernels
+
+
+def fp8_available(device: torch.device | None = None) -> bool:
+    """True where FP8 GEMMs can run: a CUDA GPU with compute capability >= 8.9 and Transformer Engine."""
+    if extras.transformer_engine() is None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+
+
+def _require_fp8(hidden: torch.Tensor) -> None:
+    if not hidden.is_cuda or not fp8_available(hidden.device):
+        where = "CPU tensors" if not hidden.is_cuda else f"device {hidden.device}"
+        raise FP8UnavailableError(
+            "token_logprobs(fp8=True): FP8 needs Transformer Engine and a GPU with FP8 support "
+            f"(compute capability >= 8.9); not available here ({where})"
+        )
+
+
+def _fp8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T in FP8 E4M3 with per-tensor current scaling, fp32 output (softmax stays fp32).
+
+    Same format and scaling recipe as Transformer Engine's Float8CurrentScaling for forward GEMMs.
+    torch._scaled_mm needs K and N to be multiples of 16: a ragged vocabulary tile is zero-padded.
+    """
+    if a.shape[1] % 16:
+        raise ValueError(f"token_logprobs(fp8=True): hidden size {a.shape[1]} must be a multiple of 16")
+    rows = b.shape[0]
+    if rows % 16:
+        b = torch.nn.functional.pad(b, (0, 0, 0, 16 - rows % 16))
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    scale_a = (a.abs().amax().float() / fp8_max).clamp(min=1e-12)
+    scale_b = (b.abs().amax().float() / fp8_max).clamp(min=1e-12)
+    a8 = (a.float() / scale_a).to(torch.float8_e4m3fn)
+    b8 = (b.float() / scale_b).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    return out[:, :rows]

@@ -1,0 +1,348 @@
+"""Fused token log-probs (megatron_spo.ops) against the plain reference: values, gradients, TP, Triton.
+
+Truth is the reference evaluated in fp64 on the same inputs, so the fp32 tolerance (1e-5) measures the
+fused op's own error, not the reference's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_spo.ops import (
+    FP8UnavailableError,
+    default_block_shape,
+    token_logprobs,
+    token_logprobs_reference,
+)
+from megatron_spo.ops.token_logprobs import TorchKernels
+
+# The module itself: in megatron_spo.ops the name token_logprobs is the function.
+token_logprobs_module = importlib.import_module("megatron_spo.ops.token_logprobs")
+
+IGNORE = -100
+
+
+def make_problem(n=23, h=16, v=50, seed=0, dtype=torch.float32, valid_vocab_size=None, n_ignored=3):
+    """hidden [n, h], weight [v, h], targets [n] with a few ignored; logits of order 1-5."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(v, h, generator=gen, dtype=torch.float64) * 0.7).to(dtype)
+    targets = torch.randint(0, valid_vocab_size or v, (n,), generator=gen)
+    targets[torch.randperm(n, generator=gen)[:n_ignored]] = IGNORE
+    return hidden, weight, targets
+
+
+def values_and_grads(fn, hidden, weight, targets, seed=1, **kw):
+    """(logp, entropy, grad_hidden, grad_weight) of a random linear functional of logp and entropy."""
+    hidden = hidden.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    logp, entropy = fn(hidden, weight, targets, return_entropy=True, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    coef_logp = torch.randn(len(targets), generator=gen, dtype=torch.float64).to(logp.dtype)
+    coef_ent = torch.randn(len(targets), generator=gen, dtype=torch.float64).to(logp.dtype)
+    loss = (logp * coef_logp).sum() + (entropy * coef_ent).sum()
+    grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
+    return logp.detach(), entropy.detach(), grad_hidden, grad_weight
+
+
+def truth(hidden, weight, targets, **kw):
+    return values_and_grads(token_logprobs_reference, hidden.double(), weight.double(), targets, **kw)
+
+
+def assert_all_close(got, want, rtol, atol, names=("logp", "entropy", "grad_hidden", "grad_weight")):
+    for name, a, b in zip(names, got, want):
+        torch.testing.assert_close(
+            a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Single rank
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "chunk_size, vocab_tile",
+    [(None, None), (7, 11), (23, 50), (1, 64), (5, 1)],  # chunks/tiles that do not divide N=23 / V=50
+)
+def test_fp32_values_and_grads_match_reference_within_1e5(chunk_size, vocab_tile):
+    hidden, weight, targets = make_problem()
+    got = values_and_grads(
+        token_logprobs, hidden, weight, targets, chunk_size=chunk_size, vocab_tile=vocab_tile
+    )
+    assert_all_close(got, truth(hidden, weight, targets), rtol=0, atol=1e-5)
+    assert got[0].dtype == got[1].dtype == torch.float32
+
+
+def test_fp32_logprob_only_gradients_match_reference():
+    """The backward without entropy is a separate code path (no entropy gradient term)."""
+    hidden, weight, targets = make_problem()
+    coef = torch.randn(len(targets), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grads = []
+    for fn, dt in ((token_logprobs, torch.float32), (token_logprobs_reference, torch.float64)):
+        h, w = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
+        kw = {"chunk_size": 7, "vocab_tile": 11} if fn is token_logprobs else {}
+        grads.append(torch.autograd.grad((fn(h, w, targets, **kw) * coef.to(dt)).sum(), (h, w)))
+    for name, a, b in zip(("grad_hidden", "grad_weight"), *grads):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5, msg=name)
+
+
+def test_ignored_targets_give_zero_logprob_entropy_and_gradient():
+    hidden, weight, targets = make_problem(n_ignored=0)
+    targets[[2, 9]] = IGNORE
+    logp, entropy, grad_hidden, _ = values_and_grads(token_logprobs, hidden, weight, targets, chunk_size=4)
+    assert logp[[2, 9]].tolist() == [0.0, 0.0] and entropy[[2, 9]].tolist() == [0.0, 0.0]
+    assert grad_hidden[[2, 9]].abs().max().item() == 0.0
+    assert grad_hidden[0].abs().max().item() > 0  # a normal token does get a gradient
+    # A custom ignore_index works the same way.
+    targets[[2, 9]] = 7
+    custom = token_logprobs(hidden, weight, torch.where(targets == 7, -1, targets), ignore_index=-1)
+    torch.testing.assert_close(custom, logp.masked_fill(targets == 7, 0.0), rtol=0, atol=1e-6)
+
+
+def test_vocabulary_padding_never_enters_the_softmax():
+    valid = 43
+    hidden, weight, targets = make_problem(v=50, valid_vocab_size=valid)
+    weight[valid:] = 1e4  # padding rows so large that any leak would dominate every softmax
+    got = values_and_grads(
+        token_logprobs, hidden, weight, targets, valid_vocab_size=valid, chunk_size=6, vocab_tile=8
+    )
+    want = truth(hidden, weight[:valid], targets)
+    assert_all_close(got[:3], want[:3], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[3][:valid].double(), want[3], rtol=0, atol=1e-5)
+    assert got[3][valid:].abs().max().item() == 0.0  # padding rows get no gradient
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    """Tolerance: the op's inputs are exact bf16 values and every sum is fp32, so logp/entropy are off from
+    the fp64 truth only by fp32 rounding (< 1e-4 at |logit| <= ~10); gradients come back in bf16, so they
+    may differ by one bf16 rounding, |err| <= 2^-9 |x| (we allow 2^-8), plus fp32 noise near zero."""
+    hidden, weight, targets = make_problem(n=40, h=64, v=300, dtype=torch.bfloat16)
+    got = values_and_grads(token_logprobs, hidden, weight, targets, chunk_size=16, vocab_tile=128)
+    want = truth(hidden, weight, targets)
+    assert got[2].dtype == got[3].dtype == torch.bfloat16 and got[0].dtype == torch.float32
+    assert_all_close(got[:2], want[:2], rtol=0, atol=1e-4)
+    for name, a, b in zip(("grad_hidden", "grad_weight"), got[2:], want[2:]):
+        torch.testing.assert_close(a.double(), b, rtol=2**-8, atol=1e-5 * b.abs().max().item(), msg=name)
+    # The naive bf16 pipeline (bf16 logits, bf16 log_softmax) is far less accurate: why stats stay fp32.
+    naive = torch.log_softmax(hidden @ weight.t(), -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    kept = targets != IGNORE
+    naive_err = (naive.double() - want[0])[kept].abs().max().item()
+    fused_err = (got[0].double() - want[0])[kept].abs().max().item()
+    assert naive_err > 100 * fused_err, (naive_err, fused_err)
+
+
+def test_blocks_never_exceed_chunk_times_tile(monkeypatch):
+    """Peak extra memory is one block: record every block the per-block kernels see."""
+    seen = []
+    kernels = TorchKernels
+    for name in ("update_stats", "logits_grad"):
+        original = getattr(kernels, name)
+
+        def recording(z, *args, _original=original, _name=name):
+            seen.append((_name, tuple(z.shape)))
+            return _original(z, *args)
+
+        monkeypatch.setattr(kernels, name, staticmethod(recording))
+    hidden, weight, targets = make_problem(n=23, v=50)
+    hidden.requires_grad_()
+    token_logprobs(hidden, weight, targets, chunk_size=10, vocab_tile=16).sum().backward()
+    blocks = [shape for name, shape in seen if name == "update_stats"]
+    # ceil(23 / 10) * ceil(50 / 16) blocks forward, the same recomputed backward; the largest is 10 x 16
+    assert len(blocks) == 3 * 4 and sum(name == "logits_grad" for name, _ in seen) == 12
+    assert max(r * c for r, c in blocks) == 10 * 16
+    assert sum(r * c for r, c in blocks) == 23 * 50  # the blocks tile tokens x vocabulary exactly once
+
+
+def test_default_block_fits_the_memory_budget():
+    chunk, tile = default_block_shape(4096, 128_256)
+    assert (chunk, tile) == (4096, 4096) and chunk * tile * 4 == 64 * 2**20
+    assert default_block_shape(100, 1000) == (100, 1000)  # small problems: one block
+
+
+def test_no_grad_path_matches_and_weight_only_gradient():
+    hidden, weight, targets = make_problem()
+    with torch.no_grad():
+        logp = token_logprobs(hidden, weight, targets, chunk_size=5)
+    want = truth(hidden, weight, targets)
+    torch.testing.assert_close(logp.double(), want[0], rtol=0, atol=1e-5)
+    w = weight.clone().requires_grad_()
+    logp_w, ent_w = token_logprobs(hidden, w, targets, return_entropy=True)
+    gen = torch.Generator().manual_seed(1)
+    coef = torch.randn(len(targets), generator=gen, dtype=torch.float64).float()
+    coef_e = torch.randn(len(targets), generator=gen, dtype=torch.float64).float()
+    ((logp_w * coef).sum() + (ent_w * coef_e).sum()).backward()
+    torch.testing.assert_close(w.grad.double(), want[3], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"targets": torch.tensor([0, 50, 1])}, r"targets\[1\]=50 is outside the vocabulary \[0, 50\)"),
+        ({"targets": torch.tensor([0, -3, 1])}, r"targets\[1\]=-3 is outside the vocabulary"),
+        ({"hidden": torch.randn(3, 5)}, r"weight must be \[V_local, H\] with H=5"),
+        ({"targets": torch.tensor([0, 1])}, r"targets must be \[N\] with N=3"),
+        ({"targets": torch.tensor([0.0, 1.0, 2.0])}, "targets must be integer token ids"),
+        ({"weight": torch.randn(50, 16, dtype=torch.float64)}, "must share one of float32/bfloat16/float16"),
+        ({"chunk_size": 0}, "chunk_size must be >= 1, got 0"),
+        ({"valid_vocab_size": 51}, r"valid_vocab_size=51 must be in \[1, 50\]"),
+        ({"backend": "cuda"}, "backend must be one of"),
+    ],
+)
+def test_bad_input_gives_one_line_error_naming_it(kwargs, message):
+    args = {"hidden": torch.randn(3, 16), "weight": torch.randn(50, 16), "targets": torch.tensor([0, 1, 2])}
+    extra = {k: v for k, v in kwargs.items() if k not in args}
+    args.update({k: v for k, v in kwargs.items() if k in args})
+    with pytest.raises(ValueError, match=message) as info:
+        token_logprobs(args["hidden"], args["weight"], args["targets"], **extra)
+    assert "\n" not in str(info.value)
+
+
+def test_fp8_on_cpu_raises_a_clear_error():
+    hidden, weight, targets = make_problem()
+    with pytest.raises(
+        FP8UnavailableError, match="FP8 needs Transformer Engine and a GPU with FP8 support"
+    ) as info:
+        token_logprobs(hidden, weight, targets, fp8=True)
+    assert "\n" not in str(info.value)
+
+
+def test_fp8_gemm_quantises_per_tensor_and_pads_ragged_tiles():
+    """The FP8 logits GEMM (torch._scaled_mm also has a CPU kernel): exact on the quantised operands."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (
+        torch.randn(8, 32, generator=gen),
+        torch.randn(21, 32, generator=gen) * 0.05,
+    )  # 21: not a multiple of 16
+    out = token_logprobs_module._fp8_matmul(a, b)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    sa, sb = a.abs().max() / fp8_max, b.abs().max() / fp8_max
+    dequant_a = (a / sa).to(torch.float8_e4m3fn).float() * sa
+    dequant_b = (b / sb).to(torch.float8_e4m3fn).float() * sb
+    assert out.shape == (8, 21) and out.dtype == torch.float32
+    torch.testing.assert_close(out, dequant_a @ dequant_b.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_path_end_to_end_on_cpu_when_the_gate_is_bypassed(monkeypatch):
+    """One block (one per-tensor scale each): the op must equal, values and gradients, the straight-through
+    reference whose logits are the product of the dequantised E4M3 operands; softmax statistics in fp32."""
+    monkeypatch.setattr(token_logprobs_module, "_require_fp8", lambda hidden: None)
+    hidden, weight, targets = make_problem(n=20, h=32, v=40)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+
+    def dequantised(x):
+        scale = x.abs().max() / fp8_max
+        return (x / scale).to(torch.float8_e4m3fn).double() * scale.double()
+
+    fp8_logits = dequantised(hidden) @ dequantised(weight).t()
+
+    def straight_through(h, w, targets, return_entropy):
+        exact = h @ w.t()
+        logprobs = torch.log_softmax(exact + (fp8_logits - exact).detach(), -1)
+        ignored = targets == IGNORE
+        logp = logprobs.gather(1, targets.clamp(min=0)[:, None]).squeeze(1).masked_fill(ignored, 0.0)
+        return logp, -(logprobs.exp() * logprobs).sum(-1).masked_fill(ignored, 0.0)
+
+    got = values_and_grads(token_logprobs, hidden, weight, targets, fp8=True)
+    assert_all_close(
+        got, values_and_grads(straight_through, hidden.double(), weight.double(), targets), rtol=0, atol=1e-5
+    )
+    assert (
+        got[0].double() - truth(hidden, weight, targets)[0]
+    ).abs().max().item() > 1e-3  # FP8 did change it
+
+
+def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    hidden, weight, targets = make_problem()
+    with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
+        token_logprobs(hidden, weight, targets, backend="triton")
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (TRITON_INTERPRET must be set before triton is imported)
+# ---------------------------------------------------------------------------------------------
+TRITON_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from megatron_spo.ops import token_logprobs
+    from megatron_spo.ops.triton_logprobs import reference_block_check
+    out = {"block": reference_block_check(rows=5, cols=37, block_v=16)}  # 3 vocab steps, ragged last
+    gen = torch.Generator().manual_seed(0)
+    n, h, v, valid = 11, 8, 40, 37
+    hidden, weight = torch.randn(n, h, generator=gen), torch.randn(v, h, generator=gen)
+    targets = torch.randint(0, valid, (n,), generator=gen)
+    targets[3] = -100
+    coef = torch.randn(2, n, generator=gen)
+    for entropy in (True, False):  # the kernels have a separate branch without the entropy terms
+        results = []
+        for backend in ("torch", "triton"):
+            hd, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            out_ = token_logprobs(hd, wt, targets, chunk_size=4, vocab_tile=16, valid_vocab_size=valid,
+                                  return_entropy=entropy, backend=backend)
+            logp, ent = out_ if entropy else (out_, torch.zeros(n))
+            grads = torch.autograd.grad((logp * coef[0]).sum() + (ent * coef[1]).sum(), (hd, wt))
+            results.append((logp, ent) + grads)
+        names = ("logp", "entropy", "grad_hidden", "grad_weight")
+        out[f"op_entropy_{entropy}"] = {k: float((a - b).abs().max()) for k, a, b in zip(names, *results)}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_triton_kernels_match_torch_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for group, values in diffs.items():
+        for name, diff in values.items():
+            assert diff < 1e-5, f"{group}.{name}: triton vs torch differ by {diff}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: 2 gloo ranks against TP=1, all checks in one spawn
+# ---------------------------------------------------------------------------------------------
+def _tp_worker(rank: int, world: int, store_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        v_local = 20
+        # (valid vocabulary, what it exercises): padding on the last rank; a last rank with no valid rows
+        for valid in (37, 17):
+            hidden, weight, targets = make_problem(
+                n=13, h=8, v=world * v_local, valid_vocab_size=valid, seed=valid
+            )
+            assert (
+                (targets >= v_local) & (targets < valid)
+            ).any() or valid <= v_local  # both ranks own targets
+            shard = weight[rank * v_local : (rank + 1) * v_local]
+            kw = {"valid_vocab_size": valid, "chunk_size": 5, "vocab_tile": 6}
+            got = values_and_grads(token_logprobs, hidden, shard, targets, tp_group=dist.group.WORLD, **kw)
+            tp1 = values_and_grads(token_logprobs, hidden, weight, targets, **kw)
+            want = truth(hidden, weight[:valid], targets)
+            tp1_shard = tp1[3][rank * v_local : (rank + 1) * v_local]
+            assert_all_close(got[:3], tp1[:3], rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                got[3], tp1_shard, rtol=0, atol=1e-5, msg=lambda m: f"grad_weight shard: {m}"
+            )
+            assert_all_close(got[:3], want[:3], rtol=0, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_2_ranks_match_single_rank(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
