@@ -259,7 +259,7 @@ class QuickstartModelConfig(StrictModel):
     rope_theta: float = Field(10000.0, gt=0)
     norm_epsilon: float = Field(1e-5, gt=0)
     seed: int = 0
-    sft_steps: int = Field(800, ge=0)
+    sft_steps: int = Field(600, ge=0)
     batch_size: int = Field(32, gt=0, description="sequences per SFT step")
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(50, ge=0)
@@ -368,6 +368,7 @@ class TaskConfig(StrictModel):
     toy: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
     q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0); else q0 = 0")
     max_prompt_tokens: int = Field(2048, gt=0)
+    limit: int | None = Field(None, gt=0, description="use only the first N training problems")
 
 
 class FleetEndpoints(StrictModel):

@@ -484,13 +484,13 @@ def problems_from_task_config(task: Any) -> list:
     if task.kind == "toy":
         from megatron_spo.data.toy_code import make_task
 
-        return list(make_task(**task.toy.model_dump()).train)
+        return list(make_task(**task.toy.model_dump()).train)[: task.limit]
     if not task.paths:
         raise ValueError(f"task.paths: task kind '{task.kind}' needs data files")
     problems = load_problems(task.kind, task.paths)
     if task.dedup_against:
         problems, _ = tasks.dedup_against(problems, tasks.load_taco(task.dedup_against))
-    return problems
+    return problems[: task.limit]
 
 
 def problems_from_args(args: argparse.Namespace) -> list:

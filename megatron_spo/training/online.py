@@ -1,0 +1,149 @@
+"""The trainer's online side (rank 0): prompts of the task, the rollout manager on a background event
+loop as the 'online' data source, and the weight pushes to the fleet.
+
+    source = OnlineSource.from_config(cfg)      # starts generating at once (asynchronously)
+    batch = source.take(64)                     # trajectories, blocking until enough are ready
+    source.push_weights(version, hf_tensors)    # WeightBroadcaster -> engines, then new requests use it
+    source.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from typing import Any
+
+from megatron_spo.config import ConfigError, TrainConfig
+
+log = logging.getLogger("megatron_spo.online")
+
+
+async def _stats(manager) -> dict[str, float]:
+    return manager.stats()  # read on the loop thread: the manager's state is not thread-safe
+
+
+class OnlineSource:
+    """RolloutManager running on its own event loop thread; take(k) is thread-safe and blocking."""
+
+    def __init__(self, manager, *, q0: dict[str, float], on_close=None):
+        self.manager = manager
+        self.q0 = q0
+        self._on_close = on_close or []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
+        self.thread.start()
+        self._call(manager.start())
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> OnlineSource:
+        from transformers import AutoTokenizer
+
+        from megatron_spo.data.q0 import make_prompts, problems_from_task_config
+        from megatron_spo.rewards.reward import RewardPool
+        from megatron_spo.rewards.sandbox import SandboxPool
+        from megatron_spo.rollout.manager import RolloutManager
+
+        endpoints = cfg.fleet.resolved()
+        # engine URLs when known: the manager then gates each engine on its weight_version, so one that
+        # missed an update gets no work until the next push reaches it; else the router alone
+        urls = endpoints.engine_urls or [endpoints.router_url]
+        if not endpoints.engine_urls and not endpoints.router_url:
+            raise ConfigError("fleet: no rollout endpoints (set fleet.router_url or fleet.engine_urls, or "
+                              "SPO_ROUTER_URL / SPO_ENGINE_URLS)")
+        if cfg.init.hf is None:
+            raise ConfigError("init.hf: the online source needs the HF directory for the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(cfg.init.hf)
+        prompts = []
+        for prompt in make_prompts(problems_from_task_config(cfg.task), tokenizer):
+            if len(prompt.tokens) > cfg.task.max_prompt_tokens:
+                log.warning("task: prompt %s has %d tokens > task.max_prompt_tokens, skipped",
+                            prompt.prompt_id, len(prompt.tokens))
+                continue
+            prompts.append(prompt)
+        if not prompts:
+            raise ConfigError("task: no usable prompts")
+        sandbox = SandboxPool(cfg.sandbox)
+        rewards = RewardPool(sandbox)
+
+        async def reward_fn(problem, text: str) -> float:
+            return (await rewards.score(problem, text)).reward
+
+        manager = RolloutManager(cfg.rollout, prompts, reward_fn, endpoints=urls)
+        broadcaster = None
+        if endpoints.engine_urls:
+            from megatron_spo.rollout.weight_sync import WeightBroadcaster
+
+            r = cfg.rollout
+            broadcaster = WeightBroadcaster(endpoints.engine_urls, mode=r.weight_sync,
+                                            bucket_bytes=int(r.weight_bucket_mb * 2**20), backend=r.weight_sync_backend,
+                                            disk_dir=r.weight_sync_dir)
+        q0 = {}
+        if cfg.task.q0_path:
+            from megatron_spo.data.q0 import read_q0
+
+            q0 = {pid: est.q0 for pid, est in read_q0(cfg.task.q0_path).items()}
+        source = cls(manager, q0=q0,
+                     on_close=[rewards.close, sandbox.close] + ([broadcaster.close] if broadcaster else []))
+        source.broadcaster = broadcaster
+        return source
+
+    broadcaster = None
+
+    def _call(self, coro, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        """k trajectories (whole groups, cut to k), with q0 attached from the Q0 table."""
+        n = self.manager.cfg.samples_per_prompt
+        groups = self._call(self.manager.get_groups(math.ceil(k / n), timeout_s))
+        out = [t for g in groups for t in g][:k]
+        for t in out:
+            t.q0 = self.q0.get(str(t.prompt_id), 0.0)
+        return out
+
+    def push_weights(self, version: int, named_tensors) -> dict[str, float]:
+        """Send the new weights to every engine, then let new requests carry this policy version."""
+        from megatron_spo.rollout.weight_sync import WeightSyncError
+
+        report = None
+        if self.broadcaster is not None:
+            try:
+                report = self.broadcaster.push(named_tensors, version=str(version))
+            except WeightSyncError as err:
+                # engines that missed it keep their old weight_version: version gating keeps them idle
+                # until a later push reaches them; training goes on with the others
+                log.warning("weight sync to version %d incomplete: %s", version, err)
+                for _ in named_tensors:  # drain the collective gather on this rank
+                    pass
+                self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
+                return {"weight_sync/failed": 1.0}
+        else:
+            for _ in named_tensors:  # nothing to push to (router only): still drain the collective
+                pass
+        self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
+        if report is None:
+            return {}
+        return {"weight_sync/bytes_per_s": report.bytes_per_s, "weight_sync/seconds": report.seconds}
+
+    def stats(self) -> dict[str, float]:
+        return self._call(_stats(self.manager), timeout=10)
+
+    def state_dict(self) -> dict:
+        return {"policy_version": self.manager.policy_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loop.call_soon_threadsafe(self.manager.set_policy_version, state["policy_version"])
+
+    def close(self) -> None:
+        try:
+            self._call(self.manager.stop(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+            for fn in self._on_close:
+                try:
+                    fn()
+                except Exception as err:  # closing must not hide the error that got us here
+                    log.warning("online source close: %s", err)

@@ -1,0 +1,682 @@
+"""The trainer: one loop for SPO, AGRO and PPO on megatron-core, from one CPU process to 128 GPUs.
+
+    megatron-spo train CONFIG.yaml [key.path=value ...]
+
+Each step:
+  1. rank 0 draws the global batch from the configured sources (online rollout buffer, offline stores,
+     MC-annotated sets) by their weights and broadcasts it; each data-parallel rank takes whole prompt
+     groups; micro-batches are cut by a padded-token budget;
+  2. reference forward (no grad) -> ref log-probs; for PPO also the value model's old values;
+  3. policy forward + backward through megatron's pipeline schedule; token log-probs come from the
+     fused op on the final hidden states (no [tokens x vocab] tensor is kept), the loss per source;
+  4. optimizer step (megatron optimizer: grad clipping, optional distributed optimizer), warm-up LR;
+  5. every model_update_interval steps the policy weights go to the rollout fleet;
+  6. metrics (metrics.jsonl, wandb), checkpoints every k steps and on SIGTERM / SIGUSR1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_spo.config import ConfigError, TrainConfig, dump_config, load_config
+from megatron_spo.data.batching import (
+    OfflineCursor,
+    TrainBatch,
+    collate,
+    source_counts,
+    split_by_token_budget,
+)
+from megatron_spo.training import loss as losses
+from megatron_spo.training.checkpoint import CheckpointDir, PreemptionHandler, rng_state, set_rng_state
+from megatron_spo.training.metrics import MetricsLogger
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Data sources (rank 0 only)
+# ---------------------------------------------------------------------------------------------
+class OfflineSource:
+    """Trajectories from a JSONL file or an offline store, drawn in resumable shuffled epochs."""
+
+    def __init__(self, name: str, path: str, seed: int):
+        from megatron_spo.data.trajectory import load_trajectories
+
+        self.name = name
+        self.records = load_trajectories(path)
+        for r in self.records:
+            r.source = name  # the source name selects the loss, whatever the file said
+        self.cursor = OfflineCursor(len(self.records), seed=seed)
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        return [self.records[i] for i in self.cursor.take(k)]
+
+    def state_dict(self) -> dict:
+        return self.cursor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor.load_state_dict(state)
+
+
+class BatchSampler:
+    """Mixes sources by weight into one global batch of trajectories."""
+
+    def __init__(self, sources: dict, weights: dict[str, float]):
+        self.sources, self.weights = sources, weights
+
+    def next(self, n: int) -> list:
+        out = []
+        for name, k in source_counts(self.weights, n).items():
+            if k:
+                out.extend(self.sources[name].take(k))
+        return out
+
+    def state_dict(self) -> dict:
+        return {name: s.state_dict() for name, s in self.sources.items() if hasattr(s, "state_dict")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, s in self.sources.items():
+            if name in state and hasattr(s, "load_state_dict"):
+                s.load_state_dict(state[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, online_source=None):
+        """online_source: the 'online' source on rank 0 (default: OnlineSource.from_config(cfg), the
+        rollout manager over cfg.fleet). It has take(k), and push_weights(version, hf_tensors) if it
+        feeds engines that must receive the policy's weights."""
+        from megatron.core import parallel_state
+
+        from megatron_spo.models import builders
+        from megatron_spo.models.parallel import init_parallel
+
+        self.cfg = cfg
+        self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
+        init_parallel(cfg.parallel, self.model_cfg, seed=cfg.seed)
+        self.ps = parallel_state
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+        self.policy = self._schedule_ready(builders.build_policy(self.model_cfg, cfg.parallel))
+        self.reference = self._schedule_ready(builders.build_reference(self.model_cfg, cfg.parallel))
+        self._load_initial_weights()
+        self.policy, self.optimizer = self._wrap_and_optimizer(self.policy, cfg.optimizer.lr)
+        self.value = self.value_optimizer = None
+        if cfg.algo == "ppo":
+            value = self._schedule_ready(builders.build_value_model(self.model_cfg, cfg.parallel))
+            self._load_initial_weights(value)
+            self.value, self.value_optimizer = self._wrap_and_optimizer(value, cfg.optimizer.value_lr or cfg.optimizer.lr)
+
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt = CheckpointDir(cfg.checkpoint.dir or self.run_dir / "checkpoints", cfg.checkpoint.keep_last)
+        self.step = 0
+        self.policy_version = 0
+        self.sampler = None
+        self.online = None
+        if self.rank == 0:
+            sources = {}
+            for name, src in cfg.sources.items():
+                if name == "online":
+                    if online_source is None:
+                        from megatron_spo.training.online import OnlineSource
+
+                        online_source = OnlineSource.from_config(cfg)
+                    self.online = sources[name] = online_source
+                else:
+                    sources[name] = OfflineSource(name, src.path, seed=cfg.seed)
+            self.sampler = BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()})
+        self.pad_id = 0
+        self.preemption = PreemptionHandler()
+        self._resume()
+        self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0,
+                                     wandb_project=cfg.logging.wandb_project if cfg.logging.wandb_mode != "disabled"
+                                     else None, wandb_mode=cfg.logging.wandb_mode,
+                                     config=cfg.model_dump(mode="json"), resume_from_step=self.step)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _load_initial_weights(self, chunks=None) -> None:
+        """Policy and reference (or the given chunks) from init.megatron, else from the HF weights."""
+        from megatron_spo.models import hf_checkpoint, hf_map
+
+        targets = [chunks] if chunks is not None else [self.policy, self.reference]
+        if self.cfg.init.megatron:
+            from megatron_spo.models.megatron_checkpoint import load_megatron
+
+            for target in targets:
+                load_megatron(target, self.cfg.init.megatron)
+        elif self.cfg.init.hf:
+            reader = hf_checkpoint.HFReader(self.cfg.init.hf)
+            reader.validate(self.model_cfg)
+            with torch.no_grad():
+                for target in targets:
+                    hf_map.load_hf_into_model(target, self.model_cfg, reader.get)
+
+    def _schedule_ready(self, chunks):
+        """Pipeline micro-batches differ in shape (token-budget packing): p2p sends shapes first."""
+        for chunk in chunks:
+            chunk.config.variable_seq_lengths = self.cfg.parallel.pipeline_model_parallel_size > 1
+        return chunks
+
+    def _wrap_and_optimizer(self, chunks, lr: float):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        cfg = self.cfg
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+        wrapped = []
+        for i, chunk in enumerate(chunks):
+            chunk.config.finalize_model_grads_func = finalize_model_grads
+            wrapped.append(DistributedDataParallel(config=chunk.config, ddp_config=ddp_cfg, module=chunk,
+                                                   disable_bucketing=i > 0))
+        o = cfg.optimizer
+        dtype = chunks[0].config.params_dtype
+        opt = get_megatron_optimizer(
+            MegatronOptimizerConfig(optimizer="adam", lr=lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                                    adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                                    bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
+                                    use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
+            wrapped)
+        return wrapped, opt
+
+    # -- the step ------------------------------------------------------------------------------
+    def lr_at(self, step: int, base: float) -> float:
+        """Linear warm-up over warmup_steps, then constant (the paper's schedule). step is 1-based."""
+        w = self.cfg.optimizer.warmup_steps
+        return base * min(1.0, step / w) if w > 0 else base
+
+    def _global_batch(self) -> tuple[list, float]:
+        t0 = time.perf_counter()
+        payload = [None]
+        if self.rank == 0:
+            payload = [self.sampler.next(self.cfg.batch.sequences_per_step)]
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0], time.perf_counter() - t0
+
+    def _shard(self, trajs: list) -> list:
+        """This data-parallel rank's trajectories: whole prompt groups, round-robin."""
+        groups: dict = {}
+        for t in trajs:
+            groups.setdefault(t.prompt_id, []).append(t)
+        mine = [g for i, g in enumerate(groups.values()) if i % self.dp_size == self.dp_rank]
+        if not mine:
+            raise ConfigError(f"batch: {len(groups)} prompt groups cannot feed {self.dp_size} data-parallel ranks; "
+                              "raise batch.sequences_per_step")
+        return [t for g in mine for t in g]
+
+    def _micro_batches(self, trajs: list) -> list[TrainBatch]:
+        lengths = [len(t.prompt_tokens) + len(t.response_tokens) - 1 for t in trajs]
+        too_long = [i for i, n in enumerate(lengths) if n + 1 > self.cfg.batch.max_seq_length]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(f"batch: trajectory of prompt {trajs[i].prompt_id!r} has {lengths[i] + 1} tokens, "
+                             f"over batch.max_seq_length {self.cfg.batch.max_seq_length}")
+        keep = [t.prompt_id for t in trajs] if self.cfg.algo in ("agro",) else None
+        parts = split_by_token_budget(lengths, self.cfg.batch.max_tokens_per_micro_batch, keep_groups=keep)
+        mbs = [collate([trajs[i] for i in rows], self.pad_id) for rows in parts]
+        return [mb.to(self.device) if self.device is not None else mb for mb in mbs]
+
+    def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[B, L] log-probs of targets from final hidden states [B, L, H] via the fused vocab-parallel op.
+
+        The op owns the LM-head matmul, so it also all-reduces the hidden gradient over TP ranks (under
+        sequence parallelism the model has already gathered the sequence: builders.output_hidden_states)."""
+        from megatron_spo.models.builders import lm_head_vocab_start, lm_head_weight
+        from megatron_spo.ops import token_logprobs
+
+        tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.parallel.tensor_model_parallel_size > 1 else None
+        b, s, h = hidden.shape
+        logp = token_logprobs(hidden.reshape(b * s, h), lm_head_weight(chunk), targets.reshape(-1),
+                              tp_group=tp_group, vocab_start_index=lm_head_vocab_start(chunk),
+                              valid_vocab_size=self.model_cfg.vocab_size)
+        return logp.view(b, s)
+
+    def _run(self, chunks, mbs: list[TrainBatch], *, forward_only: bool, output: str,
+             loss_fn: Callable | None) -> list:
+        """One pass of megatron's schedule over the micro-batches. output: 'logp' | 'values'.
+
+        Returns, on the last pipeline stage, what loss_fn reported per micro-batch (else [])."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_spo.models.builders import output_hidden_states
+
+        def forward_step(data_iterator, model):
+            index, mb = next(data_iterator)
+            if output == "logp":
+                with output_hidden_states(model):
+                    out = model(mb.input_ids, mb.position_ids, None)
+            else:
+                out = model(mb.input_ids, mb.position_ids, None)
+            if not _is_last(model):
+                return out, None
+            if output == "logp":
+                out = self._token_logprobs(model, out, mb.targets)
+            return out, partial(_loss_wrapper, loss_fn, index, mb)
+
+        n_global = self.cfg.batch.sequences_per_step
+
+        def _loss_wrapper(fn, index, mb, out):
+            if fn is None:
+                return out.new_zeros(()), {"index": index, "out": out.detach()}
+            loss, metrics = fn(index, mb, out)
+            scale = losses.microbatch_scale(mb.num_sequences, len(mbs), self.dp_size, n_global)
+            return loss * scale, {"index": index, "metrics": metrics, "n": mb.num_sequences}
+
+        fb = get_forward_backward_func()
+        seq_len = max(mb.input_ids.shape[1] for mb in mbs)
+        mbs_size = max(mb.num_sequences for mb in mbs)
+        ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with ctx:
+            store = fb(forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))), model=chunks,
+                       num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs_size,
+                       forward_only=forward_only)
+        return store if self.is_last_stage else []
+
+    def _collect(self, store: list, n: int) -> list:
+        """Per-micro-batch outputs of a forward-only pass, shared with every pipeline stage (they are
+        needed by the loss, which runs on the last stage only: here they already are there)."""
+        out = [None] * n
+        for item in store:
+            out[item["index"]] = item["out"]
+        return out
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        self.step += 1
+        t_step = time.perf_counter()
+        trajs, t_wait = self._global_batch()
+        mbs = self._micro_batches(self._shard(trajs))
+
+        t_fb = time.perf_counter()
+        ref = self._collect(self._run(self.reference, mbs, forward_only=True, output="logp", loss_fn=None), len(mbs))
+        lr = self.lr_at(self.step, cfg.optimizer.lr)
+        metrics_store = []
+        if cfg.algo == "ppo":
+            old_values = self._collect(self._run(self.value, mbs, forward_only=True, output="values", loss_fn=None),
+                                       len(mbs))
+            adv_ret = [None] * len(mbs)
+            if self.is_last_stage:
+                adv_ret = [losses.ppo_advantages(mb, ref[i], old_values[i], beta=cfg.beta, gamma=cfg.ppo.gamma,
+                                                 lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
+                           for i, mb in enumerate(mbs)]
+            metrics_store += self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
+                                            lambda i, mb, logp: losses.ppo_batch_loss(mb, logp, adv_ret[i][0],
+                                                                                      clip_eps=cfg.ppo.clip_eps))
+            grad_norm = self._last_grad_norm
+            vlr = self.lr_at(self.step, cfg.optimizer.value_lr or cfg.optimizer.lr)
+            metrics_store += self._optimize(self.value, self.value_optimizer, mbs, vlr, "values",
+                                            lambda i, mb, v: losses.value_batch_loss(
+                                                mb, v, old_values[i], adv_ret[i][1],
+                                                clip_eps=cfg.ppo.value_clip_eps))
+            value_grad_norm = self._last_grad_norm
+        elif cfg.algo == "agro":
+            metrics_store += self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
+                                            lambda i, mb, logp: losses.agro_batch_loss(
+                                                mb, logp, ref[i], beta=cfg.beta, on_policy=cfg.agro.on_policy))
+        else:
+            objectives = {name: (s.objective, s.loss) for name, s in cfg.sources.items()}
+            metrics_store += self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
+                                            lambda i, mb, logp: losses.spo_batch_loss(
+                                                mb, logp, ref[i], beta=cfg.beta, objectives=objectives))
+        if cfg.algo != "ppo":
+            grad_norm, value_grad_norm = self._last_grad_norm, None
+        t_fb = time.perf_counter() - t_fb
+
+        t_sync = 0.0
+        if self.step % cfg.model_update_interval == 0:
+            t_sync = self.sync_weights()
+
+        metrics = self._reduce_metrics(metrics_store)
+        if self.rank == 0 and self.online is not None and hasattr(self.online, "stats"):
+            metrics.update(self.online.stats())
+            metrics.update(self._sync_metrics)
+            self._sync_metrics = {}
+        n_tokens = sum(len(t.response_tokens) for t in trajs)
+        versions = [t.policy_version for t in trajs]
+        metrics.update({
+            "lr": lr, "grad_norm": grad_norm, "reward": sum(t.reward for t in trajs) / len(trajs),
+            "staleness": self.policy_version - sum(versions) / len(versions),
+            "staleness/max": float(self.policy_version - min(versions)),
+            "time/rollout_wait": t_wait, "time/forward_backward": t_fb, "time/weight_sync": t_sync,
+            "time/step": time.perf_counter() - t_step, "policy_version": float(self.policy_version),
+        })
+        if value_grad_norm is not None:
+            metrics["grad_norm/value"] = value_grad_norm
+        metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
+        if "mean_seq_log_ratio" in metrics:
+            metrics["kl"] = metrics["mean_seq_log_ratio"]
+        self.metrics.log(self.step, metrics)
+        limit = cfg.logging.max_log_ratio
+        if limit is not None and abs(metrics.get("mean_seq_log_ratio", 0.0)) > limit:
+            raise TrainingDiverged(f"step {self.step}: mean sequence log(pi/pi_0) = "
+                                   f"{metrics['mean_seq_log_ratio']:.3g} exceeds logging.max_log_ratio {limit}: "
+                                   "the policy is collapsing (lower the LR, raise beta, or sample at T=1)")
+        return metrics
+
+    _last_grad_norm: float = 0.0
+
+    def _optimize(self, chunks, optimizer, mbs, lr: float, output: str, loss_fn) -> list:
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        store = self._run(chunks, mbs, forward_only=False, output=output, loss_fn=loss_fn)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise TrainingDiverged(f"step {self.step}: the optimizer skipped the update (non-finite gradients)")
+        self._last_grad_norm = float(grad_norm or 0.0)
+        return store
+
+    def _reduce_metrics(self, store: list) -> dict[str, float]:
+        """Sequence-weighted means of the loss metrics over data-parallel ranks, delivered on rank 0."""
+        local: dict[str, list[float]] = {}
+        if self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0:
+            for item in store:
+                for k, v in item["metrics"].items():
+                    w = local.setdefault(k, [0.0, 0.0])
+                    w[0] += v * item["n"]
+                    w[1] += item["n"]
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, local)
+        total: dict[str, list[float]] = {}
+        for part in gathered:
+            for k, (s, n) in part.items():
+                t = total.setdefault(k, [0.0, 0.0])
+                t[0] += s
+                t[1] += n
+        return {k: s / n for k, (s, n) in total.items() if n}
+
+    # -- weights to the fleet ------------------------------------------------------------------
+    def sync_weights(self, new_version: bool = True) -> float:
+        """Collective: the policy's HF-named weights to the fleet as version policy_version + 1 (or as the
+        current version, to bring a restarted fleet up to a resumed policy)."""
+        from megatron_spo.models.hf_map import iter_hf_tensors
+
+        t0 = time.perf_counter()
+        self.policy_version += int(new_version)
+        tensors = iter_hf_tensors(self.policy, self.model_cfg)
+        if self.rank == 0 and hasattr(self.online, "push_weights"):
+            self._sync_metrics = self.online.push_weights(self.policy_version, tensors) or {}
+        else:
+            for _ in tensors:  # every rank takes part in the gather
+                pass
+        return time.perf_counter() - t0
+
+    _sync_metrics: dict = {}
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Collective: write the policy as an HF Llama directory (safetensors shards, config.json and the
+        tokenizer of init.hf), atomically: out_dir appears complete or not at all."""
+        import shutil
+
+        from megatron_spo.models.hf_checkpoint import HFWriter, copy_tokenizer_files, write_hf_config
+        from megatron_spo.models.hf_map import iter_hf_tensors
+
+        out = Path(out_dir)
+        tmp = out.with_name(out.name + ".partial")
+        tensors = iter_hf_tensors(self.policy, self.model_cfg)
+        if self.rank != 0:
+            for _ in tensors:  # every rank takes part in the gather
+                pass
+            dist.barrier()
+            return out
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        with HFWriter(tmp) as writer:
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+        extra = {}
+        if self.cfg.init.hf and (Path(self.cfg.init.hf) / "config.json").is_file():
+            extra = json.loads((Path(self.cfg.init.hf) / "config.json").read_text())
+            copy_tokenizer_files(self.cfg.init.hf, tmp)
+        write_hf_config(tmp, self.model_cfg, extra)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        dist.barrier()
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _sharded_state_dict(self, is_loading: bool = False) -> dict:
+        """Model and optimizer state of policy (and value) as one sharded dict. For loading, the
+        optimizer first creates its state tensors (is_loading) so the template has something to fill."""
+        sd = {}
+        for name, chunks, opt in (("policy", self.policy, self.optimizer), ("value", self.value, self.value_optimizer)):
+            if chunks is None:
+                continue
+            model_sd = {f"model{i}": c.module.sharded_state_dict(prefix=f"{name}.model{i}.")
+                        for i, c in enumerate(chunks)}
+            sd[f"{name}_model"] = model_sd
+            sd[f"{name}_optimizer"] = opt.sharded_state_dict(_flatten_model_sd(model_sd), is_loading=is_loading)
+        return sd
+
+    def save_checkpoint(self) -> Path:
+        from megatron.core import dist_checkpointing
+
+        def write(d: Path) -> None:
+            (d / "dist").mkdir(exist_ok=True) if self.rank == 0 else None
+            dist.barrier()
+            dist_checkpointing.save(self._sharded_state_dict(), str(d / "dist"))
+            torch.save(rng_state(), d / f"rng_rank{self.rank:05d}.pt")
+            if self.rank == 0:
+                state = {"step": self.step, "policy_version": self.policy_version,
+                         "sampler": self.sampler.state_dict()}
+                (d / "trainer_state.json").write_text(json.dumps(state))
+
+        return self.ckpt.save(self.step, write, {"world_size": self.world, "algo": self.cfg.algo})
+
+    def _resume(self) -> None:
+        from megatron.core import dist_checkpointing
+
+        found = self.ckpt.latest() if self.rank == 0 else None
+        payload = [None if found is None else (found[0], str(found[1]))]
+        dist.broadcast_object_list(payload, src=0)
+        if payload[0] is None:
+            return
+        step, path = payload[0]
+        path = Path(path)
+        sharded = self._sharded_state_dict(is_loading=True)
+        state = dist_checkpointing.load(sharded, str(path / "dist"))
+        for name, chunks, opt in (("policy", self.policy, self.optimizer), ("value", self.value, self.value_optimizer)):
+            if chunks is None:
+                continue
+            for i, c in enumerate(chunks):
+                c.module.load_state_dict(_strip_prefix(state[f"{name}_model"][f"model{i}"], f"{name}.model{i}."))
+            opt.load_state_dict(state[f"{name}_optimizer"])
+        rng_file = path / f"rng_rank{self.rank:05d}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        trainer_state = json.loads((path / "trainer_state.json").read_text())
+        self.step = trainer_state["step"]
+        self.policy_version = trainer_state["policy_version"]
+        if self.rank == 0:
+            self.sampler.load_state_dict(trainer_state["sampler"])
+        if self.rank == 0:
+            print(f"[megatron-spo] resumed from {path} at step {self.step}", flush=True)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def train(self) -> int:
+        """Run to cfg.steps (or until preempted). Returns the last completed step."""
+        cfg = self.cfg
+        progress = _progress(self.rank == 0 and cfg.logging.progress, cfg.steps, self.step)
+        online = self.rank == 0 and hasattr(self.online, "push_weights")
+        flags = [online]
+        dist.broadcast_object_list(flags, src=0)
+        if flags[0] and self.policy_version > 0:  # resumed: the fleet may still hold older weights
+            self.sync_weights(new_version=False)
+        try:
+            while self.step < cfg.steps:
+                metrics = self.train_step()
+                progress(self.step, metrics)
+                preempted = self.preemption.requested()
+                if preempted or self.step % cfg.checkpoint.interval == 0 or self.step == cfg.steps:
+                    self.save_checkpoint()
+                if preempted:
+                    if self.rank == 0:
+                        print(f"[megatron-spo] preempted: checkpoint at step {self.step} saved, exiting", flush=True)
+                    break
+            if self.step >= cfg.steps and flags[0] and self.step % cfg.model_update_interval:
+                self.sync_weights()  # the fleet ends with the final policy (for evaluation through it)
+            if self.step >= cfg.steps and cfg.checkpoint.export_hf:
+                path = self.export_hf(self.run_dir / "hf")
+                if self.rank == 0:
+                    print(f"[megatron-spo] final policy written to {path}", flush=True)
+        finally:
+            progress(None, None)
+            self.metrics.close()
+        return self.step
+
+    def close(self, keep_process_group: bool = False) -> None:
+        """Release signal handlers and megatron's groups (and the default group unless kept, e.g. to
+        train another model in the same processes)."""
+        from megatron.core import parallel_state
+
+        from megatron_spo.models.parallel import destroy_parallel
+
+        self.preemption.restore()
+        if self.online is not None and hasattr(self.online, "close"):
+            self.online.close()
+        if keep_process_group:
+            parallel_state.destroy_model_parallel()
+        else:
+            destroy_parallel()
+
+
+def _is_last(model) -> bool:
+    while hasattr(model, "module"):
+        model = model.module
+    return bool(model.post_process)
+
+
+def _flatten_model_sd(model_sd: dict) -> dict:
+    flat = {}
+    for part in model_sd.values():
+        flat.update(part)
+    return flat
+
+
+def _strip_prefix(sd: dict, prefix: str) -> dict:
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in sd.items()}
+
+
+def _model_config_from_init(init):
+    if init.megatron:
+        from megatron_spo.models.megatron_checkpoint import read_megatron_config
+
+        return read_megatron_config(init.megatron)
+    from megatron_spo.models.hf_checkpoint import read_hf_config
+
+    return read_hf_config(init.hf)
+
+
+def _progress(enabled: bool, total: int, start: int):
+    """A rich progress bar (rank 0): returns update(step, metrics); update(None, None) closes it."""
+    if not enabled:
+        return lambda step, metrics: None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                   transient=False, disable=not sys.stdout.isatty() and not os.environ.get("MEGATRON_SPO_PROGRESS"))
+    task = bar.add_task("train", total=total, completed=start, info="")
+    bar.start()
+
+    def update(step, metrics):
+        if step is None:
+            bar.stop()
+            return
+        info = f"loss {metrics.get('loss', math.nan):.4f} reward {metrics.get('reward', math.nan):+.3f} " \
+               f"kl {metrics.get('kl', math.nan):.3f}"
+        bar.update(task, completed=step, info=info)
+        if not bar.live.is_started or bar.disable:
+            print(f"step {step}/{total} {info}", flush=True)
+
+    return update
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+def run(cfg_data: dict) -> int:
+    """Train in this process (one rank of a torchrun / srun / spawn launch)."""
+    cfg = TrainConfig.model_validate(cfg_data)
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def launch(cfg: TrainConfig) -> None:
+    """Under torchrun / srun (WORLD_SIZE set) train as this rank; otherwise spawn cfg.nproc ranks here.
+
+    The spawning parent forwards SIGTERM / SIGUSR1 / SIGINT to its ranks (which checkpoint and exit),
+    so a scheduler signalling only the launcher still gets a checkpoint and leaves no orphan."""
+    if os.environ.get("WORLD_SIZE") or cfg.nproc == 1:
+        run(cfg.model_dump(mode="json"))
+        return
+    import signal
+
+    import torch.multiprocessing as mp
+
+    from megatron_spo.models.parallel import _spawn_entry, free_port
+
+    ctx = mp.start_processes(_spawn_entry, args=(cfg.nproc, free_port(), run, (cfg.model_dump(mode="json"),)),
+                             nprocs=cfg.nproc, join=False, start_method="spawn")
+
+    def forward(signum, frame):
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGINT if signum == signal.SIGINT else signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        while not ctx.join(timeout=1.0):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-spo train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="YAML config (see examples/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6 algo=ppo")
+    args = parser.parse_args(argv)
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    launch(cfg)
+    return 0

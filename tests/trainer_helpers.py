@@ -1,0 +1,86 @@
+"""Helpers for trainer tests: a tiny HF Llama, a deterministic trajectory source, spawned runs."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+VOCAB = 61
+
+
+@dataclass
+class Traj:
+    prompt_id: str
+    prompt_tokens: list
+    response_tokens: list
+    reward: float
+    source: str = "online"
+    policy_version: int = 0
+    q0: float = -0.5
+    behaviour_logprobs: list | None = None
+    mc_targets: list = field(default_factory=list)
+
+
+class DeterministicSource:
+    """Reproducible trajectories: groups of 4 responses per prompt, rewards in {0, -1}."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+        self.drawn = 0
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        out = []
+        for _ in range(k):
+            pid = f"p{self.drawn // 4}"
+            prompt = [self.rng.randrange(1, VOCAB) for _ in range(4)]
+            response = [self.rng.randrange(1, VOCAB) for _ in range(self.rng.randrange(2, 9))]
+            out.append(Traj(pid, prompt, response, reward=-float(response[0] % 2),
+                            behaviour_logprobs=[-4.0] * len(response)))
+            self.drawn += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate(), "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(tuple(state["rng"][0:1]) + (tuple(state["rng"][1]),) + tuple(state["rng"][2:]))
+        self.drawn = state["drawn"]
+
+
+def make_tiny_hf(path: str, seed: int = 0) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=False)
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def train_and_dump(runs: list[tuple[dict, str]]) -> None:
+    """One rank: for each (config, out_file), train with the deterministic online source, then save the
+    full HF-named weights to out_file. The runs share the processes (one spawn for several trainings)."""
+    from megatron_spo.config import TrainConfig
+    from megatron_spo.models.hf_map import iter_hf_tensors
+    from megatron_spo.training.trainer import Trainer
+
+    for i, (cfg_data, out_file) in enumerate(runs):
+        trainer = Trainer(TrainConfig.model_validate(cfg_data), online_source=DeterministicSource())
+        try:
+            trainer.train()
+            weights = {name: t.clone() for name, t in iter_hf_tensors(trainer.policy, trainer.model_cfg)}
+            if trainer.rank == 0:
+                torch.save(weights, out_file)
+        finally:
+            trainer.close(keep_process_group=i < len(runs) - 1)
+
+
+def run_spawned(runs: list[tuple[dict, str]], world_size: int) -> None:
+    from megatron_spo.models.parallel import spawn_local
+
+    spawn_local(train_and_dump, world_size, runs)
