@@ -53,8 +53,12 @@ def test_parallel_layout_trains_like_one_process(trained, hf, algo, layout):
     metrics = _metrics(trained, f"{layout}-{algo}")
     weights = torch.load(trained / f"{layout}-{algo}.pt")
     assert [m["step"] for m in metrics] == [1, 2]
+    # PPO's loss is a sum of O(1) terms (whitened advantages x ratios) cancelling to ~0.04, so fp32
+    # reduction-order noise of ~1e-7 per term shows as ~2e-6 absolute (measured); its grad norm still
+    # agrees to 1e-7 relative. The other losses do not cancel and keep the tighter bound.
+    loss_abs = 1e-5 if algo == "ppo" else 1e-6
     for a, b in zip(ref_metrics, metrics):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=loss_abs)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         if algo == "ppo":
             assert b["grad_norm/value"] == pytest.approx(a["grad_norm/value"], rel=1e-4)
