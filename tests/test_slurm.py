@@ -1,7 +1,7 @@
 """The project's sbatch script on a real SLURM cluster (munged + slurmctld + 4 slurmds on this host).
 
-slurm/probe.py stands in for the trainer, the engines and the Q0 driver (the trainer, `megatron-spo train`,
-is swapped in by its issue); the router is the real sglang-router. What is proven: the heterogeneous layout
+slurm/probe.py stands in for the trainer, the engines and the Q0 driver (tests/test_slurm_trainer.py runs the
+real ones); the router is the real sglang-router. What is proven: the heterogeneous layout
 and its env contract (ranks, MASTER_ADDR/PORT through a real gloo rendezvous, router and engine URLs),
 the Q0 stage ordered before training by afterok, per-component logs, preemption (SIGUSR1 -> checkpoint ->
 requeue -> resume continuing the step counter) and fail-fast when a component dies.
@@ -11,46 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
-import pytest
+import slurm_helpers
+from slurm_helpers import REPO, SUBMIT, batch_log, job_info, wait_job
 
-REPO = Path(__file__).resolve().parents[1]
-SUBMIT = REPO / "slurm" / "submit.sh"
-CLUSTER = REPO / "slurm" / "test_cluster.sh"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-def _missing_slurm() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (slurmd runs the test jobs)"
-    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol") if not shutil.which(b)
-               and not Path("/usr/sbin", b).exists()]
-    if missing:
-        return f"Debian packages slurmctld slurmd slurm-client munge missing ({', '.join(missing)} not found)"
-    return None
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Environment (dict) for SLURM client commands against a fresh 4-node cluster; stopped at the end."""
-    reason = _missing_slurm()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("slurm")
-    state = root / "cluster"
-    # Nothing of an enclosing SLURM job (when CI itself runs under SLURM) may leak into the test jobs.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPO_"))}
-    env.update(SLURM_CONF=str(state / "slurm.conf"), OMP_NUM_THREADS="1")
-    try:
-        subprocess.run(["bash", str(CLUSTER), "start", str(state), "4"], env=env, check=True,
-                       capture_output=True, text=True, timeout=60)
-        yield {"env": env, "root": root}
-    finally:
-        subprocess.run(["bash", str(CLUSTER), "stop", str(state)], env=env, capture_output=True, timeout=120)
+cluster = slurm_helpers.cluster  # the module-scoped fixture: a fresh 4-node cluster for this module
 
 
 def submit(cluster, run_dir: Path, *args: str, **env_extra: str) -> dict[str, str]:
@@ -60,39 +28,6 @@ def submit(cluster, run_dir: Path, *args: str, **env_extra: str) -> dict[str, st
     return dict(line.split(" ", 1) for line in out.stdout.splitlines())
 
 
-def job_info(cluster, job_id: str) -> list[dict[str, str]]:
-    """One dict per het component, from `scontrol show job -o` (finished jobs stay for MinJobAge)."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster["env"], capture_output=True,
-                         text=True, check=True).stdout
-    rows = []
-    for line in out.splitlines():
-        fields = dict(tok.split("=", 1) for tok in line.split() if "=" in tok)
-        rows.append(fields)
-    return rows
-
-
-def wait_job(cluster, job_id: str, timeout_s: float, until=None) -> list[dict[str, str]]:
-    """Wait until every component is terminal (or `until()` is true).
-
-    Slurm 22.05 starts heterogeneous jobs only from the backfill scheduler, and backfill runs only after
-    some job/node/partition change: on an idle test cluster a requeued job whose BeginTime has passed
-    waits for such a change. A no-op job update (Comment) is that change; busy clusters need none.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = job_info(cluster, job_id)
-        if until is not None and until():
-            return info
-        if all(c["JobState"] in TERMINAL for c in info):
-            return info
-        if info[0]["JobState"] == "PENDING" and info[0].get("Reason") == "None":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", f"Comment=poke{time.monotonic():.0f}"],
-                           env=cluster["env"], capture_output=True)
-        if time.monotonic() > deadline:
-            pytest.fail(f"job {job_id} not done after {timeout_s} s: {[c['JobState'] for c in info]}")
-        time.sleep(0.5)
-
-
 def read_env(run_dir: Path, name: str) -> dict:
     return json.loads((run_dir / "probe" / f"env-{name}.json").read_text())
 
@@ -100,10 +35,6 @@ def read_env(run_dir: Path, name: str) -> dict:
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "probe" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def batch_log(run_dir: Path) -> str:
-    return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
 
 
 def test_submit_rejects_bad_arguments():

@@ -10,14 +10,67 @@ loop as the 'online' data source, and the weight pushes to the fleet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import os
+import signal
 import threading
+import time
 from typing import Any
 
 from megatron_spo.config import ConfigError, TrainConfig
 
 log = logging.getLogger("megatron_spo.online")
+
+
+# As long as slurm/spo.sbatch lets sglang-router wait for its workers (loading a 70B model takes minutes).
+FLEET_STARTUP_TIMEOUT_S = 1800.0
+
+
+def weight_sync_address() -> str:
+    """The address engines reach this process at for the weight-broadcast rendezvous: SPO_WEIGHT_SYNC_ADDR,
+    else MASTER_ADDR (rank 0 runs on the first trainer node, the one MASTER_ADDR names), else 127.0.0.1."""
+    return os.environ.get("SPO_WEIGHT_SYNC_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def wait_healthy(urls: list[str], timeout_s: float, poll_s: float = 1.0) -> None:
+    """Block until every engine answers GET /health with 200; RuntimeError naming the others after timeout_s."""
+    from megatron_spo.rollout.client import get_json
+
+    pending, deadline, last = list(urls), time.monotonic() + timeout_s, {}
+    while pending:
+        for url in list(pending):
+            try:
+                status, _ = get_json(url.rstrip("/") + "/health", 5.0)
+                last[url] = f"HTTP {status}"
+                if status == 200:
+                    pending.remove(url)
+            except OSError as err:
+                last[url] = str(err)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"rollout engines not healthy after {timeout_s:.0f} s: "
+                               + ", ".join(f"{u} ({last[u]})" for u in pending))
+        if pending:
+            time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def _children_ignore_preemption_signals():
+    """Processes started inside inherit SIG_IGN for SIGUSR1 and SIGTERM.
+
+    SLURM delivers a signal forwarded by srun (or scancel) to every process of the job step, not only to the
+    trainer; the reward sandbox must outlive it, because the trainer finishes its step, scoring rollouts,
+    before it checkpoints and exits. (Main thread only: a signal disposition cannot be set elsewhere.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 async def _stats(manager) -> dict[str, float]:
@@ -64,7 +117,8 @@ class OnlineSource:
             prompts.append(prompt)
         if not prompts:
             raise ConfigError("task: no usable prompts")
-        sandbox = SandboxPool(cfg.sandbox)
+        with _children_ignore_preemption_signals():
+            sandbox = SandboxPool(cfg.sandbox)
         rewards = RewardPool(sandbox)
 
         async def reward_fn(problem, text: str) -> float:
@@ -78,7 +132,7 @@ class OnlineSource:
             r = cfg.rollout
             broadcaster = WeightBroadcaster(endpoints.engine_urls, mode=r.weight_sync,
                                             bucket_bytes=int(r.weight_bucket_mb * 2**20), backend=r.weight_sync_backend,
-                                            disk_dir=r.weight_sync_dir)
+                                            master_address=weight_sync_address(), disk_dir=r.weight_sync_dir)
         q0 = {}
         if cfg.task.q0_path:
             from megatron_spo.data.q0 import read_q0
@@ -90,6 +144,7 @@ class OnlineSource:
         return source
 
     broadcaster = None
+    _fleet_seen_healthy = False
 
     def _call(self, coro, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -109,6 +164,11 @@ class OnlineSource:
 
         report = None
         if self.broadcaster is not None:
+            if not self._fleet_seen_healthy:
+                # the first push may come before a freshly (re)started fleet is up (a resumed run re-sends its
+                # weights at once): an engine missing it would stay gated off with nothing left to train on
+                wait_healthy(self.broadcaster.engine_urls, FLEET_STARTUP_TIMEOUT_S)
+                self._fleet_seen_healthy = True
             try:
                 report = self.broadcaster.push(named_tensors, version=str(version))
             except WeightSyncError as err:

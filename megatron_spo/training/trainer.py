@@ -108,6 +108,8 @@ class Trainer:
         from megatron_spo.models.parallel import init_parallel
 
         self.cfg = cfg
+        # first of all: a SLURM warning signal during the (long) model build must not kill the rank
+        self.preemption = PreemptionHandler()
         self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
         init_parallel(cfg.parallel, self.model_cfg, seed=cfg.seed)
         self.ps = parallel_state
@@ -147,7 +149,6 @@ class Trainer:
                     sources[name] = OfflineSource(name, src.path, seed=cfg.seed)
             self.sampler = BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()})
         self.pad_id = 0
-        self.preemption = PreemptionHandler()
         self._resume()
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0,
                                      wandb_project=cfg.logging.wandb_project if cfg.logging.wandb_mode != "disabled"

@@ -1,0 +1,87 @@
+"""The single-host SLURM test cluster as a pytest fixture, and job helpers (scontrol, waiting, logs).
+
+Shared by tests/test_slurm.py (the launch probe) and tests/test_slurm_trainer.py (the real trainer).
+A test module takes the fixture as `cluster = slurm_helpers.cluster`: each module gets its own cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUBMIT = REPO / "slurm" / "submit.sh"
+CLUSTER = REPO / "slurm" / "test_cluster.sh"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def _missing_slurm() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (slurmd runs the test jobs)"
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol") if not shutil.which(b)
+               and not Path("/usr/sbin", b).exists()]
+    if missing:
+        return f"Debian packages slurmctld slurmd slurm-client munge missing ({', '.join(missing)} not found)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Environment (dict) for SLURM client commands against a fresh 4-node cluster; stopped at the end."""
+    reason = _missing_slurm()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("slurm")
+    state = root / "cluster"
+    # Nothing of an enclosing SLURM job (when CI itself runs under SLURM) may leak into the test jobs.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPO_"))}
+    env.update(SLURM_CONF=str(state / "slurm.conf"), OMP_NUM_THREADS="1")
+    try:
+        subprocess.run(["bash", str(CLUSTER), "start", str(state), "4"], env=env, check=True,
+                       capture_output=True, text=True, timeout=60)
+        yield {"env": env, "root": root}
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", str(state)], env=env, capture_output=True, timeout=120)
+
+
+def job_info(cluster, job_id: str) -> list[dict[str, str]]:
+    """One dict per het component, from `scontrol show job -o` (finished jobs stay for MinJobAge)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster["env"], capture_output=True,
+                         text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        fields = dict(tok.split("=", 1) for tok in line.split() if "=" in tok)
+        rows.append(fields)
+    return rows
+
+
+def wait_job(cluster, job_id: str, timeout_s: float, until=None) -> list[dict[str, str]]:
+    """Wait until every component is terminal (or `until()` is true).
+
+    Slurm 22.05 starts heterogeneous jobs only from the backfill scheduler, and backfill runs only after
+    some job/node/partition change: on an idle test cluster a requeued job whose BeginTime has passed
+    waits for such a change. A no-op job update (Comment) is that change; busy clusters need none.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = job_info(cluster, job_id)
+        if until is not None and until():
+            return info
+        if all(c["JobState"] in TERMINAL for c in info):
+            return info
+        if info[0]["JobState"] == "PENDING" and info[0].get("Reason") == "None":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", f"Comment=poke{time.monotonic():.0f}"],
+                           env=cluster["env"], capture_output=True)
+        if time.monotonic() > deadline:
+            pytest.fail(f"job {job_id} not done after {timeout_s} s: {[c['JobState'] for c in info]}")
+        time.sleep(0.5)
+
+
+def batch_log(run_dir: Path) -> str:
+    """The batch shell's output (all restarts: --open-mode=append)."""
+    return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
