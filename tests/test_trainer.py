@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from trainer_helpers import make_tiny_hf, run_spawned
 
 pytestmark = pytest.mark.multiproc

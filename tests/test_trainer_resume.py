@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file
+from trainer_helpers import DeterministicSource, make_tiny_hf
 
 from megatron_spo.data.trajectory import Trajectory, write_jsonl
-from trainer_helpers import DeterministicSource, make_tiny_hf
 
 pytestmark = pytest.mark.multiproc
 
