@@ -14,7 +14,7 @@ from megatron_spo.config import ConfigError
 
 # name -> ("module:function", one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("megatron_spo.verify:main", "the CPU quickstart (until the trainer lands: the math verification)"),
+    "quickstart": ("megatron_spo.training.quickstart:main", "the CPU quickstart: reference -> Q0 -> SPO training -> pass@k"),
     "verify": ("megatron_spo.verify:main", "train tabular policies and check KL(pi || pi*) against the exact optimum"),
     "convert": ("megatron_spo.models.convert:main", "convert checkpoints: hf-to-megatron | megatron-to-hf"),
     "check-conversion": ("megatron_spo.models.convert:check_main", "max |logit difference| between HF and Megatron"),

@@ -240,6 +240,7 @@ class ToyCodeTaskConfig(StrictModel):
     num_tests: int = Field(5, gt=0, description="reward tests per problem")
     num_hidden_tests: int = Field(5, gt=0, description="evaluation-only tests per problem")
     max_solutions: int = Field(16, gt=0, description="reference programs kept per problem")
+    num_sft_problems: int = Field(900, ge=0, description="extra pipelines seen only in SFT (teach the prompt language)")
 
 
 class QuickstartModelConfig(StrictModel):

@@ -74,12 +74,21 @@ def _single_process_world():
     """A world of one process (gloo/NCCL) with TP = PP = 1, torn down afterwards."""
     from megatron_spo.models.parallel import destroy_parallel, free_port, init_parallel
 
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    yield init_parallel
-    destroy_parallel()
+    try:
+        yield init_parallel
+    finally:
+        destroy_parallel()
+        for k, v in saved.items():  # a caller that launches ranks later must not look launched already
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path) -> None:

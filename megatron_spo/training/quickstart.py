@@ -1,0 +1,325 @@
+"""The CPU quickstart: the whole product at small scale, on one machine, in minutes, with no download.
+
+    megatron-spo quickstart [algo=spo|agro|ppo] [key.path=value ...]
+
+1. build (or reuse from the cache) a tiny Llama reference for a generated code task: SFT on the project's
+   own problems (megatron_spo/training/reference_model.py);
+2. convert it HF -> Megatron (dist_checkpointing) for the trainer;
+3. start local engines behind the real sglang-router;
+4. evaluate pass@1 / pass@10 of the reference on held-out problems (sandboxed execution, hidden tests);
+5. estimate Q0 per training prompt from reference samples; their correct samples become the offline set;
+6. train (SPO by default: online rollouts from the engines + the offline set) on megatron-core, the
+   trainer pushing its weights to the engines every model_update_interval steps;
+7. evaluate again through the same engines (now holding the trained policy), print a table with the
+   paired difference and its 95% bootstrap interval, and save plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from megatron_spo.config import (
+    QuickstartModelConfig,
+    RolloutConfig,
+    SandboxConfig,
+    StrictModel,
+    ToolSamplingConfig,
+    TrainConfig,
+    build_config,
+    dump_config,
+)
+from megatron_spo.config import apply_overrides as _apply_overrides
+
+
+class QuickstartTrainConfig(StrictModel):
+    steps: int = Field(120, gt=0)
+    lr: float = Field(2e-4, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    beta: float = Field(0.5, gt=0, description="FIELD-NOTES: beta <= 0.2 with squared loss collapsed on this task")
+    prompts_per_step: int = Field(4, gt=0)
+    samples_per_prompt: int = Field(8, gt=1)
+    online_fraction: float = Field(0.5, ge=0, le=1, description="the rest of each SPO batch is offline data")
+    objective: Literal["terminal", "reverse_q", "advantage", "mc"] = "terminal"
+    loss: Literal["squared", "cross_entropy", "sigmoid_bce"] = "squared"
+    model_update_interval: int = Field(10, gt=0, description="SPO: 10 (paper); PPO always uses 1")
+    temperature_range: tuple[float, float] = (0.7, 1.0)
+    max_new_tokens: int = Field(96, gt=0)
+    nproc: int = Field(1, gt=0)
+    tensor_model_parallel_size: int = Field(1, gt=0)
+    pipeline_model_parallel_size: int = Field(1, gt=0)
+    max_tokens_per_micro_batch: int = Field(4096, gt=0)
+
+
+class QuickstartConfig(StrictModel):
+    out_dir: str = "outputs/quickstart"
+    algo: Literal["spo", "agro", "ppo"] = "spo"
+    seed: int = 0
+    reference: QuickstartModelConfig = Field(default_factory=QuickstartModelConfig)
+    cache_dir: str | None = Field(None, description="reference model cache (default ~/.cache/megatron-spo)")
+    engines: int = Field(2, gt=0)
+    q0_samples: int = Field(16, gt=0, description="paper: 800 per prompt; the toy task needs far fewer")
+    offline_per_prompt: int = Field(4, ge=0, description="correct reference samples kept per prompt")
+    human_solutions_per_prompt: int = Field(2, ge=0, description="the task's own solutions in the offline set "
+                                            "(the paper's offline data includes human solutions)")
+    eval_n: int = Field(20, gt=0)
+    eval_temperature: float = 0.4
+    eval_top_p: float = 0.95
+    heldout_limit: int | None = Field(None, gt=0, description="evaluate on the first N held-out problems")
+    train_limit: int | None = Field(None, gt=0, description="train on the first N training problems")
+    train: QuickstartTrainConfig = Field(default_factory=QuickstartTrainConfig)
+    sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig(time_limit_s=1.0, memory_mb=256))
+    progress: bool = True
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Path, endpoints,
+                 q0_path: Path, offline_path: Path | None) -> TrainConfig:
+    """The trainer's config for this quickstart run (written to RUN_DIR/config.yaml by the trainer)."""
+    t = cfg.train
+    n_seq = t.prompts_per_step * t.samples_per_prompt
+    if cfg.algo == "spo" and offline_path is not None and t.online_fraction < 1:
+        sources = {"online": {"weight": t.online_fraction, "objective": t.objective, "loss": t.loss},
+                   "offline": {"weight": 1 - t.online_fraction, "path": str(offline_path),
+                               "objective": t.objective, "loss": t.loss}}
+    else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
+        sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss}}
+    rollout = RolloutConfig(samples_per_prompt=t.samples_per_prompt, max_new_tokens=t.max_new_tokens,
+                            temperature_range=(1.0, 1.0) if cfg.algo == "ppo" else t.temperature_range, top_p=1.0,
+                            max_inflight_requests=2 * cfg.engines, buffer_groups=4 * t.prompts_per_step,
+                            max_staleness=2 * t.model_update_interval, stale_policy="drop", seed=cfg.seed)
+    data = {
+        "run_dir": str(out / "train"), "seed": cfg.seed, "steps": t.steps, "algo": cfg.algo, "beta": t.beta,
+        "model_update_interval": 1 if cfg.algo == "ppo" else t.model_update_interval,
+        "init": {"hf": str(ref), "megatron": str(megatron_init)},
+        "parallel": {"tensor_model_parallel_size": t.tensor_model_parallel_size,
+                     "pipeline_model_parallel_size": t.pipeline_model_parallel_size},
+        "optimizer": {"lr": t.lr, "warmup_steps": t.warmup_steps, "clip_grad": 1.0},
+        "batch": {"sequences_per_step": n_seq, "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch,
+                  "max_seq_length": cfg.reference.max_position_embeddings},
+        "sources": sources,
+        "task": {"kind": "toy", "toy": cfg.reference.task.model_dump(), "q0_path": str(q0_path),
+                 "limit": cfg.train_limit},
+        "fleet": {"router_url": endpoints.router_url, "engine_urls": endpoints.engine_urls},
+        "rollout": rollout.model_dump(mode="json"),
+        "sandbox": cfg.sandbox.model_dump(mode="json"),
+        "checkpoint": {"interval": max(t.steps // 2, 1), "keep_last": 1},
+        "logging": {"progress": cfg.progress, "max_log_ratio": 50.0},
+        "nproc": t.nproc,
+    }
+    return build_config(TrainConfig, data, "quickstart train config")
+
+
+def build_offline_set(path: Path, prompts, q0: dict, tokenizer, human_per_prompt: int) -> tuple[int, int]:
+    """Offline trajectories = correct reference samples (written by estimate_q0 to `path`) + up to
+    human_per_prompt of each problem's own solutions. Returns (samples, solutions) counts."""
+    from megatron_spo.data.trajectory import Trajectory, read_jsonl, write_jsonl
+
+    samples = read_jsonl(path)[0] if path.exists() else []
+    human = []
+    for prompt in prompts:
+        for solution in list(getattr(prompt.problem, "solutions", ()))[:human_per_prompt]:
+            response = tokenizer(solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            human.append(Trajectory(prompt_id=prompt.prompt_id, prompt_tokens=list(prompt.tokens),
+                                    response_tokens=response, reward=0.0, source="offline", policy_version=0,
+                                    q0=q0[prompt.prompt_id].q0 if prompt.prompt_id in q0 else None))
+    write_jsonl(samples + human, path)
+    return len(samples), len(human)
+
+
+def paired_bootstrap(deltas: list[float], *, resamples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of per-problem differences and its 95% percentile-bootstrap interval."""
+    if not deltas:
+        return math.nan, math.nan, math.nan
+    rng = random.Random(seed)
+    n = len(deltas)
+    means = sorted(sum(deltas[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return sum(deltas) / n, means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def comparison(before, after, ks=(1, 10)) -> dict:
+    """Per-k mean pass@k before / after, the paired difference and its 95% CI over held-out problems."""
+    b = {p.prompt_id: p for p in before.problems}
+    a = {p.prompt_id: p for p in after.problems}
+    ids = sorted(b.keys() & a.keys())
+    out = {"problems": len(ids), "samples_per_problem": before.n}
+    for k in ks:
+        deltas = [a[i].pass_at[k] - b[i].pass_at[k] for i in ids]
+        mean, lo, hi = paired_bootstrap(deltas, seed=k)
+        out[f"pass@{k}"] = {"before": sum(b[i].pass_at[k] for i in ids) / len(ids),
+                            "after": sum(a[i].pass_at[k] for i in ids) / len(ids),
+                            "delta": mean, "ci95": [lo, hi]}
+    return out
+
+
+def print_table(console, result: dict, algo: str, wall: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"megatron-spo quickstart: {algo.upper()} on held-out problems "
+                        f"(n = {result['problems']} problems x {result['samples_per_problem']} samples)")
+    for col in ("metric", "reference", "trained", "difference", "95% CI (paired bootstrap)", "beyond noise"):
+        table.add_column(col)
+    for key in ("pass@1", "pass@10"):
+        r = result[key]
+        lo, hi = r["ci95"]
+        table.add_row(key, f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['delta']:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]",
+                      "yes" if lo > 0 else ("worse" if hi < 0 else "no"))
+    console.print(table)
+    console.print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()))
+
+
+def plot_comparison(result: dict, path: Path, algo: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["pass@1", "pass@10"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    x = range(len(keys))
+    before = [result[k]["before"] for k in keys]
+    after = [result[k]["after"] for k in keys]
+    ax.bar([i - 0.2 for i in x], before, width=0.4, label="reference")
+    err = [[result[k]["delta"] - result[k]["ci95"][0] for k in keys], [result[k]["ci95"][1] - result[k]["delta"]
+                                                                        for k in keys]]
+    ax.bar([i + 0.2 for i in x], after, width=0.4, label=f"{algo.upper()}", yerr=err, capsize=4)
+    ax.set_xticks(list(x), keys)
+    ax.set_ylim(0, 1)
+    ax.set_title(f"held-out pass@k (n = {result['problems']} problems)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(cfg: QuickstartConfig) -> dict:
+    from transformers import AutoTokenizer
+
+    from megatron_spo.data.q0 import estimate_q0, make_prompts
+    from megatron_spo.data.toy_code import make_task
+    from megatron_spo.eval.runner import evaluate
+    from megatron_spo.models.convert import hf_to_megatron
+    from megatron_spo.rewards.reward import RewardPool
+    from megatron_spo.rewards.sandbox import SandboxPool
+    from megatron_spo.rollout.client import EngineClient
+    from megatron_spo.rollout.fleet import Fleet
+    from megatron_spo.training.metrics import plot_run
+    from megatron_spo.training.reference_model import build_reference
+    from megatron_spo.training.trainer import launch
+
+    console = _console()
+    out = Path(cfg.out_dir) / cfg.algo
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "quickstart.yaml").write_text(dump_config(cfg))
+    wall: dict[str, float] = {}
+
+    def stage(name: str):
+        console.rule(f"[bold]{name}")
+        return time.perf_counter()
+
+    t0 = stage("1/6 reference model (SFT on the generated task, cached)")
+    ref = build_reference(cfg.reference, cfg.cache_dir, progress=cfg.progress)
+    console.print(f"reference: {ref}")
+    wall["reference"] = time.perf_counter() - t0
+
+    t0 = stage("2/6 HF -> Megatron conversion")
+    megatron_init = out / "megatron_init"
+    hf_to_megatron(ref, megatron_init)
+    wall["convert"] = time.perf_counter() - t0
+
+    toy = make_task(**cfg.reference.task.model_dump())
+    train_problems = list(toy.train)[: cfg.train_limit]
+    heldout = list(toy.heldout)[: cfg.heldout_limit]
+    tokenizer = AutoTokenizer.from_pretrained(ref)
+    train_prompts, heldout_prompts = make_prompts(train_problems, tokenizer), make_prompts(heldout, tokenizer)
+    sandbox = SandboxPool(cfg.sandbox)
+    rewards, eval_rewards = RewardPool(sandbox), RewardPool(sandbox, hidden=True)
+    t0 = stage(f"3/6 fleet: {cfg.engines} engines behind sglang-router")
+    try:
+        with Fleet(str(ref), cfg.engines, log_dir=str(out / "fleet"), threads_per_engine=1) as fleet:
+            endpoints = type("E", (), {"router_url": fleet.router_url, "engine_urls": fleet.engine_urls})()
+            console.print(f"router {fleet.router_url}, engines {', '.join(fleet.engine_urls)}")
+
+            async def eval_now(tag: str):
+                async with EngineClient(fleet.router_url) as client:
+                    return await evaluate(heldout_prompts, client, eval_rewards, n=cfg.eval_n,
+                                          temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, ks=(1, 10),
+                                          sampling=ToolSamplingConfig(max_new_tokens=cfg.train.max_new_tokens,
+                                                                      seed=cfg.seed),
+                                          out_path=out / f"eval_{tag}.jsonl", progress=cfg.progress)
+
+            t0 = stage(f"4/6 evaluate the reference: {len(heldout)} held-out problems x {cfg.eval_n} samples")
+            before = asyncio.run(eval_now("before"))
+            wall["eval_before"] = time.perf_counter() - t0
+
+            t0 = stage(f"5/6 Q0: {cfg.q0_samples} reference samples x {len(train_prompts)} training prompts")
+
+            async def q0_now():
+                async with EngineClient(fleet.router_url) as client:
+                    return await estimate_q0(train_prompts, client, rewards, samples=cfg.q0_samples,
+                                             beta=cfg.train.beta, out_path=out / "q0.jsonl",
+                                             sampling=ToolSamplingConfig(temperature=1.0,
+                                                                         max_new_tokens=cfg.train.max_new_tokens,
+                                                                         seed=cfg.seed),
+                                             trajectories_out=out / "offline.jsonl",
+                                             keep_successful=cfg.offline_per_prompt, progress=cfg.progress)
+
+            q0 = asyncio.run(q0_now())
+            s0 = [e.s0 for e in q0.values()]
+            n_samples, n_human = build_offline_set(out / "offline.jsonl", train_prompts, q0, tokenizer,
+                                                   cfg.human_solutions_per_prompt)
+            n_offline = n_samples + n_human
+            console.print(f"mean S0 {sum(s0) / len(s0):.3f}; offline set: {n_samples} correct reference samples + "
+                          f"{n_human} task solutions")
+            wall["q0"] = time.perf_counter() - t0
+
+            t0 = stage(f"6/6 train {cfg.algo.upper()} for {cfg.train.steps} steps on megatron-core")
+            tcfg = train_config(cfg, out, ref, megatron_init, endpoints, out / "q0.jsonl",
+                                out / "offline.jsonl" if n_offline else None)
+            launch(tcfg)
+            wall["train"] = time.perf_counter() - t0
+
+            t0 = stage("evaluate the trained policy (the engines hold its weights)")
+            after = asyncio.run(eval_now("after"))
+            wall["eval_after"] = time.perf_counter() - t0
+    finally:
+        rewards.close()
+        sandbox.close()
+
+    result = comparison(before, after)
+    from megatron_spo.training.metrics import read_metrics
+
+    train_metrics = read_metrics(out / "train")
+    result.update({"algo": cfg.algo, "wall_s": wall, "train_steps": len(train_metrics),
+                   "weight_pushes": int(max(m.get("policy_version", 0) for m in train_metrics))})
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print_table(console, result, cfg.algo, wall)
+    plots = plot_run(out / "train", out / "plots", smooth=5)
+    plot_comparison(result, out / "plots" / "pass_at_k.png", cfg.algo)
+    console.print(f"results: {out / 'results.json'}; plots: {len(plots) + 1} PNGs in {out / 'plots'}")
+    return result
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-spo quickstart", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo=ppo train.steps=50")
+    args = parser.parse_args(argv)
+    cfg = build_config(QuickstartConfig, _apply_overrides({}, args.overrides), "quickstart")
+    run(cfg)
+    return 0

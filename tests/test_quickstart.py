@@ -1,0 +1,67 @@
+"""End-to-end: the quickstart at reduced size with 2 trainer ranks (TP=2) on gloo, 2 local engines behind
+the real sglang-router, the real sandbox, weight pushes, offline + online data, evaluation before/after."""
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+
+def _bwrap_usable() -> bool:
+    return os.geteuid() == 0 and subprocess.run(["which", "bwrap"], capture_output=True).returncode == 0
+
+
+def _fleet_processes() -> list:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "sglang_router.launch_router" in cmd or "megatron_spo.cli serve" in cmd or "engine_server" in cmd:
+            out.append(cmd)
+    return out
+
+
+@pytest.mark.skipif(not _bwrap_usable(), reason="the sandbox needs root and bubblewrap (tools/bootstrap.sh)")
+def test_quickstart_end_to_end_small(tmp_path):
+    before = set(_fleet_processes())
+    out = tmp_path / "qs"
+    args = [f"out_dir={out}", f"cache_dir={tmp_path / 'cache'}", "reference.sft_steps=40", "reference.task.num_problems=24",
+            "q0_samples=4", "offline_per_prompt=2", "eval_n=10", "heldout_limit=4", "train_limit=6",
+            "train.steps=4", "train.model_update_interval=2", "train.prompts_per_step=2", "train.samples_per_prompt=4",
+            "train.nproc=2", "train.tensor_model_parallel_size=2", "train.max_new_tokens=48", "progress=false"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "quickstart", *args], capture_output=True,
+                          text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run = out / "spo"
+
+    result = json.loads((run / "results.json").read_text())
+    assert (result["problems"], result["samples_per_problem"]) == (4, 10)
+    for k in ("pass@1", "pass@10"):
+        r = result[k]
+        assert 0 <= r["before"] <= 1 and 0 <= r["after"] <= 1
+        assert r["ci95"][0] <= r["delta"] <= r["ci95"][1]
+        assert r["delta"] == pytest.approx(r["after"] - r["before"], abs=1e-9)
+    assert result["train_steps"] == 4 and result["weight_pushes"] == 2  # steps 2 and 4
+
+    metrics = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all("loss/online" in m for m in metrics)  # rollouts from the engines every step
+    assert any("loss/offline" in m for m in metrics)  # and the offline set of correct reference samples
+    assert all(m["rollout/groups"] >= 1 for m in metrics)
+    assert [m["policy_version"] for m in metrics] == [0, 1, 1, 2]
+    assert all("weight_sync/bytes_per_s" in metrics[i] for i in (1, 3))
+
+    offline = [json.loads(line) for line in (run / "offline.jsonl").read_text().splitlines()]
+    assert len(offline) >= 6 and all(r["reward"] == 0.0 for r in offline)  # correct samples + task solutions
+    q0 = [json.loads(line) for line in (run / "q0.jsonl").read_text().splitlines()]
+    assert len(q0) == 6 and all(r["n"] == 4 and -1.0 <= r["q0"] <= 0.0 for r in q0)
+
+    assert (run / "train" / "hf" / "config.json").exists()  # the final policy, as an HF directory
+    assert (run / "train" / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
+    assert (run / "plots" / "pass_at_k.png").exists() and (run / "plots" / "loss.png").exists()
+    assert "pass@1" in proc.stdout and "95% CI" in proc.stdout
+    assert set(_fleet_processes()) - before == set(), "engines or the router outlived the quickstart"
