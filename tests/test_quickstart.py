@@ -53,6 +53,9 @@ def test_quickstart_end_to_end_small(tmp_path):
     assert any("loss/offline" in m for m in metrics)  # and the offline set of correct reference samples
     assert all(m["rollout/groups"] >= 1 for m in metrics)
     assert [m["policy_version"] for m in metrics] == [0, 1, 1, 2]
+    # online data lags the trainer by at most rollout.max_staleness (2 x model_update_interval = 4) versions
+    assert metrics[0]["staleness/max"] == 0 and all(0 <= m["staleness/max"] <= 4 for m in metrics)
+    assert all(-1.0 <= m["reward/online"] <= 0.0 for m in metrics)
     assert all("weight_sync/bytes_per_s" in metrics[i] for i in (1, 3))
 
     offline = [json.loads(line) for line in (run / "offline.jsonl").read_text().splitlines()]

@@ -363,14 +363,17 @@ class Trainer:
             metrics.update(self._sync_metrics)
             self._sync_metrics = {}
         n_tokens = sum(len(t.response_tokens) for t in trajs)
-        versions = [t.policy_version for t in trajs]
         metrics.update({
             "lr": lr, "grad_norm": grad_norm, "reward": sum(t.reward for t in trajs) / len(trajs),
-            "staleness": self.policy_version - sum(versions) / len(versions),
-            "staleness/max": float(self.policy_version - min(versions)),
             "time/rollout_wait": t_wait, "time/forward_backward": t_fb, "time/weight_sync": t_sync,
             "time/step": time.perf_counter() - t_step, "policy_version": float(self.policy_version),
         })
+        online = [t for t in trajs if t.source == "online"]
+        if online:  # policy versions behind the trainer (offline data has no meaningful version)
+            versions = [t.policy_version for t in online]
+            metrics["staleness"] = self.policy_version - sum(versions) / len(versions)
+            metrics["staleness/max"] = float(self.policy_version - min(versions))
+            metrics["reward/online"] = sum(t.reward for t in online) / len(online)
         if value_grad_norm is not None:
             metrics["grad_norm/value"] = value_grad_norm
         metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
