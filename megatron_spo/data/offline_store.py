@@ -45,6 +45,7 @@ from megatron_spo.data.trajectory import (
     Trajectory,
     validate_record,
 )
+from megatron_spo.fsutil import fsync_dir, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -77,22 +78,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,9 +152,9 @@ class OfflineStoreWriter:
             os.fsync(f.fileno())
         for file in sorted(os.listdir(tmp)):
             files[file] = _sha256(tmp / file)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, self.path / name)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         self.index["shards"].append({"name": name, "rows": len(self.buffer), "files": files})
         _write_json_atomic(self.path / INDEX, self.index)
         self.written += len(self.buffer)

@@ -21,13 +21,13 @@ import asyncio
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_spo.config import ConfigError, Q0Config, ToolSamplingConfig, build_config
+from megatron_spo.fsutil import write_lines_atomic
 from megatron_spo.rollout.manager import Prompt
 from megatron_spo.rollout.protocol import Completion, SamplingParams
 
@@ -154,19 +154,6 @@ def _dump(record: dict) -> str:
     return json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
 
 
-def atomic_write_lines(path: Path, lines: Sequence[str]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 class ResultLog:
     """An append-only JSONL of per-item results keyed by ``record[key]`` (or ``key(record)``): a tool's output and
     resume state.
@@ -182,7 +169,7 @@ class ResultLog:
         if self.path.exists():
             self.records, torn = self.read(self.path, self.key_of)
             if torn:
-                atomic_write_lines(self.path, [_dump(r) for r in self.records.values()])
+                write_lines_atomic(self.path, [_dump(r) for r in self.records.values()])
         self._file = open(self.path, "a", encoding="utf-8")
 
     @staticmethod
@@ -217,7 +204,7 @@ class ResultLog:
         if not all(k in self.records for k in order):
             return False
         self._file.close()
-        atomic_write_lines(self.path, [_dump(self.records[k]) for k in order])
+        write_lines_atomic(self.path, [_dump(self.records[k]) for k in order])
         self._file = open(self.path, "a", encoding="utf-8")
         return True
 
@@ -396,7 +383,7 @@ class _TrajectorySink:
         if self.path.exists():
             lines = [ln + "\n" for ln in self.path.read_text(encoding="utf-8").split("\n")[:-1] if ln.strip()]
             done = log.records if log is not None else {}
-            atomic_write_lines(self.path, [ln for ln in lines if str(json.loads(ln)["prompt_id"]) in done])
+            write_lines_atomic(self.path, [ln for ln in lines if str(json.loads(ln)["prompt_id"]) in done])
 
     def add(self, prompt: Prompt, samples: list[tuple[Completion, float]], q0: float) -> None:
         """samples: (completion, reward) pairs."""
@@ -415,7 +402,7 @@ class _TrajectorySink:
         rank = {k: i for i, k in enumerate(order)}
         lines = [ln + "\n" for ln in self.path.read_text(encoding="utf-8").split("\n")[:-1] if ln.strip()]
         lines.sort(key=lambda ln: rank.get(str(json.loads(ln)["prompt_id"]), len(rank)))  # stable within a prompt
-        atomic_write_lines(self.path, lines)
+        write_lines_atomic(self.path, lines)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megatron_spo.fsutil import write_lines_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -186,21 +186,6 @@ def read_jsonl(path: str | Path, *, skip_invalid: bool = False) -> tuple[list[Tr
     return records, report
 
 
-def _atomic_write_text(path: Path, lines: Iterable[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def write_jsonl(records: Iterable[Trajectory | dict], path: str | Path) -> int:
     """Write records (validated) to a JSONL file atomically; returns how many."""
     count = 0
@@ -212,7 +197,7 @@ def write_jsonl(records: Iterable[Trajectory | dict], path: str | Path) -> int:
             count += 1
             yield json.dumps(traj.to_dict(), allow_nan=False, separators=(",", ":")) + "\n"
 
-    _atomic_write_text(Path(path), lines())
+    write_lines_atomic(path, lines())
     return count
 
 

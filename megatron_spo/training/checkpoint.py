@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_spo.fsutil import fsync_dir, write_text_atomic
+
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 
@@ -39,24 +41,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def step_dir_name(step: int) -> str:
@@ -111,7 +95,7 @@ class CheckpointDir:
         _barrier()
         if _rank() == 0:
             marker = {"step": step, "time": time.time(), **(meta or {})}
-            _write_atomic(partial / COMPLETE, json.dumps(marker, indent=1))
+            write_text_atomic(partial / COMPLETE, json.dumps(marker, indent=1))
             if final.exists():  # re-saving a step after a resume: replace it
                 stale = final.with_name(final.name + ".stale")
                 if stale.exists():
@@ -121,8 +105,8 @@ class CheckpointDir:
                 shutil.rmtree(stale)
             else:
                 os.replace(partial, final)
-            _fsync_dir(self.root)
-            _write_atomic(self.root / LATEST, final.name)
+            fsync_dir(self.root)
+            write_text_atomic(self.root / LATEST, final.name)
             self._prune(keep=step)
         _barrier()
         return final

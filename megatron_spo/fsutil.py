@@ -1,0 +1,42 @@
+"""Durable file writes shared by checkpoints, trajectory files, the offline store and the tools' results.
+
+A reader sees either the old file or the complete new one: write to a temporary file in the same folder,
+fsync it, rename it over the target, fsync the folder (so the rename itself survives a crash).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> None:
+    """Write the lines (each carrying its own newline) to `path` atomically and durably."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    write_lines_atomic(path, [text])
