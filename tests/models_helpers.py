@@ -109,11 +109,7 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
     from megatron_spo.models.megatron_checkpoint import load_megatron, save_megatron
     from megatron_spo.models.parallel import init_parallel
     from megatron_spo.models.pipeline import gather_logits_to_rank0, run_pipeline
-
-    try:  # the fused log-prob op (another component); its parity check is skipped when absent
-        from megatron_spo.ops.token_logprobs import token_logprobs
-    except ImportError:
-        token_logprobs = None
+    from megatron_spo.ops import token_logprobs
 
     cfg = read_hf_config(hf_dir)
     reader = HFReader(hf_dir)
@@ -181,26 +177,25 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
             rec["grad_worst_tensor"] = worst_name
 
         # 3b. the trainer's path: final hidden states + LM-head shard -> fused token log-probs (ops)
-        if token_logprobs is not None:
-            tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
 
-            def hidden_loss_fn(hidden_mb, index, head=chunks[-1], tp_group=tp_group):
-                h = hidden_mb[:, :-1].reshape(-1, hidden_mb.shape[-1])
-                targets = mb_ids[index][:, 1:].reshape(-1)
-                logp = token_logprobs(
-                    h, lm_head_weight(head), targets, tp_group=tp_group, valid_vocab_size=cfg.vocab_size
-                )
-                return -logp.mean()
+        def hidden_loss_fn(hidden_mb, index, head=chunks[-1], tp_group=tp_group):
+            h = hidden_mb[:, :-1].reshape(-1, hidden_mb.shape[-1])
+            targets = mb_ids[index][:, 1:].reshape(-1)
+            logp = token_logprobs(
+                h, lm_head_weight(head), targets, tp_group=tp_group, valid_vocab_size=cfg.vocab_size
+            )
+            return -logp.mean()
 
-            for c in chunks:
-                c.zero_grad(set_to_none=True)
-            run_pipeline(chunks, ids, micro_batch_size=2, loss_fn=hidden_loss_fn, hidden_states=True)
-            worst = 0.0
-            for hf_name, g in iter_hf_tensors(chunks, cfg, grads=True):
-                ref = ref_grads[hf_name]
-                worst = max(worst, (g - ref).abs().max().item() / (ref.abs().max().item() + 1e-12))
-            if rank == 0:
-                rec["grad_via_hidden_max_rel_diff"] = worst
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        run_pipeline(chunks, ids, micro_batch_size=2, loss_fn=hidden_loss_fn, hidden_states=True)
+        worst = 0.0
+        for hf_name, g in iter_hf_tensors(chunks, cfg, grads=True):
+            ref = ref_grads[hf_name]
+            worst = max(worst, (g - ref).abs().max().item() / (ref.abs().max().item() + 1e-12))
+        if rank == 0:
+            rec["grad_via_hidden_max_rel_diff"] = worst
 
         # 4. streaming export to rank 0 is bit-exact
         exact = True

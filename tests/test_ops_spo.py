@@ -74,7 +74,8 @@ def test_values_match_the_definition_and_the_reference():
 
 
 def test_parity_with_algorithms_cumulative_q():
-    algorithms = pytest.importorskip("megatron_spo.algorithms")
+    from megatron_spo import algorithms
+
     hidden, ref_hidden, weight, ref_weight, targets, mask, q0 = make_batch(seed=3)
     out = spo_token_quantities(
         hidden, weight, targets, mask, q0, BETA, ref_hidden=ref_hidden, ref_weight=ref_weight
