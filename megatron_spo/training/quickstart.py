@@ -75,6 +75,8 @@ class QuickstartConfig(StrictModel):
     eval_temperature: float = 0.4
     eval_top_p: float = 0.95
     heldout_limit: int | None = Field(None, gt=0, description="evaluate on the first N held-out problems")
+    train_eval_limit: int = Field(40, ge=0, description="also evaluate on N training prompts (hidden tests, which "
+                                  "rewards never use): learning vs transfer to new problems")
     train_limit: int | None = Field(None, gt=0, description="train on the first N training problems")
     train: QuickstartTrainConfig = Field(default_factory=QuickstartTrainConfig)
     sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig(time_limit_s=1.0, memory_mb=256))
@@ -166,10 +168,10 @@ def comparison(before, after, ks=(1, 10)) -> dict:
     return out
 
 
-def print_table(console, result: dict, algo: str, wall: dict) -> None:
+def print_table(console, result: dict, algo: str, wall: dict, where: str = "held-out problems") -> None:
     from rich.table import Table
 
-    table = Table(title=f"megatron-spo quickstart: {algo.upper()} on held-out problems "
+    table = Table(title=f"megatron-spo quickstart: {algo.upper()} on {where} "
                         f"(n = {result['problems']} problems x {result['samples_per_problem']} samples)")
     for col in ("metric", "reference", "trained", "difference", "95% CI (paired bootstrap)", "beyond noise"):
         table.add_column(col)
@@ -179,7 +181,8 @@ def print_table(console, result: dict, algo: str, wall: dict) -> None:
         table.add_row(key, f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['delta']:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]",
                       "yes" if lo > 0 else ("worse" if hi < 0 else "no"))
     console.print(table)
-    console.print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()))
+    if wall:
+        console.print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()))
 
 
 def plot_comparison(result: dict, path: Path, algo: str) -> None:
@@ -256,9 +259,9 @@ def run(cfg: QuickstartConfig) -> dict:
             endpoints = type("E", (), {"router_url": fleet.router_url, "engine_urls": fleet.engine_urls})()
             console.print(f"router {fleet.router_url}, engines {', '.join(fleet.engine_urls)}")
 
-            async def eval_now(tag: str):
+            async def eval_now(tag: str, prompts=heldout_prompts):
                 async with EngineClient(fleet.router_url) as client:
-                    return await evaluate(heldout_prompts, client, eval_rewards, n=cfg.eval_n,
+                    return await evaluate(prompts, client, eval_rewards, n=cfg.eval_n,
                                           temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, ks=(1, 10),
                                           sampling=ToolSamplingConfig(max_new_tokens=cfg.train.max_new_tokens,
                                                                       seed=cfg.seed),
@@ -266,6 +269,8 @@ def run(cfg: QuickstartConfig) -> dict:
 
             t0 = stage(f"4/6 evaluate the reference: {len(heldout)} held-out problems x {cfg.eval_n} samples")
             before = asyncio.run(eval_now("before"))
+            train_eval = train_prompts[: cfg.train_eval_limit]
+            train_before = asyncio.run(eval_now("train_before", train_eval)) if train_eval else None
             wall["eval_before"] = time.perf_counter() - t0
 
             t0 = stage(f"5/6 Q0: {cfg.q0_samples} reference samples x {len(train_prompts)} training prompts")
@@ -297,12 +302,15 @@ def run(cfg: QuickstartConfig) -> dict:
 
             t0 = stage("evaluate the trained policy (the engines hold its weights)")
             after = asyncio.run(eval_now("after"))
+            train_after = asyncio.run(eval_now("train_after", train_eval)) if train_eval else None
             wall["eval_after"] = time.perf_counter() - t0
     finally:
         rewards.close()
         sandbox.close()
 
     result = comparison(before, after)
+    if train_before is not None:
+        result["training_prompts"] = comparison(train_before, train_after)
     from megatron_spo.training.metrics import read_metrics
 
     train_metrics = read_metrics(out / "train")
@@ -310,6 +318,8 @@ def run(cfg: QuickstartConfig) -> dict:
                    "weight_pushes": int(max(m.get("policy_version", 0) for m in train_metrics))})
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print_table(console, result, cfg.algo, wall)
+    if "training_prompts" in result:
+        print_table(console, result["training_prompts"], cfg.algo, {}, where="training prompts, hidden tests")
     plots = plot_run(out / "train", out / "plots", smooth=5)
     plot_comparison(result, out / "plots" / "pass_at_k.png", cfg.algo)
     console.print(f"results: {out / 'results.json'}; plots: {len(plots) + 1} PNGs in {out / 'plots'}")
