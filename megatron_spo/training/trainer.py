@@ -304,8 +304,8 @@ class Trainer:
         return store if self.is_last_stage else []
 
     def _collect(self, store: list, n: int) -> list:
-        """Per-micro-batch outputs of a forward-only pass, shared with every pipeline stage (they are
-        needed by the loss, which runs on the last stage only: here they already are there)."""
+        """Per-micro-batch outputs of a forward-only pass, indexed by micro-batch (last pipeline stage;
+        other stages get Nones, which is all they need: the loss runs on the last stage only)."""
         out = [None] * n
         for item in store:
             out[item["index"]] = item["out"]
@@ -321,7 +321,7 @@ class Trainer:
         t_fb = time.perf_counter()
         ref = self._collect(self._run(self.reference, mbs, forward_only=True, output="logp", loss_fn=None), len(mbs))
         lr = self.lr_at(self.step, cfg.optimizer.lr)
-        metrics_store = []
+        metrics_store, value_grad_norm = [], None
         if cfg.algo == "ppo":
             old_values = self._collect(self._run(self.value, mbs, forward_only=True, output="values", loss_fn=None),
                                        len(mbs))
@@ -330,27 +330,27 @@ class Trainer:
                 adv_ret = [losses.ppo_advantages(mb, ref[i], old_values[i], beta=cfg.beta, gamma=cfg.ppo.gamma,
                                                  lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
                            for i, mb in enumerate(mbs)]
-            metrics_store += self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
-                                            lambda i, mb, logp: losses.ppo_batch_loss(mb, logp, adv_ret[i][0],
-                                                                                      clip_eps=cfg.ppo.clip_eps))
-            grad_norm = self._last_grad_norm
+            store, grad_norm = self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
+                                              lambda i, mb, logp: losses.ppo_batch_loss(
+                                                  mb, logp, adv_ret[i][0], clip_eps=cfg.ppo.clip_eps))
+            metrics_store += store
             vlr = self.lr_at(self.step, cfg.optimizer.value_lr or cfg.optimizer.lr)
-            metrics_store += self._optimize(self.value, self.value_optimizer, mbs, vlr, "values",
+            store, value_grad_norm = self._optimize(self.value, self.value_optimizer, mbs, vlr, "values",
                                             lambda i, mb, v: losses.value_batch_loss(
                                                 mb, v, old_values[i], adv_ret[i][1],
                                                 clip_eps=cfg.ppo.value_clip_eps))
-            value_grad_norm = self._last_grad_norm
+            metrics_store += store
         elif cfg.algo == "agro":
-            metrics_store += self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
-                                            lambda i, mb, logp: losses.agro_batch_loss(
+            store, grad_norm = self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
+                                              lambda i, mb, logp: losses.agro_batch_loss(
                                                 mb, logp, ref[i], beta=cfg.beta, on_policy=cfg.agro.on_policy))
+            metrics_store += store
         else:
             objectives = {name: (s.objective, s.loss) for name, s in cfg.sources.items()}
-            metrics_store += self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
-                                            lambda i, mb, logp: losses.spo_batch_loss(
+            store, grad_norm = self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
+                                              lambda i, mb, logp: losses.spo_batch_loss(
                                                 mb, logp, ref[i], beta=cfg.beta, objectives=objectives))
-        if cfg.algo != "ppo":
-            grad_norm, value_grad_norm = self._last_grad_norm, None
+            metrics_store += store
         t_fb = time.perf_counter() - t_fb
 
         t_sync = 0.0
@@ -387,9 +387,8 @@ class Trainer:
                                    "the policy is collapsing (lower the LR, raise beta, or sample at T=1)")
         return metrics
 
-    _last_grad_norm: float = 0.0
-
-    def _optimize(self, chunks, optimizer, mbs, lr: float, output: str, loss_fn) -> list:
+    def _optimize(self, chunks, optimizer, mbs, lr: float, output: str, loss_fn) -> tuple[list, float]:
+        """One optimizer step over the micro-batches: (the loss function's reports, grad norm)."""
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -399,8 +398,7 @@ class Trainer:
         ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise TrainingDiverged(f"step {self.step}: the optimizer skipped the update (non-finite gradients)")
-        self._last_grad_norm = float(grad_norm or 0.0)
-        return store
+        return store, float(grad_norm or 0.0)
 
     def _reduce_metrics(self, store: list) -> dict[str, float]:
         """Sequence-weighted means of the loss metrics over data-parallel ranks, delivered on rank 0."""
