@@ -102,6 +102,21 @@ def test_sampler_swaps_the_configured_fraction_for_neighbour_programs():
     assert abs(swapped / 4000 - 0.25) < 0.03
 
 
+def test_sampler_slips_the_configured_fraction_of_targets():
+    task = toy_code.make_task()
+    sampler = rm.SFTSampler(task, swap_fraction=0.0, seed=0, slip_fraction=0.4)
+    by_prompt = {p.prompt: p for p in task.sft_problems}
+    slipped = 0
+    for _ in range(4000):
+        prompt, program = sampler.draw()
+        problem = by_prompt[prompt]
+        if program not in problem.solutions:
+            assert any(program == toy_code.with_input_slip(problem.family, s) for s in problem.solutions)
+            slipped += 1
+    assert slipped == sampler.num_slipped
+    assert abs(slipped / 4000 - 0.4) < 0.03
+
+
 def test_lr_schedule_exact_values():
     cfg = tiny_config(lr=1e-3, warmup_steps=10, sft_steps=110, min_lr_ratio=0.1)
     assert rm.lr_at(0, cfg) == pytest.approx(1e-4)

@@ -96,6 +96,21 @@ def test_tests_reject_a_neighbours_program(task):
     assert sum(passed) <= 0.05 * len(pairs), f"{sum(passed)} of {len(pairs)} neighbour programs pass"
 
 
+def test_input_slip_is_generic_and_fails_the_tests(task):
+    """The slip is one fixed edit per family (whatever the operations), and a slipped program is wrong."""
+    assert toy_code.with_input_slip("num", "n=int(input())\nprint(n+2)\n") == "n=input()\nprint(n+2)\n"
+    assert toy_code.with_input_slip("str", "print(input()[::-1])\n") == "print(input().split()[::-1])\n"
+    assert toy_code.with_input_slip("list", "a=list(map(int,input().split()))\nprint(*a)\n") == (
+        "a=input().split()\nprint(*a)\n")
+    assert toy_code.with_input_slip("list", "l=[int(v) for v in input().split()]\nprint(sum(l))\n") == (
+        "l=[v for v in input().split()]\nprint(sum(l))\n")
+    with pytest.raises(ValueError, match="no input to slip in this num program"):
+        toy_code.with_input_slip("num", "print(3)\n")
+    pairs = [(toy_code.with_input_slip(p.family, s), list(p.tests)) for p in task.problems for s in p.solutions[:2]]
+    passed = run_programs(pairs)
+    assert sum(passed) <= 0.03 * len(pairs), f"{sum(passed)} of {len(pairs)} slipped programs pass"
+
+
 def test_generator_is_deterministic_across_processes(task):
     again = toy_code.make_task()
     assert again == task

@@ -553,6 +553,29 @@ def all_text(task: ToyCodeTask) -> Iterator[str]:
             yield stdout
 
 
+# The sloppy teacher's input slip, one per family: the same mistake whatever the problem asks.
+_SLIPS = {
+    "num": [(re.compile(r"int\(input\(\)\)"), "input()")],  # never converts the number
+    "str": [(re.compile(r"input\(\)"), "input().split()")],  # a list of words, not the string
+    "list": [(re.compile(r"list\(map\(int,input\(\)\.split\(\)\)\)"), "input().split()"),  # strings, not ints
+             (re.compile(r"\[int\((\w+)\) for"), r"[\1 for")],
+}
+
+
+def with_input_slip(family: str, program: str) -> str:
+    """The program with its family's input-parsing slip (a generic bug, independent of the operations).
+
+    SFT on some slipped targets gives pi_0 a habit that fails on every problem, seen or not: the kind of
+    systematic error RL should remove and whose removal must show on held-out problems.
+    """
+    out = program
+    for pattern, replacement in _SLIPS[family]:
+        out = pattern.sub(replacement, out)
+    if out == program:
+        raise ValueError(f"toy_code: no input to slip in this {family} program: {program!r}")
+    return out
+
+
 _SAFE_PROGRAM = re.compile(r"^[\x20-\x7e\n]*$")
 
 

@@ -10,7 +10,10 @@ leaves a directory that looks complete), and reused when present.
 
 SFT data: each step draws ``batch_size`` problems (train split + SFT-only pipelines, never held-out ones)
 and one of each problem's reference programs; with probability ``swap_fraction`` the target is a
-neighbouring problem's program instead, so pi_0 is right only part of the time (room for RL, not zero).
+neighbouring problem's program instead (a problem-specific error), and with probability ``slip_fraction`` it
+carries its family's input-parsing slip (toy_code.with_input_slip: a generic error, the same on every problem),
+so pi_0 is right only part of the time (room for RL, not zero) and part of what RL can fix transfers to
+problems it never trains on.
 Loss: next-token cross-entropy on the program and its EOS only (the prompt is context).
 """
 
@@ -33,7 +36,7 @@ from megatron_spo.config import QuickstartModelConfig, load_config
 from megatron_spo.data import toy_code
 from megatron_spo.data.char_tokenizer import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
 
-REFERENCE_VERSION = 1  # bump when the SFT recipe changes (part of the cache key)
+REFERENCE_VERSION = 2  # bump when the SFT recipe changes (part of the cache key)
 BUILD_INFO = "build_info.json"
 IGNORE_INDEX = -100
 
@@ -108,8 +111,10 @@ def encode_example(tokenizer, prompt: str, program: str) -> tuple[list[int], lis
 class SFTSampler:
     """Draws (prompt, target program) pairs from the train split, swapping some targets for a neighbour's."""
 
-    def __init__(self, task: toy_code.ToyCodeTask, swap_fraction: float, seed: int):
+    def __init__(self, task: toy_code.ToyCodeTask, swap_fraction: float, seed: int, slip_fraction: float = 0.0):
         self.task = task
+        self.slip_fraction = slip_fraction
+        self.num_slipped = 0
         self.pool = task.sft_problems  # train split + SFT-only pipelines; never a held-out prompt
         self.swap_fraction = swap_fraction
         self.rng = random.Random(seed)
@@ -123,7 +128,11 @@ class SFTSampler:
             source = self.task.by_id(self.task.neighbour[problem.id])
             self.num_swapped += 1
         self.num_drawn += 1
-        return problem.prompt, self.rng.choice(source.solutions)
+        program = self.rng.choice(source.solutions)
+        if self.slip_fraction and self.rng.random() < self.slip_fraction:
+            program = toy_code.with_input_slip(source.family, program)
+            self.num_slipped += 1
+        return problem.prompt, program
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -177,7 +186,7 @@ def train_sft(model, tokenizer, task: toy_code.ToyCodeTask, cfg: QuickstartModel
     """Run cfg.sft_steps AdamW steps in place; returns a summary (losses, timings, swap rate)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    sampler = SFTSampler(task, cfg.swap_fraction, seed=cfg.seed + 1)
+    sampler = SFTSampler(task, cfg.swap_fraction, seed=cfg.seed + 1, slip_fraction=cfg.slip_fraction)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     model.train()
     losses: list[float] = []
@@ -212,6 +221,7 @@ def train_sft(model, tokenizer, task: toy_code.ToyCodeTask, cfg: QuickstartModel
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(tail) / len(tail),
         "swapped_fraction": sampler.num_swapped / max(1, sampler.num_drawn),
+        "slipped_fraction": sampler.num_slipped / max(1, sampler.num_drawn),
     }
 
 
