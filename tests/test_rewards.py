@@ -165,3 +165,22 @@ def test_reward_pool_async_mixes_code_and_math(rewards):
     assert [r.reward for r in results] == [0.0, 0.0, -1.0]
     hidden = RewardPool(rewards.sandbox, judge=rewards.judge, hidden=True)
     assert hidden(ADD, good).info["statuses"] == ["ok", "ok", "ok"]
+
+
+def test_a_cancelled_reward_future_ignores_the_late_sandbox_result():
+    """At shutdown the caller cancels pending rewards; the sandbox's late answer must not raise in its thread."""
+    from concurrent.futures import Future
+
+    from megatron_spo.rewards.reward import _resolve
+    from megatron_spo.rewards.sandbox import SandboxError
+
+    outer, inner = Future(), Future()
+    assert outer.cancel()
+    inner.set_exception(SandboxError("sandbox pool host process exited"))
+    _resolve(outer, inner)  # before the fix: InvalidStateError from the callback
+    assert outer.cancelled()
+    live, failed = Future(), Future()
+    failed.set_exception(SandboxError("boom"))
+    _resolve(live, failed)
+    with pytest.raises(SandboxError, match="boom"):
+        live.result()

@@ -11,7 +11,7 @@ Code is scored in the sandbox pool; math answers by sympy in a worker thread (ne
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +36,19 @@ class RewardFn(Protocol):
 def _code_result(report: TestReport) -> RewardResult:
     return RewardResult(reward_from_report(report), report.passed,
                         {"statuses": list(report.statuses), "wall_s": round(report.wall_s, 4)})
+
+
+def _resolve(outer: Future, inner: Future) -> None:
+    """Copy the sandbox's outcome to the caller's future, unless the caller cancelled it (e.g. at shutdown)."""
+    if outer.cancelled():
+        return
+    try:
+        if inner.exception() is not None:
+            outer.set_exception(inner.exception())
+        else:
+            outer.set_result(_code_result(inner.result()))
+    except InvalidStateError:  # cancelled between the check and the set
+        pass
 
 
 class RewardPool:
@@ -66,8 +79,7 @@ class RewardPool:
             raise ValueError(f"RewardPool: problem {problem.id} is a code problem but no SandboxPool was given")
         limits = {k: v for k in ("time_limit_s", "memory_mb") if (v := getattr(problem, k, None)) is not None}
         inner = self.sandbox.submit(program, tests, **limits)
-        inner.add_done_callback(lambda f: future.set_exception(f.exception()) if f.exception()
-                                else future.set_result(_code_result(f.result())))
+        inner.add_done_callback(lambda f: _resolve(future, f))
         return future
 
     def __call__(self, problem: Any, completion_text: str) -> RewardResult:
