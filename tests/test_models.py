@@ -37,7 +37,7 @@ def parallel_results(hf_dir, tmp_path_factory) -> dict:
 
     work = tmp_path_factory.mktemp("parallel")
     spawn_local(mh.parallel_worker, 4, str(hf_dir), str(work / "results.json"), str(work / "ckpt"))
-    return json.loads((work / "results.json").read_text())
+    return {**json.loads((work / "results.json").read_text()), "ckpt_tp2pp2_dir": str(work / "ckpt")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,6 +82,15 @@ def test_padded_vocab_columns_are_masked(parallel_results):
 @pytest.mark.multiproc
 def test_tp2_pp2_checkpoint_loads_at_tp1(parallel_results):
     assert parallel_results["ckpt_tp2pp2_to_tp1"]["logit_max_abs_diff"] < 1e-4
+
+
+@pytest.mark.multiproc
+def test_tp2_pp2_checkpoint_converts_to_hf_bit_exactly(parallel_results, hf_dir, tmp_path):
+    # stored TP shards are not the TP=1 slices conversion asks for: the resharding read path
+    out = tmp_path / "hf"
+    _cli("convert", "megatron-to-hf", "--megatron", parallel_results["ckpt_tp2pp2_dir"], "--out", str(out))
+    src, dst = _all_tensors(hf_dir), _all_tensors(out)
+    assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
 
 
 @pytest.mark.multiproc
@@ -164,6 +173,15 @@ def test_hf_megatron_hf_round_trip_and_check(hf_dir, tmp_path):
     assert (back / "generation_config.json").is_file()
     index = json.loads((back / hfc.INDEX_NAME).read_text())
     assert set(index["weight_map"]) == set(src)
+
+    # megatron-to-hf viewed this TP=1 checkpoint's stored chunks in place (the fast path), padding and all
+    from megatron_spo.models.megatron_checkpoint import MappedTorchDist
+
+    stored = MappedTorchDist(meg)
+    embed = stored.get("embedding.word_embeddings.weight", (0, 0), (1024, 64), torch.float32)
+    assert embed is not None
+    assert torch.equal(embed[:1001], src["model.embed_tokens.weight"]) and not embed[1001:].any()
+    assert stored.get("embedding.word_embeddings.weight", (0, 0), (512, 64), torch.float32) is None
 
     # the output loads in transformers unchanged and gives identical logits
     from transformers import AutoModelForCausalLM
@@ -287,6 +305,50 @@ def test_failed_write_leaves_nothing(tmp_path):
             (tmp / "metadata.json").write_text("{}")
             raise RuntimeError("disk full")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming tensor I/O
+# ---------------------------------------------------------------------------------------------
+def test_mapped_view_equals_the_copy_and_never_writes_the_file(hf_dir):
+    reader = hfc.HFReader(hf_dir)
+    name = "model.layers.1.mlp.down_proj.weight"
+    view, copy = reader.view(name), reader.get(name)
+    assert torch.equal(view, copy) and view.shape == copy.shape
+    file = hf_dir / reader.weight_map[name]
+    before = file.read_bytes()
+    view.add_(1.0)  # a private copy-on-write map: the checkpoint on disk stays as it was
+    assert file.read_bytes() == before and torch.equal(reader.get(name), copy)
+
+
+def test_stream_writer_plans_shards_and_writes_strided_views(tmp_path):
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    b = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)[:, 1:]  # strided: rows 1-2 of each block
+    c = torch.ones(5)
+    shapes = {"a": (3, 4), "b": (4, 4), "c": (5,)}
+    with hfc.HFStreamWriter(tmp_path / "out", shapes, torch.float32, max_shard_bytes=64) as writer:
+        writer.add("a", a)
+        writer.add("b", b)  # any shape with the planned number of elements: row-major order is written
+        writer.add("c", c)
+    index = json.loads((tmp_path / "out" / hfc.INDEX_NAME).read_text())
+    assert index["weight_map"] == {"a": "model-00001-of-00003.safetensors", "b": "model-00002-of-00003.safetensors",
+                                   "c": "model-00003-of-00003.safetensors"}
+    assert index["metadata"]["total_size"] == (12 + 16 + 5) * 4
+    loaded = {}
+    for f in sorted((tmp_path / "out").glob("*.safetensors")):
+        loaded.update(load_file(f))
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b.reshape(4, 4)) and torch.equal(loaded["c"], c)
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+    with pytest.raises(hfc.HFCheckpointError, match="got tensor 'b', expected 'a'"):
+        with hfc.HFStreamWriter(tmp_path / "o2", shapes, torch.float32) as writer:
+            writer.add("b", b)
+    with pytest.raises(hfc.HFCheckpointError, match=r"tensor 'a' is \[3, 3\] torch.float32, planned \[3, 4\]"):
+        with hfc.HFStreamWriter(tmp_path / "o3", shapes, torch.float32) as writer:
+            writer.add("a", a[:, :3])
+    with pytest.raises(hfc.HFCheckpointError, match=r"closed after 1 of 3 tensors \(next: 'b'\)"):
+        with hfc.HFStreamWriter(tmp_path / "o4", shapes, torch.float32) as writer:
+            writer.add("a", a)
 
 
 # ---------------------------------------------------------------------------------------------

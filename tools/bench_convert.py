@@ -1,6 +1,6 @@
 """Conversion time vs a plain safetensors read + write of the same bytes, measured in one run.
 
-    python tools/bench_convert.py [--hidden 1024 --layers 8 --vocab 32000 --dtype bfloat16]
+    python tools/bench_convert.py [--hidden 1024 --layers 8 --vocab 32000 --dtype bfloat16 --repeats 5]
 
 Generates a random Llama HF checkpoint (no download), then times, in this process (imports warm):
   plain      read every tensor with safe_open and write it back with save_file (same shard layout),
@@ -8,7 +8,17 @@ Generates a random Llama HF checkpoint (no download), then times, in this proces
              be durable before it is renamed into place)
   hf->mcore  megatron_spo.models.convert.hf_to_megatron (validate, build, load, dist-checkpoint save)
   mcore->hf  megatron_spo.models.convert.megatron_to_hf (build, dist-checkpoint load, stream, write)
-and prints each as a ratio to plain (target: <= 2x).
+and prints each as a ratio to plain (target: <= 2x): the median over interleaved rounds of each round's
+conversion time / that round's plain time, with the min-max spread; the same for CPU time (user +
+system of this process: robust to other load on the machine). Also the fixed cost, measured on a
+tiny model in the same run (process groups, model skeleton, checkpoint metadata): it does not grow
+with the model, so the ratio tends to (ratio - fixed / plain) on large checkpoints.
+
+    python tools/bench_convert.py --memory
+
+runs each step in a fresh process instead and prints its peak anonymous memory (process-private
+RAM, sampled every 2 ms; page cache and memory-mapped files excluded) above the process's baseline,
+in units of the checkpoint's size: how many copies of the model each direction holds at once.
 """
 
 from __future__ import annotations
@@ -56,15 +66,82 @@ def plain_copy(src: Path, dst: Path) -> None:
             tensors = {k: h.get_tensor(k) for k in h.keys()}
         save_file(tensors, dst / f.name, metadata={"format": "pt"})
         fsync_file(dst / f.name)
-    shutil.copy2(src / "model.safetensors.index.json", dst)
+    if (src / "model.safetensors.index.json").is_file():  # small models are one unsharded file
+        shutil.copy2(src / "model.safetensors.index.json", dst)
 
 
-def timed(fn, *args) -> float:
+CPU_TIMES: dict[str, list[float]] = {}
+
+
+def timed(fn, *args, label: str | None = None) -> float:
+    """Wall seconds of fn(*args); its CPU seconds (user + system, this process) go to CPU_TIMES[label]."""
     # Flush dirty pages first: otherwise whichever step runs after a big write pays its writeback.
     os.sync()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fn(*args)
+    if label:
+        CPU_TIMES.setdefault(label, []).append(time.process_time() - cpu)
     return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(step: str, src: Path, dst: Path) -> None:
+    """One step in this (fresh) process; prints its peak anonymous memory above the baseline."""
+    import threading
+
+    from megatron_spo.models.convert import hf_to_megatron, megatron_to_hf
+
+    steps = {"plain": plain_copy, "hf->mcore": hf_to_megatron, "mcore->hf": megatron_to_hf}
+    # Warm up on a tiny model first: imports and one-time initialisation are not the conversion's memory.
+    with tempfile.TemporaryDirectory() as warm:
+        make_checkpoint(Path(warm) / "hf", 64, 2, 1000, "float32")
+        hf_to_megatron(Path(warm) / "hf", Path(warm) / "meg")
+        megatron_to_hf(Path(warm) / "meg", Path(warm) / "back")
+        plain_copy(Path(warm) / "hf", Path(warm) / "plain")
+    baseline = _anon_bytes()
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _anon_bytes())
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    steps[step](src, dst)
+    done.set()
+    thread.join()
+    peak[0] = max(peak[0], _anon_bytes())
+    print(json.dumps({"peak_anon_bytes": peak[0] - baseline}))
+
+
+def memory_report(args, tmp: Path, hf: Path, nbytes: int) -> dict:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = {}
+    for step, src, dst in (("plain", hf, tmp / "plain"), ("hf->mcore", hf, tmp / "meg"),
+                           ("mcore->hf", tmp / "meg", tmp / "back")):
+        proc = subprocess.run([sys.executable, __file__, "--child", step, str(src), str(dst)],
+                              capture_output=True, text=True, env=env, check=True)
+        peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak_anon_bytes"]
+        result[step] = {"peak_anon_MB": round(peak / 2**20, 1), "model_copies": round(peak / nbytes, 3)}
+    return result
 
 
 def main() -> None:
@@ -74,34 +151,65 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--repeats", type=int, default=2, help="best of N for every measurement")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (plain, hf->mcore, mcore->hf)")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: the system temp dir)")
+    parser.add_argument("--memory", action="store_true", help="peak memory per step instead of time")
+    parser.add_argument("--child", nargs=3, metavar=("STEP", "SRC", "DST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        _child(args.child[0], Path(args.child[1]), Path(args.child[2]))
+        return
 
     import torch
 
     from megatron_spo.models.convert import hf_to_megatron, megatron_to_hf
 
     torch.set_num_threads(2)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)
         hf = tmp / "hf"
         make_checkpoint(hf, args.hidden, args.layers, args.vocab, args.dtype)
         nbytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
+        if args.memory:
+            print(json.dumps({"checkpoint_bytes": nbytes, **memory_report(args, tmp, hf, nbytes)}, indent=2))
+            return
+        tiny = tmp / "tiny"
+        make_checkpoint(tiny, 64, 2, 1000, args.dtype)
+        # One untimed round: imports, first-use initialisation and the page cache warm for every step.
+        hf_to_megatron(hf, tmp / "warm_meg")
+        megatron_to_hf(tmp / "warm_meg", tmp / "warm_back", SHARD_BYTES)
+        plain_copy(hf, tmp / "warm_plain")
         times: dict[str, list[float]] = {"plain": [], "hf->mcore": [], "mcore->hf": []}
-        for i in range(args.repeats):
-            times["plain"].append(timed(plain_copy, hf, tmp / f"plain{i}"))
-            times["hf->mcore"].append(timed(hf_to_megatron, hf, tmp / f"meg{i}"))
+        fixed: dict[str, list[float]] = {"hf->mcore": [], "mcore->hf": []}
+        for i in range(args.repeats):  # interleaved, so load on the machine hits every step alike
+            times["plain"].append(timed(plain_copy, hf, tmp / f"plain{i}", label="plain"))
+            times["hf->mcore"].append(timed(hf_to_megatron, hf, tmp / f"meg{i}", label="hf->mcore"))
             # same shard size as the source and the plain copy, so both write the same file layout
-            times["mcore->hf"].append(timed(megatron_to_hf, tmp / f"meg{i}", tmp / f"back{i}", SHARD_BYTES))
-            shutil.rmtree(tmp / f"plain{i}")
-            if i > 0:
-                shutil.rmtree(tmp / f"back{i - 1}")
-        best = {k: min(v) for k, v in times.items()}
+            times["mcore->hf"].append(
+                timed(megatron_to_hf, tmp / f"meg{i}", tmp / f"back{i}", SHARD_BYTES, label="mcore->hf")
+            )
+            fixed["hf->mcore"].append(timed(hf_to_megatron, tiny, tmp / f"tiny_meg{i}"))
+            fixed["mcore->hf"].append(timed(megatron_to_hf, tmp / f"tiny_meg{i}", tmp / f"tiny_back{i}"))
+            for name in (f"plain{i}", f"meg{i}", f"back{i}", f"tiny_meg{i}", f"tiny_back{i}"):
+                shutil.rmtree(tmp / name)
+        per_round = {
+            key: [t / p for t, p in zip(times[key], times["plain"])] for key in ("hf->mcore", "mcore->hf")
+        }
+        cpu_round = {
+            key: [t / p for t, p in zip(CPU_TIMES[key], CPU_TIMES["plain"])] for key in ("hf->mcore", "mcore->hf")
+        }
         report = {
             "checkpoint_bytes": nbytes,
-            "seconds": {k: round(v, 3) for k, v in best.items()},
-            "ratio_hf_to_megatron": round(best["hf->mcore"] / best["plain"], 2),
-            "ratio_megatron_to_hf": round(best["mcore->hf"] / best["plain"], 2),
+            "median_seconds": {k: round(median(v), 3) for k, v in times.items()},
+            "ratio_hf_to_megatron": round(median(per_round["hf->mcore"]), 2),
+            "ratio_megatron_to_hf": round(median(per_round["mcore->hf"]), 2),
+            "ratio_spread": {k: [round(min(v), 2), round(max(v), 2)] for k, v in per_round.items()},
+            "fixed_seconds_tiny_model": {k: round(median(v), 3) for k, v in fixed.items()},
+            # CPU time (this process, user + system) is what the code spends; wall time on a shared
+            # machine also holds other processes' share and the disk's.
+            "median_cpu_seconds": {k: round(median(v), 3) for k, v in CPU_TIMES.items()},
+            "cpu_ratio_hf_to_megatron": round(median(cpu_round["hf->mcore"]), 2),
+            "cpu_ratio_megatron_to_hf": round(median(cpu_round["mcore->hf"]), 2),
         }
         print(json.dumps(report, indent=2))
 

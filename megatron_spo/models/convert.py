@@ -4,29 +4,40 @@
     megatron-spo convert megatron-to-hf --megatron MEGATRON_DIR --out HF_DIR
     megatron-spo check-conversion --hf HF_DIR --megatron MEGATRON_DIR [--tp N --pp M] [--tol 1e-3]
 
-The Megatron side is a megatron-core dist checkpoint (loads under any TP/PP). Conversion runs in one
-process: it holds one copy of the model plus one tensor in flight (never two full copies); HF tensors
-are read lazily one at a time and HF output is written in bounded shards. Output is written to
-OUT.tmp and renamed to OUT at the end, so nothing half-written looks valid. The HF input is validated
-(architecture, config.json fields, every tensor's presence and shape) before anything is written.
+The Megatron side is a megatron-core dist checkpoint (loads under any TP/PP). megatron-to-hf also
+reads the trainer's checkpoints: a step directory RUN_DIR/checkpoints/iter_NNNNNNN, the checkpoints
+directory or RUN_DIR itself (the latest complete step); only the policy's weights are read, never the
+optimizer state. Output is written to OUT.tmp, fsync'd, and renamed to OUT at the end, so nothing
+half-written looks valid. The HF input is validated (architecture, config.json fields, every tensor's
+presence and shape) before anything is written.
+
+Memory and passes: conversion never fills the model's own parameters (they only name and shape the
+checkpoint's tensors). hf-to-megatron hands the checkpoint writer zero-copy views of the
+memory-mapped HF files (page cache, not process memory); only the interleaved QKV weight is built in
+memory, one layer at a time as the writer reaches it. megatron-to-hf views every stored chunk that is
+exactly a tensor it needs in place (memory map) and writes its bytes straight into the HF shard;
+anything else (a checkpoint written with TP > 1) is read one layer at a time into buffers reused from
+layer to layer.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_spo.config import ConfigError, ParallelConfig
+from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_spo.models.hf_checkpoint import (
     HFCheckpointError,
     HFReader,
-    HFWriter,
+    HFStreamWriter,
     copy_tokenizer_files,
     read_hf_config,
     write_hf_config,
@@ -48,9 +59,19 @@ def _progress():
     )
 
 
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under root and every directory (files written clean cost next to nothing)."""
+    for path in sorted(root.rglob("*"), reverse=True) + [root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 @contextmanager
 def _atomic_dir(out: Path):
-    """Yield OUT.tmp; rename it to OUT on success, remove it on failure."""
+    """Yield OUT.tmp; make it durable and rename it to OUT on success, remove it on failure."""
     if out.exists():
         raise ConfigError(f"output directory '{out}' already exists (remove it or choose another --out)")
     tmp = out.with_name(out.name + ".tmp")
@@ -58,6 +79,7 @@ def _atomic_dir(out: Path):
     tmp.mkdir(parents=True)
     try:
         yield tmp
+        _fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -91,53 +113,202 @@ def _single_process_world():
                 os.environ[k] = v
 
 
+def _one_model(cfg: ModelConfig, init_parallel):
+    """The TP = PP = 1 policy, parameters allocated but never written (conversion streams around them)."""
+    from megatron_spo.models.builders import build_policy
+
+    parallel = ParallelConfig()
+    init_parallel(parallel, cfg)
+    (model,) = build_policy(cfg, parallel, init_weights=False)
+    return model
+
+
 def hf_to_megatron(hf_dir: str | Path, out: str | Path) -> None:
     hf_dir, out = Path(hf_dir), Path(out)
     cfg = read_hf_config(hf_dir)
     reader = HFReader(hf_dir)
     reader.validate(cfg)
-    from megatron_spo.models.builders import build_policy
-    from megatron_spo.models.hf_map import load_hf_into_model
-    from megatron_spo.models.megatron_checkpoint import save_megatron
+    from megatron_spo.models.hf_map import checkpoint_parts, hf_names
+    from megatron_spo.models.megatron_checkpoint import (
+        mapped_sharded_tensors,
+        save_sharded_state_dict,
+        write_megatron_config,
+    )
+
+    def megatron_parts(entry, dtype):
+        hf = [reader.view(name) for name in hf_names(entry.rule, entry.layer)]
+        padded = entry.parts[0].local_shape[0] if entry.rule.kind == "vocab" else None
+        return [t.to(dtype) for t in checkpoint_parts(entry.rule, hf, cfg, padded)]  # views, if same dtype
 
     with _atomic_dir(out) as tmp, _single_process_world() as init_parallel:
-        parallel = ParallelConfig()
-        init_parallel(parallel, cfg)
-        chunks = build_policy(cfg, parallel, init_weights=False)
+        sharded, entries = mapped_sharded_tensors(_one_model(cfg, init_parallel))
+        deferred = {}  # QKV interleaving needs new memory: done layer by layer while writing
+        for entry in entries:
+            if entry.rule.kind == "qkv":  # the untouched parameter stays as the placeholder
+                (st,) = entry.parts
+                deferred[st.data.data_ptr()] = lambda entry=entry, dtype=st.dtype: megatron_parts(entry, dtype)[0]
+                continue
+            for st, tensor in zip(entry.parts, megatron_parts(entry, entry.parts[0].dtype)):
+                if tuple(tensor.shape) != tuple(st.local_shape):  # (reader.validate makes this unreachable)
+                    raise HFCheckpointError(
+                        f"{hf_dir}: {hf_names(entry.rule, entry.layer)[0]} maps to shape {list(tensor.shape)} "
+                        f"but the checkpoint stores {st.key} as {list(st.local_shape)}"
+                    )
+                st.data = tensor
+        n_items = sum(len(e.parts) for e in entries)
         with _progress() as progress:
-            task = progress.add_task("read HF tensors", total=len(reader.names()))
-
-            def get(name):
-                progress.advance(task)
-                return reader.get(name)
-
-            load_hf_into_model(chunks, cfg, get, assign=True)
-        save_megatron(chunks, cfg, tmp)
+            task = progress.add_task("write megatron checkpoint", total=n_items)
+            save_sharded_state_dict(sharded, tmp, on_item=lambda: progress.advance(task), deferred=deferred)
+        write_megatron_config(tmp, cfg)
         shutil.copy2(hf_dir / "config.json", tmp / SOURCE_HF_CONFIG)
         copy_tokenizer_files(hf_dir, tmp)
 
 
-def megatron_to_hf(megatron_dir: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
-    megatron_dir, out = Path(megatron_dir), Path(out)
-    from megatron_spo.models.builders import build_policy
-    from megatron_spo.models.hf_map import hf_shapes, iter_hf_tensors
-    from megatron_spo.models.megatron_checkpoint import load_megatron, read_megatron_config
+# ---------------------------------------------------------------------------------------------
+# megatron-to-hf: what a --megatron path is
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class MegatronSource:
+    """Where the policy weights of a Megatron-side path live and how to name them."""
 
-    cfg = read_megatron_config(megatron_dir)
-    source_cfg = megatron_dir / SOURCE_HF_CONFIG
-    extra = json.loads(source_cfg.read_text()) if source_cfg.is_file() else {}
+    dist_dir: Path  # the megatron dist checkpoint (metadata.json, .metadata, *.distcp)
+    cfg: ModelConfig
+    hf_extra: dict  # the original config.json (token ids ride along)
+    tokenizer_dir: Path
+    chunk_prefixes: tuple[str, ...] = ("",)  # key prefix of each model chunk ("policy.model0." ...)
+
+    @functools.cached_property
+    def stored(self) -> dict:
+        """The checkpoint's tensor metadata by key (global size, chunks), from its .metadata file."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(str(self.dist_dir)).read_metadata().state_dict_metadata
+
+    def key_prefix(self, key: str, layer: int | None) -> str:
+        """The chunk prefix under which this checkpoint stores ``key`` (of ``layer``, stacked on dim 0)."""
+        if self.chunk_prefixes == ("",):
+            return ""
+        for prefix in self.chunk_prefixes:
+            meta = self.stored.get(prefix + key)
+            if meta is not None and (layer is None or any(c.offsets[0] == layer for c in meta.chunks)):
+                return prefix
+        where = f" (layer {layer})" if layer is not None else ""
+        raise HFCheckpointError(f"{self.dist_dir}: no policy tensor '{key}'{where} in the trainer checkpoint")
+
+    def stored_shape(self, key: str) -> tuple[int, ...] | None:
+        meta = self.stored.get(key)
+        return tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
+
+
+def _is_dist_checkpoint(path: Path) -> bool:
+    return (path / "metadata.json").is_file()
+
+
+def _latest_step(checkpoints: Path) -> Path | None:
+    from megatron_spo.training.checkpoint import CheckpointDir
+
+    found = CheckpointDir(checkpoints).latest()
+    return found[1] if found else None
+
+
+def find_megatron_source(path: str | Path) -> MegatronSource:
+    """A convert output, a trainer step directory, a trainer checkpoints directory or a run directory
+    (the last two: the latest complete step). One-line error for anything else."""
+    from megatron_spo.models.megatron_checkpoint import read_megatron_config
+    from megatron_spo.training.checkpoint import COMPLETE
+
+    path = Path(path)
+    if not path.is_dir():
+        raise HFCheckpointError(f"{path}: no such directory")
+    if _is_dist_checkpoint(path):
+        return MegatronSource(path, read_megatron_config(path), _source_hf_config(path), path)
+    step = path
+    if not (path / COMPLETE).is_file():
+        for checkpoints in (path, path / "checkpoints"):
+            step = _latest_step(checkpoints) if checkpoints.is_dir() else None
+            if step is not None:
+                break
+    if step is None or not (step / COMPLETE).is_file() or not _is_dist_checkpoint(step / "dist"):
+        raise HFCheckpointError(
+            f"{path}: not a Megatron checkpoint (expected a convert output with metadata.json, a trainer "
+            f"step dir iter_NNNNNNN with COMPLETE and dist/, or a run/checkpoints dir with a complete step)"
+        )
+    # The trainer writes the model config, the init model's config.json and tokenizer next to dist/.
+    source = MegatronSource(step / "dist", read_megatron_config(step), _source_hf_config(step), step)
+    chunks = {int(k.split(".")[1][len("model"):]) for k in source.stored if k.startswith("policy.model")}
+    if not chunks:
+        raise HFCheckpointError(f"{step}: trainer checkpoint without policy weights ('policy.model*' keys)")
+    source.chunk_prefixes = tuple(f"policy.model{i}." for i in sorted(chunks))
+    return source
+
+
+def _source_hf_config(path: Path) -> dict:
+    return json.loads((path / SOURCE_HF_CONFIG).read_text()) if (path / SOURCE_HF_CONFIG).is_file() else {}
+
+
+def _read_units(entries: list) -> list[list]:
+    """Entries in checkpoint order grouped into what one load call reads: a layer, or one other tensor.
+    (Per layer, the buffers of one layer are reused by the next: warm memory beats fewer calls.)"""
+    units: list[list] = []
+    for entry in entries:
+        if units and entry.layer is not None and units[-1][0].layer == entry.layer:
+            units[-1].append(entry)
+        else:
+            units.append([entry])
+    return units
+
+
+def megatron_to_hf(megatron_dir: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Stream a Megatron checkpoint (a convert output or a trainer checkpoint) to an HF directory: each
+    tensor is viewed in place (a stored chunk) or read with its layer into reused buffers, and its
+    bytes go straight into its shard file."""
+    out = Path(out)
+    import torch
+
+    from megatron_spo.models.hf_map import hf_from_checkpoint_parts, hf_names, hf_shapes
+    from megatron_spo.models.megatron_checkpoint import (
+        MappedTorchDist,
+        checkpoint_dtype,
+        load_parts,
+        mapped_sharded_tensors,
+    )
+
+    source = find_megatron_source(megatron_dir)
+    cfg = source.cfg
+    dtype = checkpoint_dtype(cfg)
+    in_place = MappedTorchDist(source.dist_dir)
     with _atomic_dir(out) as tmp, _single_process_world() as init_parallel:
-        parallel = ParallelConfig()
-        init_parallel(parallel, cfg)
-        chunks = build_policy(cfg, parallel, init_weights=False)
-        load_megatron(chunks, megatron_dir, assign=True)
-        with _progress() as progress, HFWriter(tmp, max_shard_bytes) as writer:
-            task = progress.add_task("write HF tensors", total=len(hf_shapes(cfg)))
-            for name, tensor in iter_hf_tensors(chunks, cfg):
-                writer.add(name, tensor)
-                progress.advance(task)
-        write_hf_config(tmp, cfg, extra)
-        copy_tokenizer_files(megatron_dir, tmp)
+        _, entries = mapped_sharded_tensors(_one_model(cfg, init_parallel))
+        free: dict[tuple, list] = {}  # (shape, dtype) -> buffers a previous group is done with
+        with _progress() as progress, HFStreamWriter(tmp, hf_shapes(cfg), dtype, max_shard_bytes) as writer:
+            task = progress.add_task("convert tensors", total=len(entries))
+            for group in _read_units(entries):
+                by_prefix: dict[str, list] = {}  # parts read into buffers (not stored as one chunk)
+                for entry in group:
+                    for st in entry.parts:
+                        prefix = source.key_prefix(st.key, entry.layer)
+                        stored = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+                        view = in_place.get(prefix + st.key, st.global_offset, stored, st.dtype)
+                        if view is not None:
+                            st.data = view.view(st.local_shape)
+                            continue
+                        spare = free.get((tuple(st.local_shape), st.dtype))
+                        st.data = spare.pop() if spare else torch.empty(st.local_shape, dtype=st.dtype)
+                        if st.allow_shape_mismatch and source.stored_shape(prefix + st.key) == st.global_shape:
+                            st.allow_shape_mismatch = False  # same vocab padding: no zero-filling pass
+                        by_prefix.setdefault(prefix, []).append(st)
+                for prefix, parts in by_prefix.items():
+                    load_parts(parts, source.dist_dir, prefix)
+                buffers = [st for parts in by_prefix.values() for st in parts]
+                for entry in group:
+                    hf = hf_from_checkpoint_parts(entry.rule, [st.data for st in entry.parts], cfg)
+                    for name, tensor in zip(hf_names(entry.rule, entry.layer), hf):
+                        writer.add(name, tensor.to(dtype))  # norms are kept in float32 inside megatron
+                    progress.advance(task)
+                for st in buffers:
+                    free.setdefault((tuple(st.local_shape), st.dtype), []).append(st.data)
+        write_hf_config(tmp, cfg, source.hf_extra)
+        copy_tokenizer_files(source.tokenizer_dir, tmp)
 
 
 def main(argv: list[str]) -> int:
@@ -147,7 +318,11 @@ def main(argv: list[str]) -> int:
     a.add_argument("--hf", required=True, help="HF checkpoint dir (config.json + safetensors)")
     a.add_argument("--out", required=True, help="output dir (must not exist)")
     b = sub.add_parser("megatron-to-hf", help="megatron-core dist checkpoint -> HF Llama dir")
-    b.add_argument("--megatron", required=True, help="dir written by hf-to-megatron or the trainer")
+    b.add_argument(
+        "--megatron",
+        required=True,
+        help="dir written by hf-to-megatron, or a trainer step dir / checkpoints dir / run dir (latest step)",
+    )
     b.add_argument("--out", required=True, help="output dir (must not exist)")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="max safetensors shard size (GB)")
     args = parser.parse_args(argv)
@@ -172,15 +347,16 @@ def _check_worker(
     import torch
 
     from megatron_spo.models.builders import build_policy
-    from megatron_spo.models.megatron_checkpoint import load_megatron, read_megatron_config
+    from megatron_spo.models.megatron_checkpoint import load_megatron
     from megatron_spo.models.parallel import destroy_parallel, init_parallel
     from megatron_spo.models.pipeline import gather_logits_to_rank0
 
-    cfg = read_megatron_config(megatron_dir)
+    source = find_megatron_source(megatron_dir)
+    cfg = source.cfg
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     init_parallel(parallel, cfg)
     chunks = build_policy(cfg, parallel, init_weights=False)
-    load_megatron(chunks, megatron_dir)
+    load_megatron(chunks, source.dist_dir, key_prefix=source.chunk_prefixes[0])
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size)
     if logits is not None:
@@ -213,12 +389,17 @@ def check_main(argv: list[str]) -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from megatron_spo.models.megatron_checkpoint import read_megatron_config
     from megatron_spo.models.parallel import check_layout, spawn_local
 
     try:
         hf_cfg = read_hf_config(args.hf)
-        cfg = read_megatron_config(args.megatron)
+        source = find_megatron_source(args.megatron)
+        if len(source.chunk_prefixes) > 1:
+            raise HFCheckpointError(
+                f"{args.megatron}: trainer checkpoint with virtual pipeline stages: run "
+                f"`megatron-spo convert megatron-to-hf` on it and check that HF directory instead"
+            )
+        cfg = source.cfg
     except (HFCheckpointError, FileNotFoundError) as err:
         print(f"megatron-spo check-conversion: error: {err}", file=sys.stderr)
         return 2

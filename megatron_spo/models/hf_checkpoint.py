@@ -3,7 +3,9 @@
     cfg = read_hf_config(hf_dir)                  # ModelConfig; refuses unsupported architectures
     reader = HFReader(hf_dir); reader.validate(cfg)   # missing / extra / wrong-shape tensors -> HFCheckpointError
     t = reader.get("model.layers.0.mlp.up_proj.weight")    # one tensor at a time (lazy safetensors)
-    with HFWriter(out_dir, max_shard_bytes=5 * 2**30) as w: w.add(name, tensor)   # streaming shards + index
+    v = reader.view("model.embed_tokens.weight")           # zero-copy: a private memory map of the file
+    with HFWriter(out_dir, max_shard_bytes=5 * 2**30) as w: w.add(name, tensor)   # buffered shards + index
+    with HFStreamWriter(out_dir, shapes, dtype) as w: w.add(name, tensor)  # planned: bytes go straight to disk
     write_hf_config(out_dir, cfg)
 
 Errors are one line naming the tensor or config.json field.
@@ -12,6 +14,7 @@ Errors are one line naming the tensor or config.json field.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -45,6 +48,20 @@ _DTYPE_NAMES = {
     "bf16": "bfloat16",
     "fp16": "float16",
 }
+# safetensors dtype names (the file format's own table).
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 # Tensors some Llama checkpoints carry that hold no weights (recomputed from config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -191,6 +208,45 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Tensors
 # ---------------------------------------------------------------------------------------------
+class MappedSafetensors:
+    """Zero-copy tensors of one .safetensors file, through a private (copy-on-write) memory map.
+
+    The file format: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape,
+    data_offsets: [begin, end]}} (offsets relative to byte 8 + N), then the data. A tensor returned by
+    ``tensor()`` reads straight from the page cache: no allocation, no copy; the map lives as long as
+    any tensor made from it. Writes to such a tensor stay private (the file never changes).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            size = int.from_bytes(head, "little") if len(head) == 8 else -1
+            try:
+                header = json.loads(f.read(size)) if size > 0 else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                header = None
+            if not isinstance(header, dict):
+                raise HFCheckpointError(f"{self.path}: not a safetensors file (unreadable header)")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._data_start = 8 + size
+        header.pop("__metadata__", None)
+        self.header: dict[str, dict] = header
+
+    def tensor(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise HFCheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        count = (end - begin) // dtype.itemsize
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + begin)
+        return flat.view(shape)
+
+
 class HFReader:
     """Lazy access to the tensors of an HF checkpoint (single file or sharded with an index)."""
 
@@ -209,6 +265,7 @@ class HFReader:
             raise HFCheckpointError(f"{self.dir}: no {INDEX_NAME} or {SINGLE_NAME}")
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
+        self._maps: dict[str, MappedSafetensors] = {}
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -230,7 +287,16 @@ class HFReader:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor, in memory of its own (a copy out of the file)."""
         return self._handle(name).get_tensor(name)
+
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor as a zero-copy view of the memory-mapped file (see MappedSafetensors)."""
+        self._handle(name)  # the same one-line errors for a missing tensor or shard as get()
+        file = self.weight_map[name]
+        if file not in self._maps:
+            self._maps[file] = MappedSafetensors(self.dir / file)
+        return self._maps[file].tensor(name)
 
     def validate(self, cfg: ModelConfig) -> None:
         """Every tensor config.json implies is present with the right shape, and nothing else is."""
@@ -315,3 +381,124 @@ class HFWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
+
+
+class HFStreamWriter:
+    """Writes tensors whose names, shapes and dtype are known in advance straight into safetensors shards.
+
+    The shard layout and every header are planned up front (consecutive tensors, at most
+    ``max_shard_bytes`` per shard unless one tensor is larger), so each ``add`` writes its bytes at
+    once and keeps no reference: peak memory is the caller's one tensor. ``add`` must follow the
+    order of ``shapes``; a tensor may come in any shape with the planned number of elements (its
+    row-major order is what is written), so strided views need no copy. Shards are fsync'd, then
+    renamed to model-0000i-of-0000n.safetensors with the index written last.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        shapes: dict[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        max_shard_bytes: int = 5 * 2**30,
+    ):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dtype = dtype
+        self.shapes = dict(shapes)
+        nbytes = {name: _numel(shape) * dtype.itemsize for name, shape in self.shapes.items()}
+        self.total_bytes = sum(nbytes.values())
+        self._shards: list[list[str]] = [[]]
+        size = 0
+        for name in self.shapes:
+            if self._shards[-1] and size + nbytes[name] > max_shard_bytes:
+                self._shards.append([])
+                size = 0
+            self._shards[-1].append(name)
+            size += nbytes[name]
+        self._order = list(self.shapes)
+        self._next = 0
+        self._shard_of = {name: i for i, names in enumerate(self._shards) for name in names}
+        self._file = None
+
+    def _tmp_path(self, shard: int) -> Path:
+        return self.dir / f"shard-{shard:05d}.tmp"
+
+    def _open_shard(self, shard: int) -> None:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in self._shards[shard]:
+            end = offset + _numel(self.shapes[name]) * self.dtype.itemsize
+            header[name] = {"dtype": _ST_NAMES[self.dtype], "shape": list(self.shapes[name]),
+                            "data_offsets": [offset, end]}
+            offset = end
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self._file = open(self._tmp_path(shard), "wb")
+        self._file.write(len(raw).to_bytes(8, "little"))
+        self._file.write(raw)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._order) or name != self._order[self._next]:
+            expected = self._order[self._next] if self._next < len(self._order) else "nothing more"
+            raise HFCheckpointError(f"HFStreamWriter: got tensor '{name}', expected '{expected}'")
+        shape = self.shapes[name]
+        if tensor.numel() != _numel(shape) or tensor.dtype != self.dtype:
+            raise HFCheckpointError(
+                f"HFStreamWriter: tensor '{name}' is {list(tensor.shape)} {tensor.dtype}, "
+                f"planned {list(shape)} {self.dtype}"
+            )
+        shard = self._shard_of[name]
+        if self._file is None:
+            self._open_shard(shard)
+        for block in _contiguous_blocks(tensor.detach().cpu()):
+            self._file.write(block.reshape(-1).view(torch.uint8).numpy())
+        self._next += 1
+        if name == self._shards[shard][-1]:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise HFCheckpointError(
+                f"HFStreamWriter: closed after {self._next} of {len(self._order)} tensors "
+                f"(next: '{self._order[self._next]}')"
+            )
+        n = len(self._shards)
+        weight_map = {}
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            self._tmp_path(i).rename(self.dir / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        fsync_file(self.dir / INDEX_NAME)
+
+    def __enter__(self) -> HFStreamWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if exc_type is None:
+            self.close()
+
+
+def _contiguous_blocks(tensor: torch.Tensor):
+    """Contiguous pieces of ``tensor`` in row-major order (the tensor itself if it is contiguous)."""
+    if tensor.numel() == 0:
+        return
+    if tensor.is_contiguous():
+        yield tensor
+        return
+    for row in tensor:
+        yield from _contiguous_blocks(row)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

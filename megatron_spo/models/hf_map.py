@@ -143,6 +143,29 @@ def from_megatron(rule: Rule, full: Tensor, cfg: ModelConfig) -> list[Tensor]:
     return [full]
 
 
+def checkpoint_parts(rule: Rule, hf: list[Tensor], cfg: ModelConfig, padded_vocab: int | None = None) -> list[Tensor]:
+    """HF tensors of one rule -> the tensors a dist checkpoint stores for it at TP = 1: linear_fc1 as
+    its [gate, up] halves (megatron shards the two separately, so they need no concatenation), any
+    other rule as to_megatron's full tensor."""
+    if rule.kind == "fc1":
+        return list(hf)
+    return [to_megatron(rule, hf, cfg, padded_vocab)]
+
+
+def hf_from_checkpoint_parts(rule: Rule, parts: list[Tensor], cfg: ModelConfig) -> list[Tensor]:
+    """Inverse of checkpoint_parts: the HF tensors of one rule (vocab padding dropped), as views of
+    the parts where possible. q, k and v come as [G, rows per group, H] strided views: their row-major
+    element order is the HF tensor's (reshape(-1, H) would copy)."""
+    if rule.kind == "fc1":
+        return list(parts)
+    if rule.kind == "qkv":
+        g, d, h = cfg.num_query_groups, cfg.head_dim, cfg.hidden_size
+        n = cfg.num_attention_heads // g
+        grouped = parts[0].view(g, (n + 2) * d, h)
+        return [grouped[:, : n * d], grouped[:, n * d : (n + 1) * d], grouped[:, (n + 1) * d :]]
+    return from_megatron(rule, parts[0], cfg)
+
+
 # ---------------------------------------------------------------------------------------------
 # TP split rules
 # ---------------------------------------------------------------------------------------------

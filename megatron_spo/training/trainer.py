@@ -495,8 +495,24 @@ class Trainer:
                 state = {"step": self.step, "policy_version": self.policy_version,
                          "sampler": self.sampler.state_dict()}
                 (d / "trainer_state.json").write_text(json.dumps(state))
+                self._write_model_description(d)
 
         return self.ckpt.save(self.step, write, {"world_size": self.world, "algo": self.cfg.algo})
+
+    def _write_model_description(self, d: Path) -> None:
+        """What `megatron-spo convert megatron-to-hf` needs besides the weights: the model config, and the
+        init model's config.json and tokenizer files (a checkpoint directory converts on its own)."""
+        from megatron_spo.models.convert import SOURCE_HF_CONFIG
+        from megatron_spo.models.hf_checkpoint import copy_tokenizer_files
+        from megatron_spo.models.megatron_checkpoint import write_megatron_config
+
+        write_megatron_config(d, self.model_cfg)
+        init = self.cfg.init.hf or self.cfg.init.megatron
+        for name in ("config.json", SOURCE_HF_CONFIG) if init else ():  # an HF dir, or a converted one
+            if (Path(init) / name).is_file():
+                (d / SOURCE_HF_CONFIG).write_text((Path(init) / name).read_text())
+                copy_tokenizer_files(init, d)
+                break
 
     def _resume(self) -> None:
         from megatron.core import dist_checkpointing
