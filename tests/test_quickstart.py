@@ -46,7 +46,7 @@ def test_quickstart_end_to_end_small(tmp_path):
         assert r["ci95"][0] <= r["delta"] <= r["ci95"][1]
         assert r["delta"] == pytest.approx(r["after"] - r["before"], abs=1e-9)
     assert result["train_steps"] == 4 and result["weight_pushes"] == 2  # steps 2 and 4
-    train = result["training_prompts"]  # the same table on training prompts (default 40, here all 6)
+    train = result["training_prompts"]  # the same table on training prompts (default 20, here all 6)
     assert (train["problems"], train["samples_per_problem"]) == (6, 10)
     assert train["pass@1"]["delta"] == pytest.approx(train["pass@1"]["after"] - train["pass@1"]["before"], abs=1e-9)
 

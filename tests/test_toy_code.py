@@ -52,8 +52,8 @@ def task() -> toy_code.ToyCodeTask:
 
 
 def test_default_task_shape(task):
-    assert len(task.problems) == 160
-    assert len(task.train) == 120 and len(task.heldout) == 40
+    assert len(task.problems) == 240
+    assert len(task.train) == 120 and len(task.heldout) == 120
     assert len(task.sft_only) == 900 and all(p.id.startswith("sft-") for p in task.sft_only)
     assert {p.family for p in task.heldout} == set(toy_code.FAMILIES)
     for p in task.problems + task.sft_only:
