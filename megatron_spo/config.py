@@ -477,6 +477,8 @@ class RolloutConfig(StrictModel):
     max_staleness: int = Field(4, ge=0, description="policy versions a trajectory may lag behind")
     stale_policy: Literal["drop", "tag"] = Field("drop", description="drop stale groups, or keep them (tagged)")
     request_timeout_s: float = Field(300.0, gt=0)
+    wait_timeout_s: float = Field(1800.0, gt=0, description="the trainer stops with an error when an online batch "
+                                  "does not arrive within this (dead engines, sandbox or rewards), never hangs")
     max_retries: int = Field(5, ge=0, description="retries of one request on engine errors, then it fails")
     retry_backoff_s: float = Field(0.5, gt=0, description="first backoff; doubles per retry up to the max")
     retry_backoff_max_s: float = Field(10.0, gt=0)

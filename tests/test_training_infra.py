@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -139,3 +140,26 @@ def test_metrics_file_is_json_lines(tmp_path):
     line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
     rec = json.loads(line)
     assert rec["step"] == 7 and rec["a"] == 1.0 and isinstance(rec["time"], float)
+
+
+def test_online_source_gives_up_with_a_reason_when_no_rollouts_arrive():
+    """A fleet that stopped answering ends the run after rollout.wait_timeout_s instead of hanging it."""
+    from megatron_spo.config import RolloutConfig
+    from megatron_spo.models.parallel import free_port
+    from megatron_spo.rollout.manager import Prompt, RolloutManager
+    from megatron_spo.training.online import OnlineSource
+
+    async def reward(problem, text):
+        return 0.0
+
+    cfg = RolloutConfig(samples_per_prompt=2, max_retries=0, endpoint_cooldown_s=0.1, wait_timeout_s=1.5)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    source = OnlineSource(RolloutManager(cfg, [Prompt("p0", [1, 2, 3])], reward, endpoints=[dead]), q0={})
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"online source: no batch of 4 trajectories within 1.5 s "
+                                               r"\(rollout.wait_timeout_s\); rollout counters: .*failed_requests [1-9]"):
+            source.take(4)
+        assert time.monotonic() - start < 10
+    finally:
+        source.close()

@@ -150,9 +150,20 @@ class OnlineSource:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def take(self, k: int, timeout_s: float | None = None) -> list:
-        """k trajectories (whole groups, cut to k), with q0 attached from the Q0 table."""
+        """k trajectories (whole groups, cut to k), with q0 attached from the Q0 table.
+
+        Waits at most timeout_s (default rollout.wait_timeout_s), then raises RuntimeError with the rollout
+        counters, so a fleet that stopped delivering ends the run with a reason instead of a hang."""
         n = self.manager.cfg.samples_per_prompt
-        groups = self._call(self.manager.get_groups(math.ceil(k / n), timeout_s))
+        timeout_s = timeout_s or self.manager.cfg.wait_timeout_s
+        try:
+            groups = self._call(self.manager.get_groups(math.ceil(k / n), timeout_s))
+        except TimeoutError:
+            stats = ", ".join(f"{key.split('/')[-1]} {value:g}" for key, value in self.stats().items()
+                              if key.split("/")[-1] in ("requests", "failed_requests", "retries", "reward_errors",
+                                                        "groups", "dropped_stale", "queue_depth"))
+            raise RuntimeError(f"online source: no batch of {k} trajectories within {timeout_s:g} s "
+                               f"(rollout.wait_timeout_s); rollout counters: {stats}") from None
         out = [t for g in groups for t in g][:k]
         for t in out:
             t.q0 = self.q0.get(str(t.prompt_id), 0.0)
