@@ -53,7 +53,7 @@ def _sharded_state_dict(model_chunks, key_prefix: str = "") -> dict:
 
 def _in_process_save_strategy(on_item=None, deferred=None):
     """megatron's torch_dist save strategy, with the files written by this process (no fork, no spawn).
-    ``on_item()`` (optional) is called as each item is handed to the writer (progress bars).
+    ``on_item()`` (optional) is called as each tensor is handed to the writer (progress bars).
     ``deferred`` maps the data_ptr of a placeholder tensor to a function making the real one: it is
     called when the writer reaches that item and its result is dropped once written."""
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -63,6 +63,8 @@ def _in_process_save_strategy(on_item=None, deferred=None):
         mcore_to_pyt_state_dict,
     )
     from torch.distributed import checkpoint as dcp
+
+    reported: set = set()
 
     class ReportingPlanner(MCoreSavePlanner):
         def resolve_data(self, write_item):
@@ -74,7 +76,9 @@ def _in_process_save_strategy(on_item=None, deferred=None):
                     raise ValueError(f"megatron_checkpoint: deferred tensor for {write_item.index.fqn} "
                                      f"is {list(made.shape)} {made.dtype}, expected {list(data.shape)} {data.dtype}")
                 data = made.view(data.shape)
-            if on_item is not None:
+            # tensors only (not extra-state bytes), once each (the writer may resolve an item twice)
+            if on_item is not None and isinstance(data, torch.Tensor) and write_item.index not in reported:
+                reported.add(write_item.index)
                 on_item()
             return data
 
