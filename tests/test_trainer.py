@@ -1,11 +1,20 @@
-"""The trainer on megatron-core: TP / PP parity with one process, for SPO, AGRO and PPO."""
+"""The trainer on megatron-core: TP / PP / PP x VPP parity with one process, for SPO, AGRO and PPO."""
 
+import glob
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import make_tiny_hf, run_spawned
+from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned
+
+from megatron_spo.config import ConfigError, TrainConfig
+from megatron_spo.training.trainer import Trainer, _microbatch_group_size, _split_to_count
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,13 +53,11 @@ def trained(tmp_path_factory, hf):
     return root
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_parallel_layout_trains_like_one_process(trained, hf, algo, layout):
-    ref_metrics = _metrics(trained, f"single-{algo}")
-    ref_weights = torch.load(trained / f"single-{algo}.pt")
-    metrics = _metrics(trained, f"{layout}-{algo}")
-    weights = torch.load(trained / f"{layout}-{algo}.pt")
+def _assert_trains_alike(root, ref_name, name, algo):
+    ref_metrics = _metrics(root, ref_name)
+    ref_weights = torch.load(root / f"{ref_name}.pt")
+    metrics = _metrics(root, name)
+    weights = torch.load(root / f"{name}.pt")
     assert [m["step"] for m in metrics] == [1, 2]
     # PPO's loss is a sum of O(1) terms (whitened advantages x ratios) cancelling to ~0.04, so fp32
     # reduction-order noise of ~1e-7 per term shows as ~2e-6 absolute (measured); its grad norm still
@@ -63,7 +70,13 @@ def test_parallel_layout_trains_like_one_process(trained, hf, algo, layout):
             assert b["grad_norm/value"] == pytest.approx(a["grad_norm/value"], rel=1e-4)
     assert weights.keys() == ref_weights.keys()
     for k in ref_weights:
-        torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-4, atol=1e-5, msg=f"{layout} {algo}: {k}")
+        torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-4, atol=1e-5, msg=f"{name}: {k}")
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_parallel_layout_trains_like_one_process(trained, hf, algo, layout):
+    _assert_trains_alike(trained, f"single-{algo}", f"{layout}-{algo}", algo)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -74,3 +87,111 @@ def test_training_moved_the_policy(trained, hf, algo):
     assert max((weights[k] - init[k]).abs().max().item() for k in init) > 1e-4
     m = _metrics(trained, f"single-{algo}")
     assert m[0]["lr"] == pytest.approx(5e-4) and m[1]["lr"] == pytest.approx(1e-3)  # linear warm-up, then constant
+
+
+# -- interleaved (virtual) pipeline: PP=2 x VPP=2 on a 4-layer model, one layer per model chunk --------------
+# name: (algo, max_tokens_per_micro_batch). With virtual stages every micro-batch of a step has one shape (the
+# step's longest sequence, here 11 tokens; rows padded): 48 -> 2 micro-batches of 4; 36 -> 3 (3, 3, 2+1 padded
+# row: megatron's interleaved schedule then needs 3 contiguous micro-batches per virtual stage); 100 -> 1 of 8,
+# split in 2 (the schedule needs >= PP); AGRO 128 -> both prompt groups in 1, split at the group boundary.
+# SPO and AGRO losses do not depend on the packing; PPO whitens advantages per micro-batch, and at 48 this data
+# packs the same either way (test_virtual_pipeline_packing).
+VPP_RUNS = {"spo": ("spo", 48), "spo-3mb": ("spo", 36), "spo-split": ("spo", 100), "agro-split": ("agro", 128),
+            "ppo": ("ppo", 48)}
+
+
+def _vpp_cfg(root, hf, name, algo, budget, **kw):
+    cfg = _cfg(root, hf, name, algo, parallel={"pipeline_model_parallel_size": 2,
+                                               "virtual_pipeline_model_parallel_size": 2}, **kw)
+    cfg["batch"] = dict(cfg["batch"], max_tokens_per_micro_batch=budget)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def hf4(tmp_path_factory):
+    return make_tiny_hf(str(tmp_path_factory.mktemp("hf4") / "tiny"), num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def trained_vpp(tmp_path_factory, hf4):
+    """2 steps of each VPP_RUNS entry at PP=2 x VPP=2 (2 ranks) and of each algorithm in one process; plus
+    the 'spo' run again as 1 step, a checkpoint, and a resumed second step."""
+    root = tmp_path_factory.mktemp("vpp")
+    run_spawned([(_cfg(root, hf4, f"single-{algo}", algo), str(root / f"single-{algo}.pt")) for algo in ALGOS], 1)
+    runs = [(_vpp_cfg(root, hf4, f"vpp-{name}", algo, budget), str(root / f"vpp-{name}.pt"))
+            for name, (algo, budget) in VPP_RUNS.items()]
+    runs += [(_vpp_cfg(root, hf4, "vpp-resumed", "spo", 48, steps=steps), str(root / "vpp-resumed.pt"))
+             for steps in (1, 2)]
+    run_spawned(runs, 2)
+    return root
+
+
+@pytest.mark.parametrize("name", list(VPP_RUNS))
+def test_virtual_pipeline_trains_like_one_process(trained_vpp, name):
+    algo = VPP_RUNS[name][0]
+    _assert_trains_alike(trained_vpp, f"single-{algo}", f"vpp-{name}", algo)
+
+
+def test_virtual_pipeline_checkpoint_resumes_exactly(trained_vpp):
+    """1 step, checkpoint (all chunks under 'policy.model0.'), resume, 1 step == 2 steps straight."""
+    assert [m["step"] for m in _metrics(trained_vpp, "vpp-resumed")] == [1, 2]
+    # the 1-step run left a complete checkpoint, which the 2-step run (same run_dir) must have resumed from
+    assert (trained_vpp / "vpp-resumed" / "checkpoints" / "iter_0000001" / "COMPLETE").is_file()
+    straight, resumed = torch.load(trained_vpp / "vpp-spo.pt"), torch.load(trained_vpp / "vpp-resumed.pt")
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-7, msg=k)
+
+
+def _packing(algo, budget, trajs, **parallel):
+    cfg = _vpp_cfg(Path("/nonexistent"), "/nonexistent", "x", algo, budget)
+    cfg = TrainConfig.model_validate(dict(cfg, parallel=dict(cfg["parallel"], **parallel)))
+    trainer = SimpleNamespace(cfg=cfg, dp_rank=0, pad_id=0, device=None)
+    return [tuple(mb.input_ids.shape) for mb in Trainer._micro_batches(trainer, trajs)]
+
+
+def test_virtual_pipeline_packing():
+    trajs = DeterministicSource().take(8)  # the first step of every run above: longest input 11 tokens
+    assert _packing("spo", 48, trajs) == [(4, 11), (4, 11)]
+    assert _packing("spo", 36, trajs) == [(3, 11), (3, 11), (2, 11)]
+    assert _packing("spo", 100, trajs) == [(4, 11), (4, 11)]
+    assert _packing("agro", 128, trajs) == [(4, 11), (4, 11)]
+    # sequence parallelism (GPU only) splits the sequence over TP ranks: widths round up to a multiple of TP
+    assert _packing("spo", 48, trajs, tensor_model_parallel_size=4, sequence_parallel=True) == [(4, 12), (4, 12)]
+    no_vpp = dict(virtual_pipeline_model_parallel_size=None)
+    assert _packing("spo", 36, trajs, **no_vpp) == [(3, 11), (4, 9), (1, 11)]
+    assert _packing("spo", 36, trajs, **no_vpp, tensor_model_parallel_size=4, sequence_parallel=True) == [
+        (3, 12), (4, 12), (1, 12)]
+    with pytest.raises(ConfigError, match=r"^batch: the interleaved pipeline schedule \(parallel.virtual_pipeline_"
+                       r"model_parallel_size\) needs at least 2 micro-batches per step, but data-parallel rank 0 "
+                       r"has only 1 sequences; raise batch.sequences_per_step$"):
+        _packing("spo", 48, [Traj("p0", [1, 2], [3, 4], reward=0.0)])
+
+
+def test_interleaved_schedule_helpers():
+    # megatron accepts N contiguous micro-batches per virtual stage when PP <= N <= M and M % N is 0 or >= PP
+    assert [_microbatch_group_size(m, 2) for m in (2, 3, 4, 5, 6, 7)] == [2, 3, 2, 3, 2, 4]
+    assert [_microbatch_group_size(m, 4) for m in (4, 5, 7, 8, 9)] == [4, 5, 7, 4, 5]
+    with pytest.raises(ValueError, match="1 micro-batches, fewer than PP=2"):
+        _microbatch_group_size(1, 2)
+    assert _split_to_count([[0, 1, 2, 3, 4]], 2, None) == [[0, 1], [2, 3, 4]]
+    assert _split_to_count([[0], [1, 2, 3]], 3, None) == [[0], [1], [2, 3]]
+    groups = ["a", "a", "b", "b", "b"]
+    assert _split_to_count([[0, 1, 2, 3, 4]], 2, groups) == [[0, 1], [2, 3, 4]]
+    assert _split_to_count([[0, 1, 2, 3, 4]], 3, groups) == [[0, 1], [2, 3, 4]]  # groups stay whole
+
+
+def test_virtual_pipeline_checkpoint_converts_to_the_final_policy(trained_vpp, tmp_path):
+    """`megatron-spo convert megatron-to-hf` reads a PP=2 x VPP=2 PPO checkpoint (policy + value model +
+    optimizer state) bit for bit (in a subprocess: megatron's CPU shims stay out of the pytest process)."""
+    step_dir = trained_vpp / "vpp-ppo" / "checkpoints" / "iter_0000002"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "convert", "megatron-to-hf", "--megatron",
+                           str(step_dir), "--out", str(tmp_path / "hf")], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    converted = {}
+    for f in sorted(glob.glob(str(tmp_path / "hf" / "*.safetensors"))):
+        converted.update(load_file(f))
+    final = torch.load(trained_vpp / "vpp-ppo.pt")
+    assert converted.keys() == final.keys()
+    assert all(torch.equal(converted[k], final[k]) for k in final)

@@ -50,12 +50,12 @@ class DeterministicSource:
         self.drawn = state["drawn"]
 
 
-def make_tiny_hf(path: str, seed: int = 0) -> str:
+def make_tiny_hf(path: str, seed: int = 0, num_layers: int = 2) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                           tie_word_embeddings=False)
         LlamaForCausalLM(cfg).save_pretrained(path)

@@ -177,9 +177,20 @@ class Trainer:
                     hf_map.load_hf_into_model(target, self.model_cfg, reader.get)
 
     def _schedule_ready(self, chunks):
-        """Pipeline micro-batches differ in shape (token-budget packing): p2p sends shapes first."""
+        """Pipeline micro-batches differ in shape (token-budget packing): p2p sends shapes first.
+
+        Not with virtual stages: megatron exchanges shapes in one batched isend/irecv to the previous and
+        the next rank, and with PP=2 both are the same rank, so the interleaved schedule's two-way steps
+        mix the forward and backward shapes up (a deadlock on gloo). Here every micro-batch of a step
+        has one shape instead (_micro_batches, _run), and the tensors themselves go through megatron's
+        unbatched p2p, which keeps the two directions apart for PP=2 on separate groups (batched p2p
+        mixes them up the same way: FIELD-NOTES, wrong gradients on gloo)."""
+        pp = self.cfg.parallel.pipeline_model_parallel_size
+        virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
         for chunk in chunks:
-            chunk.config.variable_seq_lengths = self.cfg.parallel.pipeline_model_parallel_size > 1
+            chunk.config.variable_seq_lengths = pp > 1 and not virtual
+            if virtual and pp == 2:
+                chunk.config.batch_p2p_comm = chunk.config.batch_p2p_sync = False
         return chunks
 
     def _wrap_and_optimizer(self, chunks, lr: float):
@@ -243,8 +254,24 @@ class Trainer:
             raise ValueError(f"batch: trajectory of prompt {trajs[i].prompt_id!r} has {lengths[i] + 1} tokens, "
                              f"over batch.max_seq_length {self.cfg.batch.max_seq_length}")
         keep = [t.prompt_id for t in trajs] if self.cfg.algo in ("agro",) else None
-        parts = split_by_token_budget(lengths, self.cfg.batch.max_tokens_per_micro_batch, keep_groups=keep)
-        mbs = [collate([trajs[i] for i in rows], self.pad_id) for rows in parts]
+        pp = self.cfg.parallel.pipeline_model_parallel_size
+        virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
+        width = max(lengths) if virtual else None  # one shape per step with virtual stages (_schedule_ready)
+        parts = split_by_token_budget([width] * len(lengths) if virtual else lengths,
+                                      self.cfg.batch.max_tokens_per_micro_batch, keep_groups=keep)
+        if virtual and len(parts) < pp:
+            # megatron's interleaved schedule needs at least PP micro-batches per step
+            parts = _split_to_count(parts, pp, keep)
+            if len(parts) < pp:
+                unit = "prompt groups" if keep else "sequences"
+                raise ConfigError(f"batch: the interleaved pipeline schedule (parallel.virtual_pipeline_model_"
+                                  f"parallel_size) needs at least {pp} micro-batches per step, but data-parallel "
+                                  f"rank {self.dp_rank} has only {len(parts)} {unit}; raise batch.sequences_per_step")
+        # sequence parallelism splits the sequence over TP ranks: widths must be a multiple of TP
+        multiple = self.cfg.parallel.tensor_model_parallel_size if self.cfg.parallel.sequence_parallel else 1
+        mbs = [collate([trajs[i] for i in rows], self.pad_id,
+                       length=-(-(width or max(lengths[i] for i in rows)) // multiple) * multiple)
+               for rows in parts]
         return [mb.to(self.device) if self.device is not None else mb for mb in mbs]
 
     def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -271,15 +298,25 @@ class Trainer:
 
         from megatron_spo.models.builders import output_hidden_states
 
+        fb = get_forward_backward_func()
+        seq_len = max(mb.input_ids.shape[1] for mb in mbs)
+        mbs_size = max(mb.num_sequences for mb in mbs)
+        virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
+
         def forward_step(data_iterator, model):
             index, mb = next(data_iterator)
+            input_ids, position_ids = mb.input_ids, mb.position_ids
+            if virtual:  # every micro-batch has the step's shape: pad rows (sliced off the output below)
+                input_ids = _pad_rows(input_ids, mbs_size, self.pad_id)
+                position_ids = _pad_rows(position_ids, mbs_size, 0)
             if output == "logp":
                 with output_hidden_states(model):
-                    out = model(mb.input_ids, mb.position_ids, None)
+                    out = model(input_ids, position_ids, None)
             else:
-                out = model(mb.input_ids, mb.position_ids, None)
+                out = model(input_ids, position_ids, None)
             if not _is_last(model):
                 return out, None
+            out = out[:mb.num_sequences]
             if output == "logp":
                 out = self._token_logprobs(model, out, mb.targets)
             return out, partial(_loss_wrapper, loss_fn, index, mb)
@@ -293,12 +330,15 @@ class Trainer:
             scale = losses.microbatch_scale(mb.num_sequences, len(mbs), self.dp_size, n_global)
             return loss * scale, {"index": index, "metrics": metrics, "n": mb.num_sequences}
 
-        fb = get_forward_backward_func()
-        seq_len = max(mb.input_ids.shape[1] for mb in mbs)
-        mbs_size = max(mb.num_sequences for mb in mbs)
+        data = iter(list(enumerate(mbs)))
+        if virtual:  # interleaved schedule: every virtual stage reads the micro-batches on its own
+            data = [iter(list(enumerate(mbs))) for _ in chunks]
+            group = _microbatch_group_size(len(mbs), self.cfg.parallel.pipeline_model_parallel_size)
+            for chunk in chunks:
+                chunk.config.microbatch_group_size_per_vp_stage = group
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with ctx:
-            store = fb(forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))), model=chunks,
+            store = fb(forward_step_func=forward_step, data_iterator=data, model=chunks,
                        num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs_size,
                        forward_only=forward_only)
         return store if self.is_last_stage else []
@@ -472,15 +512,19 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
     def _sharded_state_dict(self, is_loading: bool = False) -> dict:
         """Model and optimizer state of policy (and value) as one sharded dict. For loading, the
-        optimizer first creates its state tensors (is_loading) so the template has something to fill."""
+        optimizer first creates its state tensors (is_loading) so the template has something to fill.
+
+        Every virtual-stage chunk stores its tensors under the same key prefix ("policy.model0."): a
+        chunk's layers are slices of one [num_layers, ...] tensor per key, which the chunks of all
+        pipeline ranks cover together (megatron-LM shares one prefix across chunks the same way)."""
         sd = {}
         for name, chunks, opt in (("policy", self.policy, self.optimizer), ("value", self.value, self.value_optimizer)):
             if chunks is None:
                 continue
-            model_sd = {f"model{i}": c.module.sharded_state_dict(prefix=f"{name}.model{i}.")
+            model_sd = {f"model{i}": c.module.sharded_state_dict(prefix=_ckpt_prefix(name))
                         for i, c in enumerate(chunks)}
             sd[f"{name}_model"] = model_sd
-            sd[f"{name}_optimizer"] = opt.sharded_state_dict(_flatten_model_sd(model_sd), is_loading=is_loading)
+            sd[f"{name}_optimizer"] = opt.sharded_state_dict(model_sd, is_loading=is_loading)
         return sd
 
     def save_checkpoint(self) -> Path:
@@ -530,7 +574,7 @@ class Trainer:
             if chunks is None:
                 continue
             for i, c in enumerate(chunks):
-                c.module.load_state_dict(_strip_prefix(state[f"{name}_model"][f"model{i}"], f"{name}.model{i}."))
+                c.module.load_state_dict(_strip_prefix(state[f"{name}_model"][f"model{i}"], _ckpt_prefix(name)))
             opt.load_state_dict(state[f"{name}_optimizer"])
         rng_file = path / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
@@ -597,11 +641,51 @@ def _is_last(model) -> bool:
     return bool(model.post_process)
 
 
-def _flatten_model_sd(model_sd: dict) -> dict:
-    flat = {}
-    for part in model_sd.values():
-        flat.update(part)
-    return flat
+def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    """[b, L] -> [rows, L], the new rows filled with value."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0], t.shape[1]), value)])
+
+
+def _split_to_count(parts: list[list[int]], n: int, groups: list | None) -> list[list[int]]:
+    """Halve the largest micro-batches (at prompt-group boundaries when groups is given) until there are
+    n, keeping the order; fewer come back when no micro-batch holds two units any more."""
+    parts = [list(p) for p in parts]
+
+    def units(part):
+        out: list[list[int]] = []
+        for i in part:
+            if groups is not None and out and groups[out[-1][-1]] == groups[i]:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+
+    while len(parts) < n:
+        splittable = [(len(p), -i) for i, p in enumerate(parts) if len(units(p)) > 1]
+        if not splittable:
+            break
+        i = -max(splittable)[1]
+        u = units(parts[i])
+        half = len(u) // 2
+        parts[i:i + 1] = [[j for x in u[:half] for j in x], [j for x in u[half:] for j in x]]
+    return parts
+
+
+def _microbatch_group_size(num_microbatches: int, pp: int) -> int:
+    """Contiguous micro-batches per virtual stage in megatron's interleaved schedule: the smallest N >= PP
+    with M % N == 0 or M % N >= PP, which megatron accepts (its default N = PP needs M % PP == 0, and the
+    token-budget packing gives any M). Needs M >= PP."""
+    for n in range(pp, num_microbatches + 1):
+        if num_microbatches % n == 0 or num_microbatches % n >= pp:
+            return n
+    raise ValueError(f"interleaved pipeline: {num_microbatches} micro-batches, fewer than PP={pp}")
+
+
+def _ckpt_prefix(name: str) -> str:
+    """Checkpoint key prefix of model `name` ("policy", "value"), shared by its virtual-stage chunks."""
+    return f"{name}.model0."
 
 
 def _strip_prefix(sd: dict, prefix: str) -> dict:
