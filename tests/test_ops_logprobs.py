@@ -95,6 +95,54 @@ def test_fp32_logprob_only_gradients_match_reference():
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("used", ["logp", "entropy"])
+def test_entropy_returned_but_one_output_unused_matches_reference(used):
+    """An unused output's gradient arrives as None: only the logp gradient (the factored backward that
+    holds only p per block) or only the entropy gradient must still be exact."""
+    hidden, weight, targets = make_problem()
+    coef = torch.randn(len(targets), generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    grads = []
+    for fn, dt in ((token_logprobs, torch.float32), (token_logprobs_reference, torch.float64)):
+        h, w = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
+        kw = {"chunk_size": 7, "vocab_tile": 11} if fn is token_logprobs else {}
+        logp, entropy = fn(h, w, targets, return_entropy=True, **kw)
+        out = logp if used == "logp" else entropy
+        grads.append(torch.autograd.grad((out * coef.to(dt)).sum(), (h, w)))
+    for name, a, b in zip(("grad_hidden", "grad_weight"), *grads):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5, msg=name)
+
+
+def test_bf16_logprob_only_gradients_accumulate_in_fp32():
+    """The factored backward with bf16 inputs: same tolerance as the entropy path (one bf16 rounding)."""
+    hidden, weight, targets = make_problem(n=40, h=64, v=300, dtype=torch.bfloat16)
+    coef = torch.randn(len(targets), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = []
+    for fn, dt in ((token_logprobs, torch.bfloat16), (token_logprobs_reference, torch.float64)):
+        h, w = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
+        kw = {"chunk_size": 16, "vocab_tile": 128} if fn is token_logprobs else {}
+        logp = fn(h, w, targets, **kw)
+        grads.append(torch.autograd.grad((logp * coef.to(logp.dtype)).sum(), (h, w)))
+    for name, a, b in zip(("grad_hidden", "grad_weight"), *grads):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.double(), b, rtol=2**-8, atol=1e-5 * b.abs().max().item(), msg=name)
+
+
+def test_ignored_tokens_are_dropped_before_any_gemm(monkeypatch):
+    """Only the rows that count are multiplied: the blocks see 20 of 23 tokens, results unchanged."""
+    rows_seen = []
+    original = token_logprobs_module._logits_block
+
+    def recording(hidden_chunk, *args):
+        rows_seen.append(hidden_chunk.shape[0])
+        return original(hidden_chunk, *args)
+
+    monkeypatch.setattr(token_logprobs_module, "_logits_block", recording)
+    hidden, weight, targets = make_problem(n=23, n_ignored=3)
+    got = values_and_grads(token_logprobs, hidden, weight, targets, vocab_tile=50)
+    assert rows_seen == [20, 20]  # one block forward, one recomputed backward, ignored rows left out
+    assert_all_close(got, truth(hidden, weight, targets), rtol=0, atol=1e-5)
+
+
 def test_ignored_targets_give_zero_logprob_entropy_and_gradient():
     hidden, weight, targets = make_problem(n_ignored=0)
     targets[[2, 9]] = IGNORE
@@ -144,7 +192,7 @@ def test_blocks_never_exceed_chunk_times_tile(monkeypatch):
     """Peak extra memory is one block: record every block the per-block kernels see."""
     seen = []
     kernels = TorchKernels
-    for name in ("update_stats", "logits_grad"):
+    for name in ("update_stats", "probs", "logits_grad"):
         original = getattr(kernels, name)
 
         def recording(z, *args, _original=original, _name=name):
@@ -152,14 +200,20 @@ def test_blocks_never_exceed_chunk_times_tile(monkeypatch):
             return _original(z, *args)
 
         monkeypatch.setattr(kernels, name, staticmethod(recording))
-    hidden, weight, targets = make_problem(n=23, v=50)
+    hidden, weight, targets = make_problem(n=23, v=50, n_ignored=0)
     hidden.requires_grad_()
     token_logprobs(hidden, weight, targets, chunk_size=10, vocab_tile=16).sum().backward()
-    blocks = [shape for name, shape in seen if name == "update_stats"]
-    # ceil(23 / 10) * ceil(50 / 16) blocks forward, the same recomputed backward; the largest is 10 x 16
-    assert len(blocks) == 3 * 4 and sum(name == "logits_grad" for name, _ in seen) == 12
-    assert max(r * c for r, c in blocks) == 10 * 16
-    assert sum(r * c for r, c in blocks) == 23 * 50  # the blocks tile tokens x vocabulary exactly once
+    # ceil(23 / 10) * ceil(50 / 16) blocks forward, the same recomputed backward; the largest is 10 x 16.
+    # The backward of log-probs alone only needs p per block; with entropy it forms dL/dz per block.
+    logp, entropy = token_logprobs(hidden, weight, targets, chunk_size=10, vocab_tile=16, return_entropy=True)
+    (logp + entropy).sum().backward()
+    counts = {name: sum(n == name for n, _ in seen) for name in ("update_stats", "probs", "logits_grad")}
+    assert counts == {"update_stats": 2 * 12, "probs": 12, "logits_grad": 12}
+    for name in counts:
+        blocks = [shape for n, shape in seen if n == name]
+        assert max(r * c for r, c in blocks) == 10 * 16
+        passes = counts[name] // 12  # each pass tiles tokens x vocabulary exactly once
+        assert sum(r * c for r, c in blocks) == passes * 23 * 50
 
 
 def test_default_block_fits_the_memory_budget():
@@ -235,7 +289,8 @@ def test_fp8_path_end_to_end_on_cpu_when_the_gate_is_bypassed(monkeypatch):
     """One block (one per-tensor scale each): the op must equal, values and gradients, the straight-through
     reference whose logits are the product of the dequantised E4M3 operands; softmax statistics in fp32."""
     monkeypatch.setattr(token_logprobs_module, "_require_fp8", lambda hidden: None)
-    hidden, weight, targets = make_problem(n=20, h=32, v=40)
+    # No ignored targets: those rows are dropped before the GEMM, so they would not enter the FP8 scale.
+    hidden, weight, targets = make_problem(n=20, h=32, v=40, n_ignored=0)
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
 
     def dequantised(x):

@@ -4,16 +4,21 @@
     python tools/bench_logprobs.py --n 512 --v 32768    # smaller, quicker
     python tools/bench_logprobs.py --device cuda --dtype bfloat16 --n 16384 --h 4096   # on a GPU
 
-Every variant runs in a FRESH subprocess, so no variant sees another's allocator state:
-- CPU peak memory: once the inputs exist, the kernel's resident-set high-water mark is reset to the
-  current RSS (write "5" to /proc/self/clear_refs, Linux >= 4.0); after one forward+backward, peak extra =
-  VmHWM - that RSS (/proc/self/status). torch's CPU allocator keeps no statistics and tracemalloc does not
-  see torch's buffers; the high-water mark counts every page actually touched, including the gradients
-  themselves (grad_weight [V, H] fp32 is 0.49 GiB of every variant's peak at V=128256, H=1024).
-- CUDA peak memory: torch.cuda.max_memory_allocated minus the allocation before the step.
-- Time: the median of --repeats forward+backward steps after the measured first one (warm-up).
-Ratios (naive / fused for memory, fused / naive for time) come from one run of this script, on a machine
-that may be shared: say how loaded it was (the load average is printed) when quoting them.
+Two phases, each in FRESH subprocesses, so no variant sees another's allocator state:
+- Memory: one subprocess per variant runs one forward (+ backward) step. CPU: once the inputs exist, the
+  kernel's resident-set high-water mark is reset to the current RSS (write "5" to /proc/self/clear_refs,
+  Linux >= 4.0); peak extra = VmHWM - that RSS (/proc/self/status). torch's CPU allocator keeps no
+  statistics and tracemalloc does not see torch's buffers; the high-water mark counts every page actually
+  touched, including the gradients themselves (grad_weight [V, H] fp32 is 0.49 GiB of every variant's
+  peak at V=128256, H=1024). CUDA: torch.cuda.max_memory_allocated minus the allocation before the step.
+- Time: ONE subprocess builds the inputs once, warms every timed variant up once, then runs --repeats
+  rounds of one forward+backward step per variant, alternating the order (ABBA...) so that a change of
+  machine load hits both variants alike. Reported per variant: median and min; the ratio of medians, the
+  ratio of mins, and the median over rounds of the paired ratio (the two steps of a round ran back to
+  back, so the paired ratio is the least sensitive to load that comes and goes).
+On CPU the process CPU seconds per step are reported too: the work done, whatever share of the cores
+the machine's other load left us. The torch thread count and the load average before and after are
+printed: quote them with the ratios.
 """
 
 from __future__ import annotations
@@ -26,7 +31,12 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("naive", "fused", "naive_forward", "fused_forward", "liger")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MEMORY_VARIANTS = ("naive", "fused", "naive_forward", "fused_forward", "liger")
+TIMED_VARIANTS = ("fused", "naive", "liger")
+# (numerator, denominator) of the printed ratios: memory as den / num ("x lower"), time as num / den
+COMPARISONS = (("fused", "naive"), ("fused_forward", "naive_forward"), ("liger", "naive"), ("fused", "liger"))
 
 
 def build_inputs(args):
@@ -56,7 +66,7 @@ def reset_peak_rss() -> int:
 
 
 def make_step(variant: str, hidden, weight, targets, coef, args):
-    """A closure running one forward (+ backward) of the variant."""
+    """A closure running one forward (+ backward, as the trainer uses it) of the variant."""
     import torch
 
     from megatron_spo.ops import token_logprobs, token_logprobs_reference
@@ -86,18 +96,25 @@ def make_step(variant: str, hidden, weight, targets, coef, args):
     return step
 
 
-def worker(args) -> dict:
-    """Run one variant in this (fresh) process; return peak extra bytes and step times."""
+def _setup_worker(args):
     import torch
 
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    cuda = args.device == "cuda"
-    # One tiny step first, so one-time initialisation (BLAS buffers, OpenMP thread stacks, the autograd
-    # engine's threads: ~10-20 MiB) is not counted as the variant's peak.
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # One tiny step per variant first, so one-time initialisation (BLAS buffers, OpenMP thread stacks, the
+    # autograd engine's threads: ~10-20 MiB) is counted neither as a variant's peak nor in its time.
     tiny = argparse.Namespace(**{**vars(args), "n": 16, "v": 256})
-    make_step(args.variant, *build_inputs(tiny), tiny)()
-    inputs = build_inputs(args)
-    step = make_step(args.variant, *inputs, args)
+    for variant in args.worker_variants:
+        make_step(variant, *build_inputs(tiny), tiny)()
+    return torch
+
+
+def memory_worker(args) -> dict:
+    """Peak extra bytes and time of ONE step of one variant, in this (fresh) process."""
+    torch = _setup_worker(args)
+    (variant,) = args.worker_variants
+    step = make_step(variant, *build_inputs(args), args)
+    cuda = args.device == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -111,15 +128,41 @@ def worker(args) -> dict:
         peak = torch.cuda.max_memory_allocated() - before
     else:
         peak = _proc_status_bytes("VmHWM") - before
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
+    return {"peak_extra_bytes": peak, "first_s": time.perf_counter() - start}
+
+
+def time_worker(args) -> dict:
+    """Step times of every variant, interleaved round by round in this (fresh) process."""
+    torch = _setup_worker(args)
+    inputs = build_inputs(args)
+    steps = {variant: make_step(variant, *inputs, args) for variant in args.worker_variants}
+
+    def timed(step) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process) of one step."""
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
-        if cuda:
+        if args.device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return {"variant": args.variant, "peak_extra_bytes": peak, "first_s": first, "times_s": times}
+        return time.perf_counter() - start, time.process_time() - start_cpu
+
+    warmup = {variant: timed(step)[0] for variant, step in steps.items()}
+    times = {variant: [] for variant in steps}
+    cpu_times = {variant: [] for variant in steps}
+    order = list(steps)
+    for round_index in range(args.repeats):
+        for variant in order if round_index % 2 == 0 else order[::-1]:
+            wall, cpu = timed(steps[variant])
+            times[variant].append(wall)
+            cpu_times[variant].append(cpu)
+    return {"threads": torch.get_num_threads(), "warmup_s": warmup, "times_s": times, "cpu_s": cpu_times}
+
+
+def run_worker(mode: str, variants: list[str], argv: list[str]) -> dict:
+    cmd = [sys.executable, __file__, *argv, "--worker", mode, "--worker-variants", ",".join(variants)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} worker for {variants} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def liger_skip_reason(device: str) -> str | None:
@@ -133,6 +176,16 @@ def liger_skip_reason(device: str) -> str | None:
             "TRITON_INTERPRET=1 (numpy, orders of magnitude too slow at this size), so it is skipped"
         )
     return None
+
+
+def timing_summary(times: dict[str, list[float]], num: str, den: str) -> dict[str, float]:
+    """Ratios num / den of the step times: of medians, of mins, and the median of per-round ratios."""
+    a, b = times[num], times[den]
+    return {
+        "median_ratio": statistics.median(a) / statistics.median(b),
+        "min_ratio": min(a) / min(b),
+        "paired_ratio": statistics.median(x / y for x, y in zip(a, b)),
+    }
 
 
 def gib(x: float) -> str:
@@ -149,55 +202,79 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fp8", action="store_true", help="fused variants run the logits GEMM in FP8 (GPU + TE only)"
     )
-    parser.add_argument(
-        "--repeats", type=int, default=1, help="timed steps after the first (median reported)"
-    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds after one warm-up step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
+    parser.add_argument("--memory-variants", default=",".join(MEMORY_VARIANTS), help="'' skips the phase")
+    parser.add_argument("--time-variants", default=",".join(TIMED_VARIANTS), help="'' skips the phase")
+    parser.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker-variants", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
 
-    if args.variant:
-        print(json.dumps(worker(args)))
+    if args.worker:
+        args.worker_variants = args.worker_variants.split(",")
+        result = memory_worker(args) if args.worker == "memory" else time_worker(args)
+        print(json.dumps(result))
         return 0
 
     print(
-        f"shape N={args.n} H={args.h} V={args.v} {args.dtype} on {args.device}; load average {os.getloadavg()}"
+        f"shape N={args.n} H={args.h} V={args.v} {args.dtype} on {args.device}; "
+        f"load average {tuple(round(x, 2) for x in os.getloadavg())}"
     )
-    results = {}
-    for variant in args.variants.split(","):
-        if variant == "liger" and (reason := liger_skip_reason(args.device)):
-            print(f"  liger: skipped: {reason}")
-            continue
-        cmd = [sys.executable, __file__, "--variant", variant] + [a for a in (argv or sys.argv[1:])]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"  {variant}: FAILED\n{proc.stderr[-2000:]}")
-            continue
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[variant] = result
-        step_s = statistics.median(result["times_s"]) if result["times_s"] else result["first_s"]
-        result["step_s"] = step_s
-        print(
-            f"  {variant:14s} peak extra {gib(result['peak_extra_bytes'])}   step {step_s:8.3f} s (first {result['first_s']:.3f} s)"
-        )
+    liger_reason = liger_skip_reason(args.device)
+    if liger_reason:
+        print(f"  liger: skipped: {liger_reason}")
 
-    print(f"load average after: {os.getloadavg()}")
-    for fused, naive in (
-        ("fused", "naive"),
-        ("fused_forward", "naive_forward"),
-        ("liger", "naive"),
-        ("fused", "liger"),
-    ):
-        if fused in results and naive in results:
-            mem = results[naive]["peak_extra_bytes"] / max(results[fused]["peak_extra_bytes"], 1)
-            speed = results[fused]["step_s"] / results[naive]["step_s"]
+    def selected(option: str) -> list[str]:
+        return [v for v in option.split(",") if v and not (v == "liger" and liger_reason)]
+
+    peaks = {}
+    for variant in selected(args.memory_variants):
+        try:
+            result = run_worker("memory", [variant], argv)
+        except RuntimeError as err:
+            print(f"  {variant}: FAILED: {err}")
+            continue
+        peaks[variant] = result["peak_extra_bytes"]
+        print(
+            f"  memory  {variant:14s} peak extra {gib(peaks[variant])}   (one step: {result['first_s']:.3f} s)"
+        )
+    for num, den in COMPARISONS:
+        if num in peaks and den in peaks:
+            print(f"  memory  {den} / {num}: {peaks[den] / max(peaks[num], 1):6.2f}x lower")
+
+    timed = selected(args.time_variants)
+    if timed and args.repeats > 0:
+        result = run_worker("time", timed, argv)
+        times = result["times_s"]
+        print(
+            f"  time: {result['threads']} torch threads, {args.repeats} interleaved rounds after a warm-up; "
+            f"load average after {tuple(round(x, 2) for x in os.getloadavg())}"
+        )
+        for variant, ts in times.items():
             print(
-                f"  {naive} / {fused} peak memory: {mem:6.2f}x lower     {fused} / {naive} time: {speed:5.2f}x"
+                f"  time    {variant:14s} median {statistics.median(ts):8.3f} s   min {min(ts):8.3f} s   "
+                f"all {' '.join(f'{t:.2f}' for t in ts)}"
             )
-    if args.device == "cuda" and "fused" in results:
-        flops = 4 * 2 * args.n * args.h * args.v  # forward GEMM, its recompute, grad_hidden, grad_weight
-        print(f"  fused: {flops / results['fused']['step_s'] / 1e12:.1f} TFLOP/s (4 GEMMs of 2*N*H*V)")
+        for num, den in COMPARISONS:
+            if num in times and den in times:
+                r = timing_summary(times, num, den)
+                print(
+                    f"  time    {num} / {den}: {r['median_ratio']:5.3f}x (medians)   {r['min_ratio']:5.3f}x (mins)"
+                    f"   {r['paired_ratio']:5.3f}x (median of per-round ratios)"
+                )
+                if args.device == "cpu":  # CPU seconds: the work done, whatever share of the cores we got
+                    c = timing_summary(result["cpu_s"], num, den)
+                    print(
+                        f"  cpu     {num} / {den}: {c['median_ratio']:5.3f}x (medians of process CPU seconds; "
+                        f"{num} {statistics.median(result['cpu_s'][num]):.2f} s, "
+                        f"{den} {statistics.median(result['cpu_s'][den]):.2f} s)"
+                    )
+        if args.device == "cuda" and "fused" in times:
+            flops = 4 * 2 * args.n * args.h * args.v  # forward GEMM, its recompute, grad_hidden, grad_weight
+            print(
+                f"  fused: {flops / statistics.median(times['fused']) / 1e12:.1f} TFLOP/s (4 GEMMs of 2*N*H*V)"
+            )
     return 0
 
 

@@ -1,6 +1,6 @@
 """Triton kernels for one block of logits: online-softmax statistics and the logits gradient.
 
-Drop-in for ``token_logprobs.TorchKernels`` (same two functions, same in-place contract); the GEMMs
+Drop-in for ``token_logprobs.TorchKernels`` (same three functions, same in-place contract); the GEMMs
 stay with cuBLAS (or FP8 _scaled_mm). One program handles one token row and walks the block's vocabulary
 columns in BLOCK_V-wide tiles with an online max/sum, so a row of any width needs no more registers.
 
@@ -98,6 +98,14 @@ class TritonKernels:
         )  # fmt: skip
 
     @staticmethod
+    def probs(z, lse, *, block_v: int | None = None) -> None:
+        """z [C, Vt] -> exp(z - lse): the gradient kernel with g = -1 and no target column."""
+        rows = z.shape[0]
+        minus_one = torch.full((rows,), -1.0, dtype=torch.float32, device=z.device)
+        no_target = torch.full((rows,), -1, dtype=torch.int64, device=z.device)
+        TritonKernels.logits_grad(z, no_target, lse, minus_one, None, None, block_v=block_v)
+
+    @staticmethod
     def logits_grad(z, col, lse, grad_logp, grad_entropy, mean_logit, *, block_v: int | None = None) -> None:
         rows, n_cols = z.shape
         if rows == 0:
@@ -133,9 +141,10 @@ def reference_block_check(
         m, s, t, tgt = m0.clone(), s0.clone(), t0.clone(), torch.zeros(rows)
         kernels.update_stats(z.clone(), col, m, s, t, tgt, **kw)
         lse, ez = m + torch.log(s), t / s
-        dz = z.clone()
+        dz, p = z.clone(), z.clone()
         kernels.logits_grad(dz, col, lse, g, ge, ez, **kw)
-        results.append((m, s, t, tgt, dz))
-    for name, a, b in zip(("m", "s", "t", "target_logit", "dz"), *results):
+        kernels.probs(p, lse, **kw)
+        results.append((m, s, t, tgt, dz, p))
+    for name, a, b in zip(("m", "s", "t", "target_logit", "dz", "p"), *results):
         out[name] = float((a - b).abs().max())
     return out
