@@ -42,6 +42,8 @@ from megatron_spo.training import loss as losses
 from megatron_spo.training.checkpoint import CheckpointDir, PreemptionHandler, rng_state, set_rng_state
 from megatron_spo.training.metrics import MetricsLogger
 
+IGNORE_INDEX = -100  # targets the fused log-prob op skips: prompt and padding positions (outside loss_mask)
+
 
 class TrainingDiverged(RuntimeError):
     pass
@@ -274,8 +276,10 @@ class Trainer:
                for rows in parts]
         return [mb.to(self.device) if self.device is not None else mb for mb in mbs]
 
-    def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """[B, L] log-probs of targets from final hidden states [B, L, H] via the fused vocab-parallel op.
+    def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor,
+                        loss_mask: torch.Tensor) -> torch.Tensor:
+        """[B, L] log-probs of targets from final hidden states [B, L, H] via the fused vocab-parallel op;
+        0 where loss_mask [B, L] is 0 (prompt and padding positions skip the LM-head GEMMs).
 
         The op owns the LM-head matmul, so it also all-reduces the hidden gradient over TP ranks (under
         sequence parallelism the model has already gathered the sequence: builders.output_hidden_states)."""
@@ -284,8 +288,9 @@ class Trainer:
 
         tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.parallel.tensor_model_parallel_size > 1 else None
         b, s, h = hidden.shape
+        targets = targets.masked_fill(loss_mask == 0, IGNORE_INDEX)
         logp = token_logprobs(hidden.reshape(b * s, h), lm_head_weight(chunk), targets.reshape(-1),
-                              tp_group=tp_group, vocab_start_index=lm_head_vocab_start(chunk),
+                              tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_start_index=lm_head_vocab_start(chunk),
                               valid_vocab_size=self.model_cfg.vocab_size)
         return logp.view(b, s)
 
@@ -318,7 +323,7 @@ class Trainer:
                 return out, None
             out = out[:mb.num_sequences]
             if output == "logp":
-                out = self._token_logprobs(model, out, mb.targets)
+                out = self._token_logprobs(model, out, mb.targets, mb.loss_mask)
             return out, partial(_loss_wrapper, loss_fn, index, mb)
 
         n_global = self.cfg.batch.sequences_per_step
