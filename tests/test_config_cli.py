@@ -144,3 +144,28 @@ def test_train_config_refuses_bad_combinations(tmp_path):
         load_config(TrainConfig, None, [])
     with pytest.raises(ConfigError, match=r"optimizer.lr: Input should be greater than 0 \(got -1\)"):
         load_config(TrainConfig, None, ["init.hf=x", "optimizer.lr=-1"])
+
+
+def test_a_lone_process_does_not_collide_on_the_default_master_port():
+    """Two single-process trainers on one machine (the quickstart's next to another run) both start."""
+    import os
+    import socket
+
+    code = (
+        "from megatron_spo.config import ModelConfig, ParallelConfig\n"
+        "from megatron_spo.models.parallel import destroy_parallel, init_parallel\n"
+        "init_parallel(ParallelConfig(), ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128,"
+        " num_attention_heads=4, num_query_groups=2, vocab_size=100))\n"
+        "import os; print('port', os.environ['MASTER_PORT']); destroy_parallel()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK")}
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            busy.bind(("127.0.0.1", 29500))
+            busy.listen()
+        except OSError:
+            pass  # already taken by someone else: the same situation
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "port 29500" not in proc.stdout

@@ -73,7 +73,10 @@ def init_parallel(
         if on_gpu:
             torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:
+            # a lone process (no launcher) picks a free port: two single-process jobs on one machine (the
+            # quickstart's trainer next to another run) must not collide on a fixed default
+            os.environ["MASTER_PORT"] = str(free_port()) if world_size == 1 else "29500"
         dist.init_process_group(
             backend="nccl" if on_gpu else "gloo",
             rank=rank,
