@@ -131,7 +131,7 @@ def test_q0_then_trainer_job_trains_pushes_weights_checkpoints_and_exports(clust
     assert [c["JobState"] for c in info] == ["COMPLETED", "COMPLETED"], logs(run_dir)
     assert info[0]["Restarts"] == "0"
     q0_rows = [json.loads(line) for line in (run_dir / "q0" / "q0.jsonl").read_text().splitlines()]
-    assert len(q0_rows) == 18 and all(r["n"] == 2 for r in q0_rows)  # the toy task's 18 training prompts
+    assert len(q0_rows) == 12 and all(r["n"] == 2 for r in q0_rows)  # the toy task's 12 training prompts (24, half held out)
 
     rows = metrics(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3, 4], logs(run_dir)
