@@ -30,7 +30,7 @@ def test_quickstart_end_to_end_small(tmp_path):
     before = set(_fleet_processes())
     out = tmp_path / "qs"
     args = [f"out_dir={out}", f"cache_dir={tmp_path / 'cache'}", "reference.sft_steps=40", "reference.task.num_problems=24",
-            "q0_samples=4", "offline_per_prompt=2", "eval_n=10", "heldout_limit=4", "train_limit=6",
+            "q0_samples=4", "offline_per_prompt=2", "eval_n=10", "heldout_limit=4", "train_limit=6", "train_eval_limit=40",
             "train.steps=4", "train.model_update_interval=2", "train.prompts_per_step=2", "train.samples_per_prompt=4",
             "train.nproc=2", "train.tensor_model_parallel_size=2", "train.max_new_tokens=48", "progress=false"]
     proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "quickstart", *args], capture_output=True,
@@ -46,7 +46,7 @@ def test_quickstart_end_to_end_small(tmp_path):
         assert r["ci95"][0] <= r["delta"] <= r["ci95"][1]
         assert r["delta"] == pytest.approx(r["after"] - r["before"], abs=1e-9)
     assert result["train_steps"] == 4 and result["weight_pushes"] == 2  # steps 2 and 4
-    train = result["training_prompts"]  # the same table on training prompts (default 20, here all 6)
+    train = result["training_prompts"]  # the same table on training prompts (train_eval_limit=40: all 6)
     assert (train["problems"], train["samples_per_problem"]) == (6, 10)
     assert train["pass@1"]["delta"] == pytest.approx(train["pass@1"]["after"] - train["pass@1"]["before"], abs=1e-9)
 

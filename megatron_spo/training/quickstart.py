@@ -42,7 +42,7 @@ from megatron_spo.config import apply_overrides as _apply_overrides
 
 
 class QuickstartTrainConfig(StrictModel):
-    steps: int = Field(100, gt=0)
+    steps: int = Field(90, gt=0)
     lr: float = Field(2e-4, gt=0)
     warmup_steps: int = Field(10, ge=0)
     beta: float = Field(0.5, gt=0, description="FIELD-NOTES: beta <= 0.2 with squared loss collapsed on this task")
@@ -67,7 +67,7 @@ class QuickstartConfig(StrictModel):
     reference: QuickstartModelConfig = Field(default_factory=QuickstartModelConfig)
     cache_dir: str | None = Field(None, description="reference model cache (default ~/.cache/megatron-spo)")
     engines: int = Field(2, gt=0)
-    q0_samples: int = Field(16, gt=0, description="paper: 800 per prompt; the toy task needs far fewer")
+    q0_samples: int = Field(12, gt=0, description="paper: 800 per prompt; the toy task needs far fewer")
     offline_per_prompt: int = Field(4, ge=0, description="correct reference samples kept per prompt")
     human_solutions_per_prompt: int = Field(2, ge=0, description="the task's own solutions in the offline set "
                                             "(the paper's offline data includes human solutions)")
@@ -75,7 +75,7 @@ class QuickstartConfig(StrictModel):
     eval_temperature: float = 0.4
     eval_top_p: float = 0.95
     heldout_limit: int | None = Field(None, gt=0, description="evaluate on the first N held-out problems")
-    train_eval_limit: int = Field(20, ge=0, description="also evaluate on N training prompts (hidden tests, which "
+    train_eval_limit: int = Field(0, ge=0, description="also evaluate on N training prompts (hidden tests, which "
                                   "rewards never use): learning vs transfer to new problems")
     train_limit: int | None = Field(None, gt=0, description="train on the first N training problems")
     train: QuickstartTrainConfig = Field(default_factory=QuickstartTrainConfig)
