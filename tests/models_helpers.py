@@ -291,3 +291,32 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
         Path(result_path).write_text(json.dumps(results, indent=2))
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI in a subprocess, and HF directories as tensors
+# ---------------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, check: bool = True, code: str | None = None):
+    """`python -m megatron_spo.cli ARGS` (or `python -c CODE ARGS`) from the repo root, one thread, quiet."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "megatron_spo.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def all_tensors(hf: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's *.safetensors files, by name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(hf).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out

@@ -9,8 +9,6 @@ the CLI in subprocesses (megatron's CPU shims never enter the pytest process).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,11 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+from models_helpers import all_tensors, run_cli  # noqa: E402
 from trainer_helpers import VOCAB, run_spawned  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 2
 
 
@@ -53,20 +51,6 @@ def run(tmp_path_factory) -> dict:
     return {"root": root, "init_hf": hf, "run_dir": run_dir, "final": torch.load(root / "final_policy.pt")}
 
 
-def _cli(*args: str, check: bool = True, code: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "megatron_spo.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{args} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def _all_tensors(hf: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(hf.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 # Runs `convert` in-process after wrapping both checkpoint read paths (stored chunks viewed in place,
@@ -96,13 +80,13 @@ def test_step_dir_converts_to_the_trainers_final_policy(run, tmp_path):
     step_dir = run["run_dir"] / "checkpoints" / f"iter_{STEPS:07d}"
     assert (step_dir / "COMPLETE").is_file()
     out = tmp_path / "hf"
-    proc = _cli("megatron-to-hf", "--megatron", str(step_dir), "--out", str(out), code=_RECORDING_CONVERT)
+    proc = run_cli("megatron-to-hf", "--megatron", str(step_dir), "--out", str(out), code=_RECORDING_CONVERT)
     keys = json.loads(proc.stdout.split("READ_KEYS ", 1)[1])
     assert keys and all(k.startswith("policy.model0.") for k in keys), keys
     assert any(".layers." in k for k in keys) and any("output_layer" in k for k in keys)
 
     # the converted weights are the trainer's final policy, bit for bit
-    converted, final = _all_tensors(out), run["final"]
+    converted, final = all_tensors(out), run["final"]
     assert converted.keys() == final.keys()
     assert all(torch.equal(converted[k], final[k]) for k in final)
     assert not torch.equal(converted["lm_head.weight"], load_file(run["init_hf"] / "model.safetensors")[
@@ -123,7 +107,7 @@ def test_step_dir_converts_to_the_trainers_final_policy(run, tmp_path):
 
 def test_check_conversion_reads_the_trainer_checkpoint(run):
     step_dir = run["run_dir"] / "checkpoints" / f"iter_{STEPS:07d}"
-    proc = _cli("check-conversion", "--hf", str(run["run_dir"] / "hf"), "--megatron", str(step_dir),
+    proc = run_cli("check-conversion", "--hf", str(run["run_dir"] / "hf"), "--megatron", str(step_dir),
                 "--pp", "2", "--tol", "1e-5")
     line = proc.stdout.strip().splitlines()[-1]
     assert line.endswith("(TP=1 PP=2, tol 1e-05): OK"), line
@@ -135,17 +119,17 @@ def test_run_dir_picks_the_latest_complete_step(run, tmp_path):
     (partial / "dist").mkdir(parents=True)
     try:
         out = tmp_path / "hf"
-        _cli("convert", "megatron-to-hf", "--megatron", str(run["run_dir"]), "--out", str(out))
+        run_cli("convert", "megatron-to-hf", "--megatron", str(run["run_dir"]), "--out", str(out))
     finally:
         partial.joinpath("dist").rmdir()
         partial.rmdir()
-    converted = _all_tensors(out)
+    converted = all_tensors(out)
     assert all(torch.equal(converted[k], run["final"][k]) for k in run["final"])
 
 
 def test_neither_checkpoint_nor_run_dir_is_one_clear_error(tmp_path):
     (tmp_path / "junk").mkdir()
-    proc = _cli("convert", "megatron-to-hf", "--megatron", str(tmp_path / "junk"), "--out", str(tmp_path / "o"),
+    proc = run_cli("convert", "megatron-to-hf", "--megatron", str(tmp_path / "junk"), "--out", str(tmp_path / "o"),
                 check=False)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

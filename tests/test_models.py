@@ -8,8 +8,6 @@ pytest process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -88,8 +86,8 @@ def test_tp2_pp2_checkpoint_loads_at_tp1(parallel_results):
 def test_tp2_pp2_checkpoint_converts_to_hf_bit_exactly(parallel_results, hf_dir, tmp_path):
     # stored TP shards are not the TP=1 slices conversion asks for: the resharding read path
     out = tmp_path / "hf"
-    _cli("convert", "megatron-to-hf", "--megatron", parallel_results["ckpt_tp2pp2_dir"], "--out", str(out))
-    src, dst = _all_tensors(hf_dir), _all_tensors(out)
+    mh.run_cli("convert", "megatron-to-hf", "--megatron", parallel_results["ckpt_tp2pp2_dir"], "--out", str(out))
+    src, dst = mh.all_tensors(hf_dir), mh.all_tensors(out)
     assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
 
 
@@ -140,32 +138,17 @@ def test_rope_scaling_changes_logits_at_test_length(hf_dir):
 # ---------------------------------------------------------------------------------------------
 # CLI conversion (subprocesses)
 # ---------------------------------------------------------------------------------------------
-def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_spo.cli", *args], capture_output=True, text=True, env=env, cwd=REPO
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{args} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def _all_tensors(hf: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(hf.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_hf_megatron_hf_round_trip_and_check(hf_dir, tmp_path):
     meg, back = tmp_path / "meg", tmp_path / "back"
-    _cli("convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(meg))
+    mh.run_cli("convert", "hf-to-megatron", "--hf", str(hf_dir), "--out", str(meg))
     assert (meg / "metadata.json").is_file() and not (tmp_path / "meg.tmp").exists()
-    _cli("convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(back))
+    mh.run_cli("convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(back))
 
-    src, dst = _all_tensors(hf_dir), _all_tensors(back)
+    src, dst = mh.all_tensors(hf_dir), mh.all_tensors(back)
     assert src.keys() == dst.keys()
     assert all(torch.equal(src[k], dst[k]) for k in src), "round trip is not bit-exact"
     assert hfc.read_hf_config(back) == hfc.read_hf_config(hf_dir)
@@ -193,11 +176,11 @@ def test_hf_megatron_hf_round_trip_and_check(hf_dir, tmp_path):
         assert torch.equal(a(ids).logits, b(ids).logits)
 
     # check-conversion under TP=2 (spawns 2 ranks) passes; an impossible tolerance fails with exit 1
-    ok = _cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tp", "2", "--tol", "1e-4")
+    ok = mh.run_cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tp", "2", "--tol", "1e-4")
     line = ok.stdout.strip().splitlines()[-1]
     assert line.startswith("max abs logit diff ") and line.endswith("(TP=2 PP=1, tol 0.0001): OK"), line
     assert float(line.split()[4]) < 1e-4
-    bad = _cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tol", "1e-12", check=False)
+    bad = mh.run_cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tol", "1e-12", check=False)
     assert bad.returncode == 1 and bad.stdout.strip().endswith("FAIL")
 
 
@@ -206,7 +189,7 @@ def test_hf_megatron_hf_round_trip_and_check(hf_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------
 def _copy_hf(hf_dir: Path, dst: Path) -> Path:
     dst.mkdir()
-    tensors = _all_tensors(hf_dir)
+    tensors = mh.all_tensors(hf_dir)
     save_file(tensors, dst / "model.safetensors")
     (dst / "config.json").write_text((hf_dir / "config.json").read_text())
     return dst
@@ -256,7 +239,7 @@ def test_config_not_matching_tensors(hf_dir, tmp_path):
 
 
 def test_missing_and_extra_tensor(hf_dir, tmp_path):
-    tensors = _all_tensors(hf_dir)
+    tensors = mh.all_tensors(hf_dir)
     missing = _copy_hf(hf_dir, tmp_path / "missing")
     save_file(
         {k: v for k, v in tensors.items() if k != "model.layers.2.self_attn.v_proj.weight"},
