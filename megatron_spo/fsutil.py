@@ -12,12 +12,20 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def fsync_dir(path: str | Path) -> None:
+def fsync_path(path: str | Path) -> None:
+    """Flush a file, or a folder's entries (so renames in it survive a crash), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file and folder under root, deepest first, then root (clean files cost next to nothing)."""
+    root = Path(root)
+    for path in sorted(root.rglob("*"), reverse=True) + [root]:
+        fsync_path(path)
 
 
 def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> None:
@@ -35,7 +43,7 @@ def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

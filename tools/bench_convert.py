@@ -58,14 +58,14 @@ def plain_copy(src: Path, dst: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from megatron_spo.models.hf_checkpoint import fsync_file
+    from megatron_spo.fsutil import fsync_path
 
     dst.mkdir()
     for f in sorted(src.glob("*.safetensors")):
         with safe_open(f, framework="pt") as h:
             tensors = {k: h.get_tensor(k) for k in h.keys()}
         save_file(tensors, dst / f.name, metadata={"format": "pt"})
-        fsync_file(dst / f.name)
+        fsync_path(dst / f.name)
     if (src / "model.safetensors.index.json").is_file():  # small models are one unsharded file
         shutil.copy2(src / "model.safetensors.index.json", dst)
 

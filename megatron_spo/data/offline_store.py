@@ -45,7 +45,7 @@ from megatron_spo.data.trajectory import (
     Trajectory,
     validate_record,
 )
-from megatron_spo.fsutil import fsync_dir, write_text_atomic
+from megatron_spo.fsutil import fsync_path, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,9 @@ class OfflineStoreWriter:
             os.fsync(f.fileno())
         for file in sorted(os.listdir(tmp)):
             files[file] = _sha256(tmp / file)
-        fsync_dir(tmp)
+        fsync_path(tmp)
         os.rename(tmp, self.path / name)
-        fsync_dir(self.path)
+        fsync_path(self.path)
         self.index["shards"].append({"name": name, "rows": len(self.buffer), "files": files})
         _write_json_atomic(self.path / INDEX, self.index)
         self.written += len(self.buffer)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_spo.fsutil import fsync_path, fsync_tree
 from megatron_spo.models.hf_checkpoint import (
     HFCheckpointError,
     HFReader,
@@ -59,16 +60,6 @@ def _progress():
     )
 
 
-def _fsync_tree(root: Path) -> None:
-    """fsync every file under root and every directory (files written clean cost next to nothing)."""
-    for path in sorted(root.rglob("*"), reverse=True) + [root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 @contextmanager
 def _atomic_dir(out: Path):
     """Yield OUT.tmp; make it durable and rename it to OUT on success, remove it on failure."""
@@ -79,16 +70,12 @@ def _atomic_dir(out: Path):
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     os.replace(tmp, out)
-    dir_fd = os.open(out.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_path(out.parent)  # make the rename itself durable
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_spo.config import ConfigError, ModelConfig, RopeScaling
+from megatron_spo.fsutil import fsync_path
 from megatron_spo.models.hf_map import hf_shapes
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -325,15 +326,6 @@ class HFReader:
         return sum((self.dir / f).stat().st_size for f in set(self.weight_map.values()))
 
 
-def fsync_file(path: str | Path) -> None:
-    """Flush a written file to disk (outputs are renamed into place only once durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class HFWriter:
     """Streams tensors into safetensors shards of at most ``max_shard_bytes`` plus the index JSON."""
 
@@ -359,7 +351,7 @@ class HFWriter:
             return
         path = self.dir / f"shard-{len(self._shards):05d}.tmp"
         save_file(self._pending, path, metadata={"format": "pt"})
-        fsync_file(path)
+        fsync_path(path)
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
@@ -373,7 +365,7 @@ class HFWriter:
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        fsync_file(self.dir / INDEX_NAME)
+        fsync_path(self.dir / INDEX_NAME)
 
     def __enter__(self) -> HFWriter:
         return self
@@ -473,7 +465,7 @@ class HFStreamWriter:
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        fsync_file(self.dir / INDEX_NAME)
+        fsync_path(self.dir / INDEX_NAME)
 
     def __enter__(self) -> HFStreamWriter:
         return self

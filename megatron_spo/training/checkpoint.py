@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_spo.fsutil import fsync_dir, write_text_atomic
+from megatron_spo.fsutil import fsync_path, write_text_atomic
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -105,7 +105,7 @@ class CheckpointDir:
                 shutil.rmtree(stale)
             else:
                 os.replace(partial, final)
-            fsync_dir(self.root)
+            fsync_path(self.root)
             write_text_atomic(self.root / LATEST, final.name)
             self._prune(keep=step)
         _barrier()
