@@ -213,7 +213,6 @@ def run(cfg: QuickstartConfig) -> dict:
     from transformers import AutoTokenizer
 
     from megatron_spo.data.q0 import estimate_q0, make_prompts
-    from megatron_spo.data.toy_code import make_task
     from megatron_spo.eval.runner import evaluate
     from megatron_spo.models.convert import hf_to_megatron
     from megatron_spo.rewards.reward import RewardPool
@@ -221,7 +220,7 @@ def run(cfg: QuickstartConfig) -> dict:
     from megatron_spo.rollout.client import EngineClient
     from megatron_spo.rollout.fleet import Fleet
     from megatron_spo.training.metrics import plot_run
-    from megatron_spo.training.reference_model import build_reference
+    from megatron_spo.training.reference_model import build_reference, task_from_config
     from megatron_spo.training.trainer import launch
 
     console = _console()
@@ -246,7 +245,7 @@ def run(cfg: QuickstartConfig) -> dict:
     hf_to_megatron(ref, megatron_init)
     wall["convert"] = time.perf_counter() - t0
 
-    toy = make_task(**cfg.reference.task.model_dump())
+    toy = task_from_config(cfg.reference)
     train_problems = list(toy.train)[: cfg.train_limit]
     heldout = list(toy.heldout)[: cfg.heldout_limit]
     tokenizer = AutoTokenizer.from_pretrained(ref)

@@ -42,16 +42,7 @@ IGNORE_INDEX = -100
 
 
 def task_from_config(cfg: QuickstartModelConfig) -> toy_code.ToyCodeTask:
-    t = cfg.task
-    return toy_code.make_task(
-        seed=t.seed,
-        num_problems=t.num_problems,
-        heldout_fraction=t.heldout_fraction,
-        num_tests=t.num_tests,
-        num_hidden_tests=t.num_hidden_tests,
-        max_solutions=t.max_solutions,
-        num_sft_problems=t.num_sft_problems,
-    )
+    return toy_code.make_task(**cfg.task.model_dump())
 
 
 def cache_key(cfg: QuickstartModelConfig) -> str:
