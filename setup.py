@@ -33,10 +33,19 @@ setup(
         "pyseccomp",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang"],
+        "gpu": ["transformer-engine[pytorch]", "sglang", "liger-kernel"],
         "dali": ["nvidia-dali-cuda120"],
         "wandb": ["wandb"],
-        "test": ["pytest>=8", "nvidia-dali-cuda120", "pytest-timeout", "ruff", "triton", "msgspec", "wandb"],
+        "test": [
+            "pytest>=8",
+            "nvidia-dali-cuda120",
+            "pytest-timeout",
+            "ruff",
+            "triton",
+            "liger-kernel",
+            "msgspec",
+            "wandb",
+        ],
     },
     entry_points={"console_scripts": ["megatron-spo=megatron_spo.cli:main"]},
 )

@@ -1,7 +1,8 @@
 #!/bin/bash
 # One trainer rank (one srun task per GPU): torch.distributed's env:// variables from SLURM's, then the
 # command (a string, expanded here so it can use $RANK, $CONFIG, ...). SIGUSR1/SIGTERM reach the command
-# directly (exec): the trainer checkpoints and exits 0 on either.
+# directly (exec): the trainer checkpoints and exits 0 on either; estimate-q0 / eval / pts save the items
+# they finished and exit 0 on SIGUSR1.
 #   srun ... bash slurm/launch_rank.sh "$TRAIN_CMD"
 set -euo pipefail
 [ $# = 1 ] || { echo "usage: launch_rank.sh 'COMMAND'" >&2; exit 2; }
@@ -13,6 +14,9 @@ export NODE_RANK="$SLURM_NODEID"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "${MODE:-gpu}" = cpu ] && echo 1 || echo 8)}"
 echo "[launch_rank $(date -u +%H:%M:%S)] rank $RANK/$WORLD_SIZE local $LOCAL_RANK node $SLURMD_NODENAME" \
      "restart ${SPO_RESTART_COUNT:-0}: $1"
+# SIGUSR1 before the command runs (srun delivers it to every process of the step): nothing was
+# started, so there is nothing to save; exit 0 and let spo.sbatch requeue the job.
+trap 'echo "[launch_rank $(date -u +%H:%M:%S)] stop signal before the command started: exiting"; exit 0' USR1
 if [ "${SPO_WAIT_FOR_FLEET:-0}" = 1 ]; then  # a driver sending work to the router at once (Q0) waits for the fleet
   echo "[launch_rank $(date -u +%H:%M:%S)] waiting for the engines and the router ($SPO_ROUTER_URL) to register them"
   python3 - "${SPO_WAIT_TIMEOUT_S:-1800}" <<'EOF' || exit 1

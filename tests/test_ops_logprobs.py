@@ -7,6 +7,7 @@ fused op's own error, not the reference's.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -364,6 +365,47 @@ def test_triton_kernels_match_torch_under_the_interpreter():
     for group, values in diffs.items():
         for name, diff in values.items():
             assert diff < 1e-5, f"{group}.{name}: triton vs torch differ by {diff}"
+
+
+LIGER_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from megatron_spo.ops import token_logprobs
+    gen = torch.Generator().manual_seed(1)
+    n, h, v = 37, 16, 300
+    hidden, weight = torch.randn(n, h, generator=gen), 0.3 * torch.randn(v, h, generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[[2, 30]] = -100
+    results = []
+    for name in ("liger", "ours"):
+        hd, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if name == "liger":  # liger's loss is -sum log p over the kept tokens (scalar upstream only)
+            loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")(wt, hd, targets)
+        else:
+            loss = -token_logprobs(hd, wt, targets, chunk_size=8, vocab_tile=64).sum()
+        results.append((loss,) + torch.autograd.grad(loss, (hd, wt)))
+    names = ("loss", "grad_hidden", "grad_weight")
+    out = {k: float((a - b).abs().max()) for k, a, b in zip(names, *results)}
+    out["loss_value"] = float(results[0][0])
+    print(json.dumps(out))
+    """
+)
+
+
+def test_matches_liger_fused_linear_cross_entropy_under_the_interpreter():
+    """liger-kernel's Triton FLCE (the field's reference fused op) and ours agree on -sum log p and grads."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("liger-kernel is not installed (pip install -e .[test] installs it)")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", LIGER_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert diffs.pop("loss_value") > 100.0  # 35 kept tokens at ~log(300) each: not a vacuous 0 == 0
+    for name, diff in diffs.items():
+        assert diff < 2e-5, f"{name}: liger vs token_logprobs differ by {diff}"
 
 
 # ---------------------------------------------------------------------------------------------

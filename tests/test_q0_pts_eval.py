@@ -432,6 +432,55 @@ def test_cli_estimate_q0_from_a_training_config_feeds_the_trainer(engine, model_
     assert {k: v.q0 for k, v in q0.read_q0(out_dir / "q0.jsonl").items()} == {r["prompt_id"]: -1.0 for r in lines}
 
 
+def test_cli_estimate_q0_stops_on_sigusr1_keeps_finished_prompts_and_resumes(model_dir, sandbox_ok, tmp_path):
+    """SLURM's time-limit warning (spo.sbatch forwards SIGUSR1; srun delivers it to EVERY process of the step, the
+    sandbox's too): estimate-q0 exits 0 with the prompts finished so far saved, so the job is requeued instead
+    of failing (which would cancel the training job waiting on it with afterok); the re-run does only the rest
+    and ends with the file an uninterrupted run writes."""
+    import signal
+    import subprocess
+    import time
+
+    from megatron_spo.rollout.engine_server import LocalEngine
+
+    class PacedEngine(LocalEngine):  # the real engine, 0.3 s per batch: the signal lands mid-run
+        calls = 0
+
+        def generate(self, rows):
+            type(self).calls += 1
+            time.sleep(0.3)
+            return super().generate(rows)
+
+    limit = 8
+    with ServerThread(PacedEngine(model_dir, seed=0), free_port()) as srv:
+        def cli(out: str) -> list[str]:
+            return [sys.executable, "-m", "megatron_spo.cli", "estimate-q0", "--engine-url", srv.url, "--task", "toy",
+                    "--limit", str(limit), "--samples", "4", "--samples-per-request", "4", "--concurrency", "1",
+                    "--temperature", "1.0", "--seed", "3", "--max-new-tokens", "24", "--sandbox-slots", "2",
+                    "--no-progress", "--out", str(tmp_path / out)]
+
+        assert subprocess.run(cli("full.jsonl"), capture_output=True, text=True, timeout=300).returncode == 0
+        proc = subprocess.Popen(cli("cut.jsonl"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        cut = tmp_path / "cut.jsonl"
+        deadline = time.monotonic() + 120
+        while not (cut.exists() and cut.read_text().count("\n") >= 2) and proc.poll() is None:
+            assert time.monotonic() < deadline, "estimate-q0 wrote nothing in 120 s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGUSR1)  # the whole process group, as srun delivers it
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        assert "estimate-q0: stopped by SIGUSR1; the output keeps every finished item" in out
+        assert "Traceback" not in err, err[-3000:]
+        saved = [json.loads(line) for line in cut.read_text().splitlines()]
+        assert 2 <= len(saved) < limit  # stopped mid-run, nothing finished was lost
+        before = PacedEngine.calls
+        resumed = subprocess.run(cli("cut.jsonl"), capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert PacedEngine.calls - before == limit - len(saved)  # one request per missing prompt, no more
+    assert cut.read_bytes() == (tmp_path / "full.jsonl").read_bytes()
+
+
 def test_cli_pts_through_megatron_spo_with_the_sandbox(engine, tokenizer, sandbox_ok, tmp_path, capsys):
     """A code problem passed by any program that prints nothing. A response starting with '#' is a comment
     (passes while no newline follows), so the first token decides: S(0) ~ 0 and S ~ 1 after it."""

@@ -28,12 +28,12 @@ cluster = slurm_helpers.cluster  # the module-scoped fixture: a fresh 4-node clu
 def test_sandbox_children_inherit_ignored_preemption_signals():
     """srun delivers SIGUSR1 to every process of the step: what the trainer starts inside the guard (its
     reward sandbox) ignores it and SIGTERM; the trainer's own handlers are restored after."""
-    from megatron_spo.training.online import _children_ignore_preemption_signals
+    from megatron_spo.training.checkpoint import children_ignore_preemption_signals
 
     probe = [sys.executable, "-c", "import signal; print(int(signal.getsignal(signal.SIGUSR1)), "
              "int(signal.getsignal(signal.SIGTERM)))"]
     before = signal.getsignal(signal.SIGUSR1)
-    with _children_ignore_preemption_signals():
+    with children_ignore_preemption_signals():
         inside = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.split()
     outside = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.split()
     assert inside == [str(int(signal.SIG_IGN))] * 2
@@ -116,22 +116,35 @@ def logs(run_dir: Path) -> str:
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_q0_then_trainer_job_trains_pushes_weights_checkpoints_and_exports(cluster, model_dir):
-    """The Q0 stage (real estimate-q0 through the router), then (afterok) 4 training steps with its q0,
-    checkpoints every 2, weights to both engines every 2 steps, the final policy exported."""
+def test_q0_preempted_then_trainer_job_trains_pushes_weights_checkpoints_and_exports(cluster, model_dir):
+    """The Q0 stage (real estimate-q0 through the router) gets SIGUSR1 mid-run (the time-limit warning): it
+    saves the prompts it finished, is requeued and resumes; the training job waiting on it (afterok) is not
+    cancelled and then runs 4 steps with its q0, checkpoints every 2, weights to both engines every 2 steps,
+    the final policy exported."""
     root = cluster["root"]
     run_dir = root / "run_train"
     config = train_config(root, model_dir, "train", steps=4, interval=2)
     q0_cmd = ('megatron-spo estimate-q0 "$CONFIG" --router-url "$SPO_ROUTER_URL" --out "$SPO_Q0_DIR" '
-              "--samples 2 --samples-per-request 2 --max-new-tokens 8 --sandbox-slots 1 --no-progress")
+              "--samples 16 --samples-per-request 2 --concurrency 1 --max-new-tokens 8 --sandbox-slots 1 "
+              "--no-progress")
     jobs = submit(cluster, run_dir, config, model_dir, "--engines-per-node", "2", "--q0", Q0_CMD=q0_cmd)
-    info = wait_job(cluster, jobs["train"], 300)
+    q0_file = run_dir / "q0" / "q0.jsonl"
+
+    def q0_lines() -> int:
+        return q0_file.read_text().count("\n") if q0_file.exists() else 0
+
+    wait_job(cluster, jobs["q0"], 240, until=lambda: q0_lines() >= 1)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", jobs["q0"]], env=cluster["env"], check=True)
+    info = wait_job(cluster, jobs["train"], 420)
     q0 = job_info(cluster, jobs["q0"])
     assert [c["JobState"] for c in q0] == ["COMPLETED", "COMPLETED"], logs(run_dir)
+    assert q0[0]["Restarts"] == "1", logs(run_dir)
+    q0_log = (run_dir / "logs" / "q0.log").read_text()
+    assert "estimate-q0: stopped by SIGUSR1" in q0_log and f"requeueing job {jobs['q0']}" in batch_log(run_dir)
     assert [c["JobState"] for c in info] == ["COMPLETED", "COMPLETED"], logs(run_dir)
     assert info[0]["Restarts"] == "0"
-    q0_rows = [json.loads(line) for line in (run_dir / "q0" / "q0.jsonl").read_text().splitlines()]
-    assert len(q0_rows) == 12 and all(r["n"] == 2 for r in q0_rows)  # the toy task's 12 training prompts (24, half held out)
+    q0_rows = [json.loads(line) for line in q0_file.read_text().splitlines()]
+    assert len(q0_rows) == 12 and all(r["n"] == 16 for r in q0_rows)  # the toy task's 12 training prompts (24, half held out)
 
     rows = metrics(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3, 4], logs(run_dir)

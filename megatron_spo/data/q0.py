@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import json
 import os
+import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -502,9 +503,13 @@ def reward_pool_from_args(args: argparse.Namespace, problems: Sequence[Any], *, 
     from megatron_spo.config import SandboxConfig
     from megatron_spo.rewards.reward import RewardPool
     from megatron_spo.rewards.sandbox import SandboxPool
+    from megatron_spo.training.checkpoint import children_ignore_preemption_signals
 
     code = any(getattr(p, "kind", "code") == "code" for p in problems)
-    sandbox = SandboxPool(SandboxConfig(slots=args.sandbox_slots, isolation=args.isolation)) if code else None
+    sandbox = None
+    if code:
+        with children_ignore_preemption_signals():  # a stop signal for the tool must not kill its scorer
+            sandbox = SandboxPool(SandboxConfig(slots=args.sandbox_slots, isolation=args.isolation))
     return RewardPool(sandbox, hidden=hidden)
 
 
@@ -516,12 +521,52 @@ def close_reward_pool(pool: Any) -> None:
         pool.sandbox.close()
 
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # SLURM's --signal (time limit), scancel / preemption
+
+
 def run_cli(prog: str, body: Callable[[], Awaitable[int]]) -> int:
-    """asyncio.run(body()) with one-line errors for bad input and Ctrl-C (the output file keeps what is done)."""
+    """asyncio.run(body()) with one-line errors for bad input, Ctrl-C and SIGUSR1 / SIGTERM.
+
+    A stop signal cancels the work in flight and the tool exits once its output holds every item finished so far
+    (a re-run resumes): exit 0 after SIGUSR1 (SLURM's "save and exit" warning: spo.sbatch then requeues the job,
+    as after the trainer's checkpoint), 128 + 15 after SIGTERM, 130 after Ctrl-C.
+    """
     from megatron_spo.rollout.client import EngineError
 
+    stopped_by: list[int] = []
+
+    def record(signum: int, _frame: Any) -> None:  # outside the event loop: starting up, shutting down
+        stopped_by.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+
+    async def guarded() -> int:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def stop(signum: int) -> None:
+            stopped_by.append(signum)
+            task.cancel()
+
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, stop, sig)
+        try:
+            if stopped_by:  # it came while the tool was starting
+                raise asyncio.CancelledError
+            return await body()
+        finally:
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, record)
+
     try:
-        return asyncio.run(body())
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        if not stopped_by:
+            raise
+        name = signal.Signals(stopped_by[0]).name
+        print(f"{prog}: stopped by {name}; the output keeps every finished item: re-run the same command to resume",
+              flush=True)
+        return 0 if stopped_by[0] == signal.SIGUSR1 else 128 + stopped_by[0]
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; re-run the same command to resume", flush=True)
         return 130
@@ -530,6 +575,9 @@ def run_cli(prog: str, body: Callable[[], Awaitable[int]]) -> int:
             raise
         print(f"{prog}: error: {err}", flush=True)
         return 2
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str]) -> int:

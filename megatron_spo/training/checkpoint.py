@@ -13,10 +13,12 @@ All ranks call save/load collectively; only rank 0 touches the directory structu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,6 +151,25 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # Preemption: SLURM sends SIGTERM (time limit / scancel) or a configured --signal (USR1) first.
 # ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def children_ignore_preemption_signals():
+    """Processes started inside inherit SIG_IGN for SIGUSR1 and SIGTERM.
+
+    SLURM delivers a signal forwarded by srun (or scancel) to every process of the job step, not only to the
+    trainer; the reward sandbox must outlive it, because the trainer finishes its step, scoring rollouts,
+    before it checkpoints and exits; the offline tools (estimate-q0, eval, pts) save what is scored before
+    they exit. (Main thread only: a signal disposition cannot be set elsewhere.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 class PreemptionHandler:
     """Records that a checkpoint-and-exit was requested; the train loop polls `requested()` each step.
 

@@ -10,16 +10,15 @@ loop as the 'online' data source, and the weight pushes to the fleet.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from typing import Any
 
 from megatron_spo.config import ConfigError, TrainConfig
+from megatron_spo.training.checkpoint import children_ignore_preemption_signals
 
 log = logging.getLogger("megatron_spo.online")
 
@@ -53,24 +52,6 @@ def wait_healthy(urls: list[str], timeout_s: float, poll_s: float = 1.0) -> None
                                + ", ".join(f"{u} ({last[u]})" for u in pending))
         if pending:
             time.sleep(poll_s)
-
-
-@contextlib.contextmanager
-def _children_ignore_preemption_signals():
-    """Processes started inside inherit SIG_IGN for SIGUSR1 and SIGTERM.
-
-    SLURM delivers a signal forwarded by srun (or scancel) to every process of the job step, not only to the
-    trainer; the reward sandbox must outlive it, because the trainer finishes its step, scoring rollouts,
-    before it checkpoints and exits. (Main thread only: a signal disposition cannot be set elsewhere.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 async def _stats(manager) -> dict[str, float]:
@@ -117,7 +98,7 @@ class OnlineSource:
             prompts.append(prompt)
         if not prompts:
             raise ConfigError("task: no usable prompts")
-        with _children_ignore_preemption_signals():
+        with children_ignore_preemption_signals():
             sandbox = SandboxPool(cfg.sandbox)
         rewards = RewardPool(sandbox)
 
