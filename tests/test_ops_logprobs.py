@@ -354,14 +354,19 @@ TRITON_SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_kernels_match_torch_under_the_interpreter():
-    pytest.importorskip("triton")
+def run_under_interpreter(script: str) -> dict:
+    """Run ``script`` in a fresh Python with TRITON_INTERPRET=1; return the JSON of its last output line."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_triton_kernels_match_torch_under_the_interpreter():
+    pytest.importorskip("triton")
+    diffs = run_under_interpreter(TRITON_SCRIPT)
     for group, values in diffs.items():
         for name, diff in values.items():
             assert diff < 1e-5, f"{group}.{name}: triton vs torch differ by {diff}"
@@ -397,12 +402,7 @@ def test_matches_liger_fused_linear_cross_entropy_under_the_interpreter():
     """liger-kernel's Triton FLCE (the field's reference fused op) and ours agree on -sum log p and grads."""
     if importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("liger-kernel is not installed (pip install -e .[test] installs it)")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", LIGER_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    diffs = run_under_interpreter(LIGER_SCRIPT)
     assert diffs.pop("loss_value") > 100.0  # 35 kept tokens at ~log(300) each: not a vacuous 0 == 0
     for name, diff in diffs.items():
         assert diff < 2e-5, f"{name}: liger vs token_logprobs differ by {diff}"

@@ -173,7 +173,8 @@ def liger_skip_reason(device: str) -> str | None:
     if device != "cuda":
         return (
             "liger-kernel's fused linear cross-entropy is Triton-only: on CPU it runs only under "
-            "TRITON_INTERPRET=1 (numpy, orders of magnitude too slow at this size), so it is skipped"
+            "TRITON_INTERPRET=1 (numpy, orders of magnitude too slow at this size), so it is skipped; its loss "
+            "and gradients match ours there (tests/test_ops_logprobs.py)"
         )
     return None
 
