@@ -244,6 +244,15 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
         head.bias.fill_(0.5)
         values = value[0](ids, torch.arange(ids.shape[1]).expand_as(ids), None)
         hidden = gpt_hidden_states(chunks[0], ids)
+    # PPO from init.megatron: the trunk from a language-model checkpoint, the head as initialised (zeros)
+    value_ckpt = build_value_model(cfg, pcfg)
+    load_megatron(value_ckpt, ckpt_dir, keep_own=("value_head.",))
+    head_ckpt = value_ckpt[0].value_head
+    head_was_zero = bool((head_ckpt.weight == 0).all() and (head_ckpt.bias == 0).all())
+    with torch.no_grad():
+        head_ckpt.weight.copy_(head.weight)
+        head_ckpt.bias.fill_(0.5)
+        values_ckpt = value_ckpt[0](ids, torch.arange(ids.shape[1]).expand_as(ids), None)
     if rank == 0:
         results["reference"] = {
             "any_requires_grad": any(p.requires_grad for c in reference for p in c.parameters()),
@@ -255,6 +264,8 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
         results["value"] = {
             "shape": list(values.shape),
             "max_abs_diff_vs_hidden_dot_head": (values - (hidden @ head.weight[0] + 0.5)).abs().max().item(),
+            "from_megatron_head_was_zero": head_was_zero,
+            "from_megatron_max_abs_diff": (values_ckpt - values).abs().max().item(),
         }
     else:
         gather_logits_to_rank0(reference, ids, cfg.vocab_size)

@@ -98,6 +98,9 @@ def test_reference_and_value_models(parallel_results):
     value = parallel_results["value"]
     assert value["shape"] == [4, mh.SEQ]
     assert value["max_abs_diff_vs_hidden_dot_head"] < 1e-5
+    # PPO's value model from init.megatron (a TP2 x PP2 LM checkpoint): same trunk, its own zero head
+    assert value["from_megatron_head_was_zero"] is True
+    assert value["from_megatron_max_abs_diff"] < 1e-5
 
 
 @pytest.mark.multiproc

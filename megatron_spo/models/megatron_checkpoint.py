@@ -133,22 +133,29 @@ def write_megatron_config(ckpt_dir: str | Path, cfg: ModelConfig) -> None:
     (Path(ckpt_dir) / MODEL_CONFIG_NAME).write_text(cfg.model_dump_json(indent=2) + "\n")
 
 
-def load_megatron(model_chunks, ckpt_dir: str | Path, *, assign: bool = False, key_prefix: str = "") -> None:
+def load_megatron(
+    model_chunks, ckpt_dir: str | Path, *, assign: bool = False, key_prefix: str = "", keep_own: tuple[str, ...] = ()
+) -> None:
     """Collective load into the chunks (any TP/PP layout).
 
     ``assign=True`` makes the loaded tensors the parameters' storage (no copy); only before any DDP
     wrapping or optimizer exists (offline conversion). ``key_prefix``: the model's keys in the
-    checkpoint start with it (a trainer checkpoint stores its policy under "policy.model0.")."""
+    checkpoint start with it (a trainer checkpoint stores its policy under "policy.model0.").
+    ``keep_own``: model keys starting with one of these are not read and keep the model's own
+    initialisation (the PPO value head, which a language-model checkpoint does not have)."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}: not a megatron dist checkpoint (no metadata.json)")
-    loaded = dist_checkpointing.load(_sharded_state_dict(model_chunks, key_prefix), str(ckpt_dir))
+    own = tuple(key_prefix + k for k in keep_own)
+    request = {name: {k: v for k, v in sd.items() if not (own and k.startswith(own))}
+               for name, sd in _sharded_state_dict(model_chunks, key_prefix).items()}
+    loaded = dist_checkpointing.load(request, str(ckpt_dir))
     for i, chunk in enumerate(model_chunks):
         state = {k[len(key_prefix):]: v for k, v in loaded[f"chunk{i}"].items() if not k.endswith("._extra_state")}
         missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False, assign=assign)
-        missing = [k for k in missing if not k.endswith("._extra_state")]
+        missing = [k for k in missing if not k.endswith("._extra_state") and not (keep_own and k.startswith(keep_own))]
         if missing or unexpected:
             raise ValueError(
                 f"{ckpt_dir}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"

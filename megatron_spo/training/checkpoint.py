@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_spo.fsutil import fsync_path, write_text_atomic
+from megatron_spo.fsutil import fsync_path, fsync_tree, write_text_atomic
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -94,6 +94,7 @@ class CheckpointDir:
             partial.mkdir()
         _barrier()
         write(partial)
+        fsync_tree(partial)  # each rank flushes what it wrote (and the folders) before rank 0 marks it complete
         _barrier()
         if _rank() == 0:
             marker = {"step": step, "time": time.time(), **(meta or {})}

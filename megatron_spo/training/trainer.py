@@ -129,7 +129,7 @@ class Trainer:
         self.value = self.value_optimizer = None
         if cfg.algo == "ppo":
             value = self._schedule_ready(builders.build_value_model(self.model_cfg, cfg.parallel))
-            self._load_initial_weights(value)
+            self._load_initial_weights(value, keep_own=("value_head.",))  # the trunk from the init model
             self.value, self.value_optimizer = self._wrap_and_optimizer(value, cfg.optimizer.value_lr or cfg.optimizer.lr)
 
         self.run_dir = Path(cfg.run_dir)
@@ -161,8 +161,9 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
 
     # -- setup ---------------------------------------------------------------------------------
-    def _load_initial_weights(self, chunks=None) -> None:
-        """Policy and reference (or the given chunks) from init.megatron, else from the HF weights."""
+    def _load_initial_weights(self, chunks=None, keep_own: tuple[str, ...] = ()) -> None:
+        """Policy and reference (or the given chunks) from init.megatron, else from the HF weights.
+        keep_own: key prefixes the init checkpoint lacks, left as the model initialised them."""
         from megatron_spo.models import hf_checkpoint, hf_map
 
         targets = [chunks] if chunks is not None else [self.policy, self.reference]
@@ -170,7 +171,7 @@ class Trainer:
             from megatron_spo.models.megatron_checkpoint import load_megatron
 
             for target in targets:
-                load_megatron(target, self.cfg.init.megatron)
+                load_megatron(target, self.cfg.init.megatron, keep_own=keep_own)
         elif self.cfg.init.hf:
             reader = hf_checkpoint.HFReader(self.cfg.init.hf)
             reader.validate(self.model_cfg)
@@ -533,12 +534,14 @@ class Trainer:
         return sd
 
     def save_checkpoint(self) -> Path:
-        from megatron.core import dist_checkpointing
+        from megatron_spo.models.megatron_checkpoint import save_sharded_state_dict
 
         def write(d: Path) -> None:
             (d / "dist").mkdir(exist_ok=True) if self.rank == 0 else None
             dist.barrier()
-            dist_checkpointing.save(self._sharded_state_dict(), str(d / "dist"))
+            # megatron's torch_dist format, written by this process (no forked writer next to the rollout
+            # thread), every file fsync'd before the checkpoint is marked complete
+            save_sharded_state_dict(self._sharded_state_dict(), d / "dist")
             torch.save(rng_state(), d / f"rng_rank{self.rank:05d}.pt")
             if self.rank == 0:
                 state = {"step": self.step, "policy_version": self.policy_version,
