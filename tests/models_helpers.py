@@ -246,6 +246,11 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
         hidden = gpt_hidden_states(chunks[0], ids)
     # PPO from init.megatron: the trunk from a language-model checkpoint, the head as initialised (zeros)
     value_ckpt = build_value_model(cfg, pcfg)
+    try:  # asked to read the head too: a one-line error naming it
+        load_megatron(value_ckpt, ckpt_dir)
+        without_keep_own = "loaded"
+    except ValueError as err:
+        without_keep_own = str(err)
     load_megatron(value_ckpt, ckpt_dir, keep_own=("value_head.",))
     head_ckpt = value_ckpt[0].value_head
     head_was_zero = bool((head_ckpt.weight == 0).all() and (head_ckpt.bias == 0).all())
@@ -266,6 +271,7 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
             "max_abs_diff_vs_hidden_dot_head": (values - (hidden @ head.weight[0] + 0.5)).abs().max().item(),
             "from_megatron_head_was_zero": head_was_zero,
             "from_megatron_max_abs_diff": (values_ckpt - values).abs().max().item(),
+            "from_megatron_without_keep_own": without_keep_own,
         }
     else:
         gather_logits_to_rank0(reference, ids, cfg.vocab_size)

@@ -101,6 +101,9 @@ def test_reference_and_value_models(parallel_results):
     # PPO's value model from init.megatron (a TP2 x PP2 LM checkpoint): same trunk, its own zero head
     assert value["from_megatron_head_was_zero"] is True
     assert value["from_megatron_max_abs_diff"] < 1e-5
+    assert value["from_megatron_without_keep_own"].endswith(
+        "ckpt: checkpoint does not fit the model: it has no tensor 'value_head.bias' (and 1 more)"
+    )
 
 
 @pytest.mark.multiproc

@@ -151,6 +151,7 @@ def load_megatron(
     own = tuple(key_prefix + k for k in keep_own)
     request = {name: {k: v for k, v in sd.items() if not (own and k.startswith(own))}
                for name, sd in _sharded_state_dict(model_chunks, key_prefix).items()}
+    _check_keys_present(request, ckpt_dir)
     loaded = dist_checkpointing.load(request, str(ckpt_dir))
     for i, chunk in enumerate(model_chunks):
         state = {k[len(key_prefix):]: v for k, v in loaded[f"chunk{i}"].items() if not k.endswith("._extra_state")}
@@ -160,6 +161,21 @@ def load_megatron(
             raise ValueError(
                 f"{ckpt_dir}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
+
+
+def _check_keys_present(request: dict, ckpt_dir: Path) -> None:
+    """One-line error naming a tensor the model needs and the checkpoint lacks (megatron's loader reports it
+    as a KeyError deep inside a multi-rank CheckpointException)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    wanted = [v.key for v in nested_values(request) if isinstance(v, (ShardedTensor, ShardedTensorFactory))]
+    missing = sorted({k for k in wanted if k not in stored})
+    if missing:
+        raise ValueError(f"{ckpt_dir}: checkpoint does not fit the model: it has no tensor '{missing[0]}'"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
 def read_megatron_config(ckpt_dir: str | Path) -> ModelConfig:
