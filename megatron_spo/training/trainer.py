@@ -726,8 +726,11 @@ def _progress(enabled: bool, total: int, start: int):
         if step is None:
             bar.stop()
             return
-        info = f"loss {metrics.get('loss', math.nan):.4f} reward {metrics.get('reward', math.nan):+.3f} " \
-               f"kl {metrics.get('kl', math.nan):.3f}"
+        info = f"loss {metrics.get('loss', math.nan):.4f} reward {metrics.get('reward', math.nan):+.3f}"
+        if "kl" in metrics:  # SPO / AGRO: mean sequence log(pi / pi_0)
+            info += f" kl {metrics['kl']:.3f}"
+        if "approx_kl_old_new" in metrics:  # PPO: against the policy that sampled
+            info += f" kl(old) {metrics['approx_kl_old_new']:.4f} clip {metrics.get('clip_fraction', 0.0):.2f}"
         bar.update(task, completed=step, info=info)
         if not bar.live.is_started or bar.disable:
             print(f"step {step}/{total} {info}", flush=True)
