@@ -31,6 +31,10 @@ from megatron_spo.ops.token_logprobs import TorchKernels
 token_logprobs_module = importlib.import_module("megatron_spo.ops.token_logprobs")
 
 IGNORE = -100
+# CUDA variants run where a GPU is (the device machine: see tools/bench_logprobs.py); CI has none.
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+GPU = "cuda"  # the device of the CUDA-only tests
 
 
 def make_problem(n=23, h=16, v=50, seed=0, dtype=torch.float32, valid_vocab_size=None, n_ignored=3):
@@ -49,51 +53,64 @@ def values_and_grads(fn, hidden, weight, targets, seed=1, **kw):
     weight = weight.detach().clone().requires_grad_()
     logp, entropy = fn(hidden, weight, targets, return_entropy=True, **kw)
     gen = torch.Generator().manual_seed(seed)
-    coef_logp = torch.randn(len(targets), generator=gen, dtype=torch.float64).to(logp.dtype)
-    coef_ent = torch.randn(len(targets), generator=gen, dtype=torch.float64).to(logp.dtype)
+    coef_logp = torch.randn(len(targets), generator=gen, dtype=torch.float64).to(logp.device, logp.dtype)
+    coef_ent = torch.randn(len(targets), generator=gen, dtype=torch.float64).to(logp.device, logp.dtype)
     loss = (logp * coef_logp).sum() + (entropy * coef_ent).sum()
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
     return logp.detach(), entropy.detach(), grad_hidden, grad_weight
 
 
 def truth(hidden, weight, targets, **kw):
-    return values_and_grads(token_logprobs_reference, hidden.double(), weight.double(), targets, **kw)
+    """The reference in fp64 on CPU, whatever device the inputs are on."""
+    return values_and_grads(
+        token_logprobs_reference, hidden.cpu().double(), weight.cpu().double(), targets.cpu(), **kw
+    )
+
+
+def on(device, *tensors):
+    return tuple(t.to(device) for t in tensors)
 
 
 def assert_all_close(got, want, rtol, atol, names=("logp", "entropy", "grad_hidden", "grad_weight")):
     for name, a, b in zip(names, got, want):
         torch.testing.assert_close(
-            a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+            a.cpu().double(), b.cpu().double(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
         )
 
 
 # ---------------------------------------------------------------------------------------------
 # Single rank
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "chunk_size, vocab_tile",
     [(None, None), (7, 11), (23, 50), (1, 64), (5, 1)],  # chunks/tiles that do not divide N=23 / V=50
 )
-def test_fp32_values_and_grads_match_reference_within_1e5(chunk_size, vocab_tile):
+def test_fp32_values_and_grads_match_reference_within_1e5(chunk_size, vocab_tile, device):
     hidden, weight, targets = make_problem()
     got = values_and_grads(
-        token_logprobs, hidden, weight, targets, chunk_size=chunk_size, vocab_tile=vocab_tile
+        token_logprobs, *on(device, hidden, weight, targets), chunk_size=chunk_size, vocab_tile=vocab_tile
     )
     assert_all_close(got, truth(hidden, weight, targets), rtol=0, atol=1e-5)
     assert got[0].dtype == got[1].dtype == torch.float32
 
 
-def test_fp32_logprob_only_gradients_match_reference():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_logprob_only_gradients_match_reference(device):
     """The backward without entropy is a separate code path (no entropy gradient term)."""
     hidden, weight, targets = make_problem()
     coef = torch.randn(len(targets), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     grads = []
-    for fn, dt in ((token_logprobs, torch.float32), (token_logprobs_reference, torch.float64)):
-        h, w = hidden.to(dt).requires_grad_(), weight.to(dt).requires_grad_()
+    for fn, dt, dev in (
+        (token_logprobs, torch.float32, device),
+        (token_logprobs_reference, torch.float64, "cpu"),
+    ):
+        h, w, t, c = on(dev, hidden.to(dt), weight.to(dt), targets, coef.to(dt))
+        h.requires_grad_(), w.requires_grad_()
         kw = {"chunk_size": 7, "vocab_tile": 11} if fn is token_logprobs else {}
-        grads.append(torch.autograd.grad((fn(h, w, targets, **kw) * coef.to(dt)).sum(), (h, w)))
+        grads.append(torch.autograd.grad((fn(h, w, t, **kw) * c).sum(), (h, w)))
     for name, a, b in zip(("grad_hidden", "grad_weight"), *grads):
-        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(a.cpu().double(), b, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("used", ["logp", "entropy"])
@@ -111,6 +128,14 @@ def test_entropy_returned_but_one_output_unused_matches_reference(used):
         grads.append(torch.autograd.grad((out * coef.to(dt)).sum(), (h, w)))
     for name, a, b in zip(("grad_hidden", "grad_weight"), *grads):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-5, msg=name)
+
+
+def test_entropy_terms_in_slabs_of_rows_match_reference(monkeypatch):
+    """The entropy statistics and gradient walk each block a few rows at a time through a small scratch."""
+    monkeypatch.setattr(token_logprobs_module, "_SLAB_BYTES", 3 * 4 * 11)  # 3 rows of an 11-wide tile
+    hidden, weight, targets = make_problem()
+    got = values_and_grads(token_logprobs, hidden, weight, targets, chunk_size=7, vocab_tile=11)
+    assert_all_close(got, truth(hidden, weight, targets), rtol=0, atol=1e-5)
 
 
 def test_bf16_logprob_only_gradients_accumulate_in_fp32():
@@ -144,8 +169,9 @@ def test_ignored_tokens_are_dropped_before_any_gemm(monkeypatch):
     assert_all_close(got, truth(hidden, weight, targets), rtol=0, atol=1e-5)
 
 
-def test_ignored_targets_give_zero_logprob_entropy_and_gradient():
-    hidden, weight, targets = make_problem(n_ignored=0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_ignored_targets_give_zero_logprob_entropy_and_gradient(device):
+    hidden, weight, targets = on(device, *make_problem(n_ignored=0))
     targets[[2, 9]] = IGNORE
     logp, entropy, grad_hidden, _ = values_and_grads(token_logprobs, hidden, weight, targets, chunk_size=4)
     assert logp[[2, 9]].tolist() == [0.0, 0.0] and entropy[[2, 9]].tolist() == [0.0, 0.0]
@@ -157,16 +183,21 @@ def test_ignored_targets_give_zero_logprob_entropy_and_gradient():
     torch.testing.assert_close(custom, logp.masked_fill(targets == 7, 0.0), rtol=0, atol=1e-6)
 
 
-def test_vocabulary_padding_never_enters_the_softmax():
+@pytest.mark.parametrize("device", DEVICES)
+def test_vocabulary_padding_never_enters_the_softmax(device):
     valid = 43
     hidden, weight, targets = make_problem(v=50, valid_vocab_size=valid)
     weight[valid:] = 1e4  # padding rows so large that any leak would dominate every softmax
     got = values_and_grads(
-        token_logprobs, hidden, weight, targets, valid_vocab_size=valid, chunk_size=6, vocab_tile=8
+        token_logprobs,
+        *on(device, hidden, weight, targets),
+        valid_vocab_size=valid,
+        chunk_size=6,
+        vocab_tile=8,
     )
     want = truth(hidden, weight[:valid], targets)
     assert_all_close(got[:3], want[:3], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got[3][:valid].double(), want[3], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[3][:valid].cpu().double(), want[3], rtol=0, atol=1e-5)
     assert got[3][valid:].abs().max().item() == 0.0  # padding rows get no gradient
 
 
@@ -263,9 +294,7 @@ def test_bad_input_gives_one_line_error_naming_it(kwargs, message):
 
 def test_fp8_on_cpu_raises_a_clear_error():
     hidden, weight, targets = make_problem()
-    with pytest.raises(
-        FP8UnavailableError, match="FP8 needs Transformer Engine and a GPU with FP8 support"
-    ) as info:
+    with pytest.raises(FP8UnavailableError, match="FP8 needs a GPU with FP8 tensor cores") as info:
         token_logprobs(hidden, weight, targets, fp8=True)
     assert "\n" not in str(info.value)
 
@@ -273,23 +302,35 @@ def test_fp8_on_cpu_raises_a_clear_error():
 def test_fp8_gemm_quantises_per_tensor_and_pads_ragged_tiles():
     """The FP8 logits GEMM (torch._scaled_mm also has a CPU kernel): exact on the quantised operands."""
     gen = torch.Generator().manual_seed(0)
-    a, b = (
-        torch.randn(8, 32, generator=gen),
-        torch.randn(21, 32, generator=gen) * 0.05,
-    )  # 21: not a multiple of 16
-    out = token_logprobs_module._fp8_matmul(a, b)
+    a, b = torch.randn(8, 32, generator=gen), torch.randn(21, 32, generator=gen) * 0.05  # 21: not % 16
+    sa, sb = token_logprobs_module._fp8_scale(a), token_logprobs_module._fp8_scale(b)
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    sa, sb = a.abs().max() / fp8_max, b.abs().max() / fp8_max
+    assert sa.item() == pytest.approx(a.abs().max().item() / fp8_max, rel=1e-6)
+    b_q = token_logprobs_module._quantise_fp8(b, sb, row_multiple=16)
+    assert b_q.shape == (32, 32) and b_q[21:].float().abs().max().item() == 0.0  # zero rows appended
+    out = torch.empty(8, 21)
+    token_logprobs_module._fp8_matmul(token_logprobs_module._quantise_fp8(a, sa), b_q, sa, sb, out)
     dequant_a = (a / sa).to(torch.float8_e4m3fn).float() * sa
     dequant_b = (b / sb).to(torch.float8_e4m3fn).float() * sb
-    assert out.shape == (8, 21) and out.dtype == torch.float32
     torch.testing.assert_close(out, dequant_a @ dequant_b.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_path_end_to_end_on_cpu_when_the_gate_is_bypassed(monkeypatch):
-    """One block (one per-tensor scale each): the op must equal, values and gradients, the straight-through
-    reference whose logits are the product of the dequantised E4M3 operands; softmax statistics in fp32."""
-    monkeypatch.setattr(token_logprobs_module, "_require_fp8", lambda hidden: None)
+def test_fp8_quantisation_in_slabs_equals_one_pass(monkeypatch):
+    """Large operands are quantised a slab of rows at a time (bounded fp32 scratch): same bits."""
+    x = torch.randn(37, 32, generator=torch.Generator().manual_seed(2))
+    scale = token_logprobs_module._fp8_scale(x)
+    whole = token_logprobs_module._quantise_fp8(x, scale)
+    monkeypatch.setattr(token_logprobs_module, "_QUANTISE_SLAB_BYTES", 5 * 4 * 32)  # 5 rows per slab
+    before = x.clone()
+    slabs = token_logprobs_module._quantise_fp8(x, scale)
+    assert torch.equal(whole.view(torch.uint8), slabs.view(torch.uint8))
+    assert torch.equal(x, before)  # the input is never scaled in place
+
+
+def check_fp8_against_straight_through(device, chunk_size, vocab_tile):
+    """One per-tensor scale for hidden and one for the weight, whatever the blocks: the op must equal,
+    values and gradients, the straight-through reference whose logits are the product of the dequantised
+    E4M3 operands (softmax statistics in fp32); the backward's recomputed blocks equal the forward's."""
     # No ignored targets: those rows are dropped before the GEMM, so they would not enter the FP8 scale.
     hidden, weight, targets = make_problem(n=20, h=32, v=40, n_ignored=0)
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
@@ -307,13 +348,25 @@ def test_fp8_path_end_to_end_on_cpu_when_the_gate_is_bypassed(monkeypatch):
         logp = logprobs.gather(1, targets.clamp(min=0)[:, None]).squeeze(1).masked_fill(ignored, 0.0)
         return logp, -(logprobs.exp() * logprobs).sum(-1).masked_fill(ignored, 0.0)
 
-    got = values_and_grads(token_logprobs, hidden, weight, targets, fp8=True)
+    got = values_and_grads(
+        token_logprobs,
+        *on(device, hidden, weight, targets),
+        fp8=True,
+        chunk_size=chunk_size,
+        vocab_tile=vocab_tile,
+    )
     assert_all_close(
         got, values_and_grads(straight_through, hidden.double(), weight.double(), targets), rtol=0, atol=1e-5
     )
     assert (
-        got[0].double() - truth(hidden, weight, targets)[0]
+        got[0].cpu().double() - truth(hidden, weight, targets)[0]
     ).abs().max().item() > 1e-3  # FP8 did change it
+
+
+@pytest.mark.parametrize("chunk_size, vocab_tile", [(None, None), (7, 11)])  # one block; 3 x 4 ragged blocks
+def test_fp8_path_end_to_end_on_cpu_when_the_gate_is_bypassed(monkeypatch, chunk_size, vocab_tile):
+    monkeypatch.setattr(token_logprobs_module, "_require_fp8", lambda hidden: None)
+    check_fp8_against_straight_through("cpu", chunk_size, vocab_tile)
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
@@ -406,6 +459,114 @@ def test_matches_liger_fused_linear_cross_entropy_under_the_interpreter():
     assert diffs.pop("loss_value") > 100.0  # 35 kept tokens at ~log(300) each: not a vacuous 0 == 0
     for name, diff in diffs.items():
         assert diff < 2e-5, f"{name}: liger vs token_logprobs differ by {diff}"
+
+
+# ---------------------------------------------------------------------------------------------
+# On a CUDA GPU: cuBLAS bf16 GEMMs with fp32 output, Triton compiled for real, FP8 tensor cores, memory
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_tf32():
+    """fp32 GEMMs at full precision: TF32 would cost ~1e-3."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.cpu().double() - want).norm() / want.norm()).item()
+
+
+@CUDA
+@pytest.mark.parametrize("entropy", [False, True])  # the factored backward, and the one forming dL/dz
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_backends_match_reference(backend, entropy, no_tf32):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    valid = 43  # vocabulary padding, ragged blocks, ignored targets
+    hidden, weight, targets = make_problem(v=50, valid_vocab_size=valid)
+    kw = {"backend": backend, "valid_vocab_size": valid, "chunk_size": 6, "vocab_tile": 8}
+    if entropy:
+        got = values_and_grads(token_logprobs, *on(GPU, hidden, weight, targets), **kw)
+        want = truth(hidden, weight[:valid], targets)
+    else:
+        coef = torch.randn(len(targets), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        h, w, t = on(GPU, hidden, weight, targets)
+        h.requires_grad_(), w.requires_grad_()
+        logp = token_logprobs(h, w, t, **kw)
+        got = (logp.detach(), *torch.autograd.grad((logp * coef.float().to(logp.device)).sum(), (h, w)))
+        hd, wd = hidden.double().requires_grad_(), weight[:valid].double().requires_grad_()
+        ref = token_logprobs_reference(hd, wd, targets)
+        want = (ref.detach(), *torch.autograd.grad((ref * coef).sum(), (hd, wd)))
+        got, want = (got[0], None, got[1], got[2]), (want[0], None, want[1], want[2])
+    for name, a, b in zip(("logp", "entropy", "grad_hidden"), got[:3], want[:3]):
+        if b is not None:
+            torch.testing.assert_close(
+                a.cpu().double(), b, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    torch.testing.assert_close(got[3][:valid].cpu().double(), want[3], rtol=0, atol=1e-5)
+    assert got[3][valid:].abs().max().item() == 0.0
+
+
+@CUDA
+def test_cuda_bf16_gradients_within_bf16_rounding_and_better_than_naive():
+    """On CUDA the gradient GEMMs take the logits gradient in bf16 with fp32 accumulation, as megatron's bf16
+    GEMMs do: each operand carries one bf16 rounding (2^-9 relative) and the result another, so the relative
+    (Frobenius) error stays under 2^-8 (emulated on CPU: ~2e-3), below the naive bf16 pipeline's (bf16
+    logits and log_softmax: 4.5e-3 to 7e-3 emulated). log-probs: fp32 statistics, within 1e-4."""
+    hidden, weight, targets = make_problem(n=40, h=64, v=300, dtype=torch.bfloat16)
+    coef = torch.randn(len(targets), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = token_logprobs_reference(hd, wd, targets)
+    want = torch.autograd.grad((ref * coef).sum(), (hd, wd))
+    h, w, t, c = on(GPU, hidden, weight, targets, coef)
+    results = {}
+    for name in ("fused", "naive"):
+        hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if name == "fused":
+            logp = token_logprobs(hc, wc, t, chunk_size=16, vocab_tile=128)
+            torch.testing.assert_close(logp.cpu().double(), ref.detach(), rtol=0, atol=1e-4)
+        else:
+            logp = torch.log_softmax(hc @ wc.t(), -1).gather(1, t.clamp(min=0)[:, None]).squeeze(1)
+            logp = logp.masked_fill(t == IGNORE, 0.0)
+        grads = torch.autograd.grad((logp.double() * c).sum(), (hc, wc))
+        results[name] = [relative_error(g, wg) for g, wg in zip(grads, want)]
+    for i, grad in enumerate(("grad_hidden", "grad_weight")):
+        fused, naive = results["fused"][i], results["naive"][i]
+        assert fused < 2**-8 and fused < naive, f"{grad}: fused {fused:.2e}, naive bf16 {naive:.2e}"
+
+
+@CUDA
+@pytest.mark.parametrize("chunk_size, vocab_tile", [(None, None), (7, 11)])
+def test_cuda_fp8_matches_the_dequantised_reference(chunk_size, vocab_tile):
+    from megatron_spo.ops import fp8_available
+
+    if not fp8_available():
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    check_fp8_against_straight_through(GPU, chunk_size, vocab_tile)
+
+
+@CUDA
+def test_cuda_peak_memory_is_one_block_plus_the_gradients():
+    """N x V never exists: the extra memory of forward + backward is the gradients themselves, one fp32 block
+    and its bf16 copy, and O(N) statistics, far below the [N, V] fp32 logits (512 MiB here)."""
+    n, h, v, block = 4096, 256, 32768, 16 * 2**20
+    gen = torch.Generator(device=GPU).manual_seed(0)
+    hidden = torch.randn(n, h, device=GPU, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    weight = (0.02 * torch.randn(v, h, device=GPU, generator=gen)).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, v, (n,), device=GPU, generator=gen)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    token_logprobs(hidden, weight, targets, max_block_bytes=block).sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    gradients = 2 * (n * h + v * h)  # bf16 grad_hidden + grad_weight
+    # expected ~51 MiB: the gradients (18), grad_hidden's fp32 accumulator (4), the fp32 block (16), its bf16
+    # copy (8), one [C, H] product (4), -g * hidden (2); allowed: gradients + 3 blocks + 16 MiB
+    allowed = gradients + 3 * block + 16 * 2**20
+    assert extra <= allowed, f"peak extra {extra / 2**20:.1f} MiB > {allowed / 2**20:.1f} MiB"
+    assert extra < 4 * n * v / 4  # a quarter of the naive fp32 logits alone
 
 
 # ---------------------------------------------------------------------------------------------

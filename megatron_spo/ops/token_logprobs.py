@@ -10,8 +10,8 @@ N x V survives a block. The backward pass recomputes each block's logits and tur
 dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z), then accumulates grad_hidden += dz @ W_tile and
 grad_weight_tile += dz^T @ hidden_chunk. Without an entropy gradient the block holds only p and the
 per-token factors (g, onehot) are applied to N rows outside the blocks (see _recompute_gradients).
-Peak extra memory: one (two with entropy) block of chunk_size x vocab_tile fp32, bounded by
-``max_block_bytes``.
+Peak extra memory: one block of chunk_size x vocab_tile fp32, bounded by ``max_block_bytes`` (with
+entropy, also a 4 MiB scratch that its per-element terms use a slab of rows at a time).
 
 Tensor parallelism (megatron's VocabParallel layout): rank r holds rows [r * V_local, (r + 1) * V_local)
 of the LM head. Each rank computes its local statistics; max is all-reduced, then the rescaled sums and
@@ -22,6 +22,8 @@ head's input as it is (do NOT also route it through megatron's copy_to_tensor_mo
 Vocabulary padding: rows at global index >= valid_vocab_size are never multiplied, so they cannot enter the
 softmax; their weight gradient is 0. Targets equal to ``ignore_index`` give log-prob 0, entropy 0 and no
 gradient. bf16/fp16 inputs: GEMMs accumulate in fp32 with fp32 output; all statistics are fp32.
+FP8 (fp8=True, GPUs of compute capability >= 8.9): the logits GEMMs take E4M3 operands quantised once per
+call with per-tensor scales; statistics, gradients and the gradient GEMMs keep their precision.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def token_logprobs(
     chunk_size: tokens per block (default min(N, 4096)); vocab_tile: vocabulary rows per block (default:
     what keeps one fp32 block within max_block_bytes, at least 128). max_block_bytes defaults to 64 MiB on
     CPU and 512 MiB on CUDA. backend: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or
-    "auto" (triton on CUDA when installed, else torch). fp8: run the logits GEMM in FP8 (E4M3,
-    per-tensor scales, fp32 output); needs a GPU with FP8 tensor cores and Transformer Engine.
+    "auto" (triton on CUDA when installed, else torch). fp8: run the logits GEMM (forward and its
+    recompute) in FP8 E4M3 with per-tensor scales and fp32 output; the gradient GEMMs stay in the model
+    dtype. Needs a GPU with FP8 tensor cores (compute capability >= 8.9).
     check_targets: verify target ids are in range (one host sync). Tokens whose target is ignore_index
     are dropped before any GEMM (one host sync to count them) and get log-prob 0, entropy 0, no gradient.
     """
@@ -236,45 +239,74 @@ def _blocks(plan: _Plan, n_tokens: int):
             yield v0, v1, c0, min(c0 + plan.chunk_size, n_tokens)
 
 
-def _block_buffer(plan: _Plan, n_tokens: int, device: torch.device) -> torch.Tensor:
-    """One flat fp32 buffer reused by every block (no allocation, no page faults, per block)."""
-    size = min(plan.chunk_size, n_tokens) * min(plan.vocab_tile, max(plan.valid_local, 1))
-    return torch.empty(size, dtype=torch.float32, device=device)
+class _LogitsBlocks:
+    """The logits blocks hidden[c0:c1] @ weight[v0:v1]^T as contiguous fp32 [C, Vt] views of one reused buffer.
+
+    Operands are prepared once, not once per block: blocks walk vocabulary tiles outer and token chunks
+    inner, so a tile's operand (upcast to fp32 for a bf16 model on CPU, which has no mixed-precision GEMM;
+    quantised to E4M3 under FP8) is made when the walk reaches it and kept for all its chunks.
+    FP8 uses one per-tensor scale for hidden and one for the weight shard (amax / 448, the current-scaling
+    recipe of Transformer Engine), computed from the same tensors in the forward and the backward, so the
+    recomputed blocks equal the forward's bit for bit and p = exp(z - lse) stays normalised.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, plan: _Plan):
+        n_tokens = hidden.shape[0]
+        size = min(plan.chunk_size, n_tokens) * min(plan.vocab_tile, max(plan.valid_local, 1))
+        self.buffer = torch.empty(size, dtype=torch.float32, device=hidden.device)  # no allocation per block
+        self.weight, self.fp8 = weight, plan.fp8
+        self._tile_start, self.tile = -1, None  # the current tile's operand, as the logits GEMM takes it
+        if plan.fp8:
+            self.hidden_scale = _fp8_scale(hidden)
+            self.hidden = _quantise_fp8(hidden, self.hidden_scale)
+            self.weight_scale = _fp8_scale(weight[: plan.valid_local])
+        else:
+            self.hidden = hidden.float() if hidden.dtype != torch.float32 and not hidden.is_cuda else hidden
+
+    def __call__(self, v0: int, v1: int, c0: int, c1: int) -> torch.Tensor:
+        rows, cols = c1 - c0, v1 - v0
+        out = self.buffer[: rows * cols].view(rows, cols)
+        if v0 != self._tile_start:
+            self._tile_start, self.tile = v0, self._prepare_tile(self.weight[v0:v1])
+        if self.fp8:
+            _fp8_matmul(self.hidden[c0:c1], self.tile, self.hidden_scale, self.weight_scale, out)
+        else:
+            _logits_block(self.hidden[c0:c1], self.tile, out)
+        return out
+
+    def _prepare_tile(self, tile: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return _quantise_fp8(tile, self.weight_scale, row_multiple=16)
+        if tile.dtype != torch.float32 and not tile.is_cuda:
+            return tile.float()
+        return tile
 
 
-def _logits_block(
-    hidden_chunk: torch.Tensor, weight_tile: torch.Tensor, buffer: torch.Tensor, fp8: bool
-) -> torch.Tensor:
-    """hidden_chunk [C, H] @ weight_tile [Vt, H]^T -> contiguous fp32 [C, Vt] (in ``buffer`` when possible)."""
-    rows, cols = hidden_chunk.shape[0], weight_tile.shape[0]
-    out = buffer[: rows * cols].view(rows, cols)
-    if fp8:
-        out.copy_(_fp8_matmul(hidden_chunk, weight_tile))
-    elif hidden_chunk.dtype == torch.float32:
+def _logits_block(hidden_chunk: torch.Tensor, weight_tile: torch.Tensor, out: torch.Tensor) -> None:
+    """out [C, Vt] fp32 = hidden_chunk [C, H] @ weight_tile [Vt, H]^T (fp32 output from bf16/fp16 on CUDA)."""
+    if hidden_chunk.dtype == torch.float32:
         torch.mm(hidden_chunk, weight_tile.t(), out=out)
-    elif hidden_chunk.is_cuda:
-        out.copy_(torch.mm(hidden_chunk, weight_tile.t(), out_dtype=torch.float32))
-    else:  # CPU has no mixed-precision GEMM with fp32 output: upcast (products of bf16 are exact in fp32)
-        torch.mm(hidden_chunk.float(), weight_tile.float().t(), out=out)
-    return out
+    else:  # cuBLAS accumulates in fp32 and writes fp32 straight into the block
+        torch.mm(hidden_chunk, weight_tile.t(), out_dtype=torch.float32, out=out)
 
 
 def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """out (fp32) = a @ b, or += when accumulate; a is fp32 (p or a logits gradient), b in the model dtype.
+    """out (fp32) = a @ b, or += when accumulate; a is p or a logits gradient, b in the model dtype.
 
-    The first write overwrites (beta = 0), so an output never needs zero-filling beforehand.
+    The first write overwrites (beta = 0), so an output never needs zero-filling beforehand. On CUDA with
+    a bf16/fp16 b, a is multiplied in b's dtype with fp32 accumulation and output, as in megatron.
     """
-    if b.dtype == torch.float32 or not b.is_cuda:  # CPU has no mixed-precision GEMM: upcast b
-        if accumulate:
+    if b.dtype == torch.float32 or not b.is_cuda:  # CPU has no mixed-precision GEMM: fp32 (b.float() is
+        if accumulate:  # a no-op for an fp32 b, such as a tile already upcast once)
             out.addmm_(a, b.float())
         else:
             torch.mm(a, b.float(), out=out)
         return
-    product = torch.mm(a.to(b.dtype), b, out_dtype=torch.float32)  # in the model dtype, as in megatron
+    a = a.to(b.dtype)  # a no-op when the caller converted the block once for both GEMMs
     if accumulate:
-        out.add_(product)
+        out.add_(torch.mm(a, b, out_dtype=torch.float32))
     else:
-        out.copy_(product)
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
 def _local_target_columns(targets: torch.Tensor, ignored: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -298,9 +330,9 @@ def _local_statistics(hidden, weight, target_col, plan: _Plan):
     target_logit = torch.zeros(n_tokens, dtype=torch.float32, device=device)
     if n_tokens == 0 or plan.valid_local == 0:
         return m, s, t, target_logit
-    buffer = _block_buffer(plan, n_tokens, device)
+    logits = _LogitsBlocks(hidden, weight, plan)
     for v0, v1, c0, c1 in _blocks(plan, n_tokens):
-        z = _logits_block(hidden[c0:c1], weight[v0:v1], buffer, plan.fp8)
+        z = logits(v0, v1, c0, c1)
         plan.kernels.update_stats(
             z,
             _block_target_columns(target_col[c0:c1], v0, v1),
@@ -362,10 +394,13 @@ def _recompute_gradients(
     if factored and need_weight:  # -g * hidden: the GEMM operand of grad_weight's p^T term
         operand_dtype = hidden.dtype if hidden.is_cuda else torch.float32  # CPU GEMMs run in fp32
         scaled_hidden = (hidden.float() * -grad_logp[:, None]).to(operand_dtype)
-    buffer = _block_buffer(plan, n_tokens, device)
+    logits = _LogitsBlocks(hidden, weight, plan)
+    # cuBLAS multiplies the block in the model dtype (one conversion serves both GEMMs); CPU GEMMs run in fp32
+    low_precision_operand = weight.is_cuda and weight.dtype != torch.float32
     for v0, v1, c0, c1 in _blocks(plan, n_tokens):
-        hidden_chunk, weight_tile = hidden[c0:c1], weight[v0:v1]
-        dz = _logits_block(hidden_chunk, weight_tile, buffer, plan.fp8)
+        dz = logits(v0, v1, c0, c1)
+        # the tile as the gradient GEMMs take it (fp32 on CPU, prepared once per tile; not the FP8 copy)
+        weight_tile = weight[v0:v1] if plan.fp8 else logits.tile
         if factored:
             plan.kernels.probs(dz, lse[c0:c1])  # p; the caller's -g is applied outside
         else:
@@ -377,17 +412,18 @@ def _recompute_gradients(
                 grad_entropy[c0:c1],
                 mean_logit[c0:c1],
             )
+        operand = dz.to(weight.dtype) if low_precision_operand else dz
         if need_hidden:
-            _matmul_into(grad_hidden[c0:c1], dz, weight_tile, accumulate=v0 > 0)
+            _matmul_into(grad_hidden[c0:c1], operand, weight_tile, accumulate=v0 > 0)
         if need_weight:
             acc = grad_weight[v0:v1] if weight_acc is None else weight_acc[: v1 - v0]
-            _matmul_into(acc, dz.t(), scaled_hidden[c0:c1], accumulate=c0 > 0)
+            _matmul_into(acc, operand.t(), scaled_hidden[c0:c1], accumulate=c0 > 0)
             if c1 == n_tokens:  # the tile is complete
                 if factored:
                     _add_target_rows_to_weight_grad(acc, hidden, target_col, grad_logp, v0, v1)
                 if weight_acc is not None:
                     grad_weight[v0:v1].copy_(acc)
-    del buffer, scaled_hidden  # before the N x H temporaries below: they must not add to the peak
+    del logits, operand, scaled_hidden  # before the N x H temporaries below: they must not add to the peak
     if need_hidden and factored:
         grad_hidden.mul_(-grad_logp[:, None])
         owned = torch.nonzero(target_col >= 0).squeeze(1)
@@ -432,11 +468,13 @@ class TorchKernels:
             s_block = _exp_shifted(z, m_new).sum(dim=1)
         else:
             shifted = _scaled_shift(z, m_new)  # (z - m_new) * log2(e), in place
-            e = torch.exp2(shifted)
-            s_block = e.sum(dim=1)
-            # sum e * z = ln2 * sum e * shifted + m_new * s; bmm avoids a [C, Vt] temporary
-            t_block = torch.bmm(e[:, None, :], shifted[:, :, None]).view(-1) * LN2 + m_new * s_block
-            t.mul_(alpha).add_(t_block)
+            s_block, t_block = torch.empty_like(m), torch.empty_like(m)
+            for r0, r1, e in _row_slabs(shifted):  # e = exp2(shifted) a slab at a time, in a reused scratch
+                torch.exp2(shifted[r0:r1], out=e)
+                torch.sum(e, dim=1, out=s_block[r0:r1])
+                torch.bmm(e[:, None, :], shifted[r0:r1, :, None], out=t_block[r0:r1].view(-1, 1, 1))
+            # sum e * z = ln2 * sum e * shifted + m_new * s
+            t.mul_(alpha).add_(t_block.mul_(LN2).add_(m_new * s_block))
         s.mul_(alpha).add_(s_block)
         m.copy_(m_new)
 
@@ -451,11 +489,26 @@ class TorchKernels:
         if grad_entropy is None:
             _exp_shifted(z, lse).mul_(-grad_logp[:, None])
         else:
-            p = torch.sub(z, lse[:, None]).exp_()  # the one extra block entropy needs
-            z.neg_().add_(mean_logit[:, None]).mul_(grad_entropy[:, None]).sub_(grad_logp[:, None]).mul_(p)
+            for r0, r1, p in _row_slabs(z):  # p a slab at a time, in a reused scratch
+                z_rows = z[r0:r1]
+                torch.sub(z_rows, lse[r0:r1, None], out=p).exp_()
+                z_rows.neg_().add_(mean_logit[r0:r1, None]).mul_(grad_entropy[r0:r1, None])
+                z_rows.sub_(grad_logp[r0:r1, None]).mul_(p)
         owned = col >= 0
         rows = torch.nonzero(owned).squeeze(1)
         z[rows, col[rows]] += grad_logp[rows]
+
+
+_SLAB_BYTES = 4 * 2**20  # scratch for the entropy terms: cache-sized, and no [C, Vt] allocation per block
+
+
+def _row_slabs(z: torch.Tensor):
+    """(r0, r1, scratch [r1 - r0, Vt]) over the rows of z [C, Vt], reusing one small fp32 scratch."""
+    rows = max(1, min(z.shape[0], _SLAB_BYTES // (4 * max(z.shape[1], 1))))
+    scratch = torch.empty(rows, z.shape[1], dtype=torch.float32, device=z.device)
+    for r0 in range(0, z.shape[0], rows):
+        r1 = min(r0 + rows, z.shape[0])
+        yield r0, r1, scratch[: r1 - r0]
 
 
 LOG2E = 1.4426950408889634  # log2(e)
@@ -525,8 +578,12 @@ def _select_kernels(backend: str, hidden: torch.Tensor):
 
 
 def fp8_available(device: torch.device | None = None) -> bool:
-    """True where FP8 GEMMs can run: a CUDA GPU with compute capability >= 8.9 and Transformer Engine."""
-    if extras.transformer_engine() is None or not torch.cuda.is_available():
+    """True where FP8 GEMMs can run: a CUDA GPU with compute capability >= 8.9 (Ada, Hopper and later).
+
+    The LM-head GEMM uses torch._scaled_mm (cuBLASLt) directly, with Transformer Engine's per-tensor
+    current-scaling recipe: Transformer Engine itself is not needed for it.
+    """
+    if not (extras.cuda_available() and hasattr(torch, "_scaled_mm")):
         return False
     return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 
@@ -535,26 +592,49 @@ def _require_fp8(hidden: torch.Tensor) -> None:
     if not hidden.is_cuda or not fp8_available(hidden.device):
         where = "CPU tensors" if not hidden.is_cuda else f"device {hidden.device}"
         raise FP8UnavailableError(
-            "token_logprobs(fp8=True): FP8 needs Transformer Engine and a GPU with FP8 support "
+            "token_logprobs(fp8=True): FP8 needs a GPU with FP8 tensor cores "
             f"(compute capability >= 8.9); not available here ({where})"
         )
+    if hidden.shape[1] % 16:
+        raise ValueError(f"token_logprobs(fp8=True): hidden size {hidden.shape[1]} must be a multiple of 16")
 
 
-def _fp8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T in FP8 E4M3 with per-tensor current scaling, fp32 output (softmax stays fp32).
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_QUANTISE_SLAB_BYTES = 64 * 2**20  # fp32 scratch of one quantisation step
 
-    Same format and scaling recipe as Transformer Engine's Float8CurrentScaling for forward GEMMs.
-    torch._scaled_mm needs K and N to be multiples of 16: a ragged vocabulary tile is zero-padded.
+
+def _fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor dequantisation scale amax(|x|) / 448 as an fp32 0-d tensor on x's device (never 0)."""
+    amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    return (amax / FP8_MAX).clamp(min=1e-12)
+
+
+def _quantise_fp8(x: torch.Tensor, scale: torch.Tensor, row_multiple: int = 1) -> torch.Tensor:
+    """x [R, K] / scale rounded to E4M3, [ceil(R / row_multiple) * row_multiple, K] with zero rows appended.
+
+    Done in slabs of rows so the fp32 scratch stays within 64 MiB whatever the size of x.
     """
-    if a.shape[1] % 16:
-        raise ValueError(f"token_logprobs(fp8=True): hidden size {a.shape[1]} must be a multiple of 16")
-    rows = b.shape[0]
-    if rows % 16:
-        b = torch.nn.functional.pad(b, (0, 0, 0, 16 - rows % 16))
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    scale_a = (a.abs().amax().float() / fp8_max).clamp(min=1e-12)
-    scale_b = (b.abs().amax().float() / fp8_max).clamp(min=1e-12)
-    a8 = (a.float() / scale_a).to(torch.float8_e4m3fn)
-    b8 = (b.float() / scale_b).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
-    return out[:, :rows]
+    rows, k = x.shape
+    padded = -(-rows // row_multiple) * row_multiple
+    out = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=x.device)
+    out[rows:].zero_()
+    slab = max(1, _QUANTISE_SLAB_BYTES // (4 * max(k, 1)))
+    for r0 in range(0, rows, slab):
+        r1 = min(r0 + slab, rows)
+        out[r0:r1].copy_(torch.div(x[r0:r1].float(), scale).clamp_(-FP8_MAX, FP8_MAX))  # x is not modified
+    return out
+
+
+def _fp8_matmul(
+    a_q: torch.Tensor, b_q: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out [M, N] fp32 = dequantised a_q [M, K] @ b_q [N', K]^T, N' >= N (rows past N are padding).
+
+    torch._scaled_mm needs K and N' to be multiples of 16 (_quantise_fp8 pads the weight tile's rows).
+    """
+    cols = out.shape[1]
+    if b_q.shape[0] == cols:  # no padding: the GEMM writes the block in place
+        torch._scaled_mm(a_q, b_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32, out=out)
+    else:
+        full = torch._scaled_mm(a_q, b_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+        out.copy_(full[:, :cols])
