@@ -331,6 +331,22 @@ class BatchConfig(StrictModel):
     max_seq_length: int = Field(4096, gt=1, description="prompt + response tokens; longer ones are refused")
 
 
+class LogprobsConfig(StrictModel):
+    """How the trainer runs the fused LM-head log-prob op (megatron_spo.ops.token_logprobs)."""
+
+    backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="per-block softmax kernels: auto = Triton on a GPU when installed, else torch")
+    fp8: bool = Field(False, description="LM-head logits GEMM in FP8 E4M3 (per-tensor scales; softmax statistics "
+                      "and gradient GEMMs keep their precision); needs a GPU of compute capability >= 8.9")
+    chunk_size: int | None = Field(None, gt=0, description="tokens per block (default min(N, 4096))")
+    max_block_bytes: int | None = Field(None, ge=4096, description="bytes of one fp32 logits block "
+                                        "(default 64 MiB on CPU, 512 MiB on a GPU)")
+
+    def op_kwargs(self) -> dict:
+        """Keyword arguments for token_logprobs (unset sizes left to its defaults)."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class PPOConfig(StrictModel):
     clip_eps: float = Field(0.2, gt=0)
     value_clip_eps: float | None = Field(0.2, gt=0)
@@ -402,6 +418,7 @@ class TrainConfig(StrictModel):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
+    logprobs: LogprobsConfig = Field(default_factory=LogprobsConfig)
     sources: dict[str, SourceConfig] = Field(default_factory=lambda: {"online": SourceConfig()})
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     agro: AGROConfig = Field(default_factory=AGROConfig)
@@ -520,7 +537,8 @@ class CapacityConfig(StrictModel):
     recompute: Literal["none", "full"] = Field("none", description="activation recompute used for throughput")
     reference_model: bool = True
     value_model: bool = Field(False, description="PPO critic of the same size (weights, grads, optimizer)")
-    logprob_chunk_tokens: int = Field(1024, gt=0, description="tokens per chunk of the fused log-prob op")
+    logprob_block_mb: float = Field(512.0, gt=0, description="one fp32 logits block of the fused log-prob op, "
+                                    "MiB (train.logprobs.max_block_bytes; 512 is its default on a GPU)")
     overhead_gb: float = Field(4.0, ge=0, description="CUDA context, NCCL buffers, fragmentation (assumed)")
     achieved_tflops_per_gpu: float = Field(400.0, gt=0, description="bf16 model TFLOP/s a trainer GPU sustains")
     model_update_interval: int = Field(10, gt=0, description="trainer steps between weight syncs")

@@ -169,3 +169,25 @@ def test_a_lone_process_does_not_collide_on_the_default_master_port():
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "port 29500" not in proc.stdout
+
+
+def test_logprobs_settings_reach_the_op_and_are_checked_before_any_model(monkeypatch):
+    """train.logprobs: typed, passed to token_logprobs as keyword arguments (unset sizes left to the op's
+    defaults), and refused at trainer start, with the field named, where this machine cannot run them."""
+    from megatron_spo.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    cfg = load_config(TrainConfig, None, ["init.hf=x", "logprobs.chunk_size=512", "logprobs.backend=torch"])
+    assert cfg.logprobs.op_kwargs() == {"backend": "torch", "fp8": False, "chunk_size": 512}
+    with pytest.raises(ConfigError, match=r"logprobs.max_block_bytes: Input should be greater than or equal to 4096"):
+        load_config(TrainConfig, None, ["init.hf=x", "logprobs.max_block_bytes=100"])
+    with pytest.raises(ConfigError, match="logprobs.backend: Input should be 'auto', 'torch' or 'triton'"):
+        load_config(TrainConfig, None, ["init.hf=x", "logprobs.backend=cuda"])
+    # init.hf=x does not exist: the check must come first, before anything reads the model
+    fp8 = load_config(TrainConfig, None, ["init.hf=x", "logprobs.fp8=true"])
+    with pytest.raises(ConfigError, match=r"logprobs.fp8: the FP8 LM-head GEMM needs a GPU of compute capability"):
+        Trainer(fp8)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    triton = load_config(TrainConfig, None, ["init.hf=x", "logprobs.backend=triton"])
+    with pytest.raises(ConfigError, match=r"logprobs.backend: 'triton' needs"):
+        Trainer(triton)

@@ -45,10 +45,13 @@ def hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, hf):
-    """Two optimizer steps (several micro-batches each) of every algorithm under every layout."""
+    """Two optimizer steps (several micro-batches each) of every algorithm under every layout. The TP=2 runs
+    also set logprobs.chunk_size: the trainer passes it to the fused op, whose blocks must not change results."""
     root = tmp_path_factory.mktemp("runs")
     for layout, tp, pp in LAYOUTS:
-        runs = [(_cfg(root, hf, f"{layout}-{algo}", algo, tp, pp), str(root / f"{layout}-{algo}.pt")) for algo in ALGOS]
+        kw = {"logprobs": {"chunk_size": 5, "backend": "torch"}} if layout == "tp2" else {}
+        runs = [(_cfg(root, hf, f"{layout}-{algo}", algo, tp, pp, **kw), str(root / f"{layout}-{algo}.pt"))
+                for algo in ALGOS]
         run_spawned(runs, tp * pp)
     return root
 

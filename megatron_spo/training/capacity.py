@@ -15,7 +15,9 @@ Memory model (bytes per GPU, worst pipeline stage), megatron-core mixed precisio
                 x layers per stage x tokens per micro-batch x micro-batches in flight on stage 0
                 (p for 1F1B, p(1 + (p-1)/(p v)) layers-worth with v virtual stages); full recompute
                 keeps only each layer's input (h) plus one layer's working set
-  log-prob      the fused chunked log-prob op's workspace: chunk tokens x V/TP x 4 B (fp32 logits)
+  log-prob      the fused log-prob op's backward workspace: one fp32 logits block (logprob_block_mb, at
+                most micro-batch tokens x V/TP x 4 B), its copy in the model dtype for the gradient GEMMs,
+                and grad_hidden's fp32 accumulator (tokens x h x 4 B)
   overhead      CUDA context, NCCL buffers, allocator fragmentation: a fixed allowance (assumed)
 The same accounting with the dtypes and saved tensors of a transformers Llama on CPU is checked against
 the peak RSS of a real forward + backward + Adam step (`validate_on_cpu`, tests/test_capacity.py).
@@ -201,6 +203,14 @@ def num_microbatches(shape: CapacityConfig, parallel: ParallelConfig) -> int:
     return shape.global_batch_size // per_step
 
 
+def logprob_workspace_bytes(model: ModelConfig, shape: CapacityConfig, tp: int, precision: Precision) -> float:
+    """Peak extra bytes of the fused log-prob op's backward (megatron_spo/ops/token_logprobs.py)."""
+    tokens = shape.micro_batch_size * shape.seq_length
+    block = min(shape.logprob_block_mb * 2**20, tokens * model.padded_vocab_size(tp) / tp * 4)
+    block_copy = 0.0 if precision.weight == 4 else block * precision.weight / 4
+    return block + block_copy + tokens * model.hidden_size * 4
+
+
 def memory_per_gpu(model: ModelConfig, shape: CapacityConfig, parallel: ParallelConfig, *,
                    distributed_optimizer: bool, recompute: str, precision: Precision = MEGATRON_BF16) -> MemoryBreakdown:
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -215,7 +225,7 @@ def memory_per_gpu(model: ModelConfig, shape: CapacityConfig, parallel: Parallel
         activations=activation_bytes(model, shape, parallel, recompute, precision),
         reference=params * precision.reference if shape.reference_model else 0.0,
         value_model=trained if shape.value_model else 0.0,
-        logprob_workspace=shape.logprob_chunk_tokens * model.padded_vocab_size(tp) / tp * 4,
+        logprob_workspace=logprob_workspace_bytes(model, shape, tp, precision),
         overhead=shape.overhead_gb * GB,
     )
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_spo.config import ConfigError, TrainConfig, dump_config, load_config
+from megatron_spo.config import ConfigError, LogprobsConfig, TrainConfig, dump_config, load_config
 from megatron_spo.data.batching import (
     OfflineCursor,
     TrainBatch,
@@ -96,6 +96,22 @@ class BatchSampler:
                 s.load_state_dict(state[name])
 
 
+def check_logprobs(cfg: LogprobsConfig) -> None:
+    """Refuse, before any model is built, a log-prob op setting this machine cannot run (one-line ConfigError)."""
+    from megatron_spo import extras
+    from megatron_spo.ops import fp8_available
+
+    if cfg.fp8 and not fp8_available():
+        raise ConfigError("logprobs.fp8: the FP8 LM-head GEMM needs a GPU of compute capability >= 8.9; "
+                          "none is usable here")
+    if cfg.backend == "triton":
+        if extras.triton() is None:
+            raise ConfigError("logprobs.backend: 'triton' needs triton installed (pip install triton)")
+        if not extras.cuda_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("logprobs.backend: 'triton' needs a GPU (or TRITON_INTERPRET=1, for tests); "
+                              "use 'auto' or 'torch' on CPU")
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +126,7 @@ class Trainer:
         from megatron_spo.models.parallel import init_parallel
 
         self.cfg = cfg
+        check_logprobs(cfg.logprobs)
         # first of all: a SLURM warning signal during the (long) model build must not kill the rank
         self.preemption = PreemptionHandler()
         self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
@@ -292,7 +309,7 @@ class Trainer:
         targets = targets.masked_fill(loss_mask == 0, IGNORE_INDEX)
         logp = token_logprobs(hidden.reshape(b * s, h), lm_head_weight(chunk), targets.reshape(-1),
                               tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_start_index=lm_head_vocab_start(chunk),
-                              valid_vocab_size=self.model_cfg.vocab_size)
+                              valid_vocab_size=self.model_cfg.vocab_size, **self.cfg.logprobs.op_kwargs())
         return logp.view(b, s)
 
     def _run(self, chunks, mbs: list[TrainBatch], *, forward_only: bool, output: str,
