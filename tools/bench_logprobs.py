@@ -3,8 +3,9 @@
     python tools/bench_logprobs.py                      # N=4096, H=1024, V=128256, fp32, on CPU
     python tools/bench_logprobs.py --n 512 --v 32768    # smaller, quicker
     python tools/bench_logprobs.py --device cuda --dtype bfloat16 --n 16384 --h 4096   # on a GPU
+    python tools/bench_logprobs.py --device cuda --dtype bfloat16 --n 16384 --h 4096 --fp8
 
-Two phases, each in FRESH subprocesses, so no variant sees another's allocator state:
+Three phases, each in FRESH subprocesses, so no variant sees another's allocator state:
 - Memory: one subprocess per variant runs one forward (+ backward) step. CPU: once the inputs exist, the
   kernel's resident-set high-water mark is reset to the current RSS (write "5" to /proc/self/clear_refs,
   Linux >= 4.0); peak extra = VmHWM - that RSS (/proc/self/status). torch's CPU allocator keeps no
@@ -16,9 +17,22 @@ Two phases, each in FRESH subprocesses, so no variant sees another's allocator s
   machine load hits both variants alike. Reported per variant: median and min; the ratio of medians, the
   ratio of mins, and the median over rounds of the paired ratio (the two steps of a round ran back to
   back, so the paired ratio is the least sensitive to load that comes and goes).
+  The variant "gemm" is ONE plain product hidden @ weight^T into a preallocated [N, V] output: the fused
+  op does 4 such GEMMs (forward, recompute, grad_hidden, grad_weight) and the naive one 3, so
+  fused / (4 x gemm) is how close the op runs to its GEMM floor.
+- Bandwidth: the per-block softmax kernels the op selects (Triton on a GPU, torch on CPU) on one default
+  block (fp32, the op's default block size on the device), as effective GB/s = the bytes a block must move
+  (statistics: read it once; probabilities: read and write it) / time, next to a device-to-device copy's
+  GB/s (read + write) measured in the same process: the share of the memory bandwidth they reach.
 On CPU the process CPU seconds per step are reported too: the work done, whatever share of the cores
 the machine's other load left us. The torch thread count and the load average before and after are
 printed: quote them with the ratios.
+
+On the device machine (torch, triton and pytest preinstalled; nothing can be fetched there): carry a
+liger-kernel wheel to compare with liger (`pip download --no-deps liger-kernel==<v>` for Python 3.12 into
+.whl/, see the device tool's README), then in one call run the CUDA tests and the three benchmarks:
+    python3 -m pytest -q tests/test_ops_logprobs.py tests/test_ops_spo.py -k "cuda or fp32 or padding"
+    python3 tools/bench_logprobs.py --device cuda --dtype bfloat16 --n 16384 --h 4096 [--fp8]
 """
 
 from __future__ import annotations
@@ -34,9 +48,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MEMORY_VARIANTS = ("naive", "fused", "naive_forward", "fused_forward", "liger")
-TIMED_VARIANTS = ("fused", "naive", "liger")
+TIMED_VARIANTS = ("fused", "naive", "liger", "gemm")
 # (numerator, denominator) of the printed ratios: memory as den / num ("x lower"), time as num / den
 COMPARISONS = (("fused", "naive"), ("fused_forward", "naive_forward"), ("liger", "naive"), ("fused", "liger"))
+GEMMS_PER_STEP = {"fused": 4, "naive": 3, "liger": 3}  # LM-head GEMMs of N x H x V in one forward + backward
 
 
 def build_inputs(args):
@@ -71,6 +86,13 @@ def make_step(variant: str, hidden, weight, targets, coef, args):
 
     from megatron_spo.ops import token_logprobs, token_logprobs_reference
 
+    if variant == "gemm":  # the GEMM floor: one [N, H] x [H, V] product, output allocated once
+        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+
+        def gemm_step():
+            torch.mm(hidden, weight.t(), out=out)
+
+        return gemm_step
     if variant == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -157,6 +179,52 @@ def time_worker(args) -> dict:
     return {"threads": torch.get_num_threads(), "warmup_s": warmup, "times_s": times, "cpu_s": cpu_times}
 
 
+def bandwidth_worker(args) -> dict:
+    """Effective GB/s of the per-block kernels on one default-sized fp32 block, and of a plain copy."""
+    import importlib
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    op = importlib.import_module("megatron_spo.ops.token_logprobs")
+    cuda = args.device == "cuda"
+    max_block = op.DEFAULT_MAX_BLOCK_BYTES_CUDA if cuda else op.DEFAULT_MAX_BLOCK_BYTES
+    chunk, tile = op.default_block_shape(args.n, args.v, max_block)
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    source = torch.randn(chunk, tile, device=args.device, generator=gen).mul_(3.0)  # logits of std 3
+    z = source.clone()
+    col = torch.randint(-1, tile, (chunk,), device=args.device, generator=gen)  # -1: another block owns it
+    lse = torch.logsumexp(source, dim=1)
+    m = torch.full((chunk,), float("-inf"), device=args.device)
+    s, t, tgt = (torch.zeros(chunk, device=args.device) for _ in range(3))
+    kernels = op._select_kernels("auto", z)
+    block_bytes = 4 * chunk * tile
+
+    def seconds(fn, repeats: int) -> float:
+        """Median seconds of fn (state it leaves behind stays finite when repeated)."""
+        fn()
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    repeats = 20 if cuda else 5
+    results = {
+        "copy": 2 * block_bytes / seconds(lambda: z.copy_(source), repeats),
+        "stats": block_bytes / seconds(lambda: kernels.update_stats(z, col, m, s, None, tgt), repeats),
+        "stats+entropy": block_bytes / seconds(lambda: kernels.update_stats(z, col, m, s, t, tgt), repeats),
+        "probs": 2 * block_bytes / seconds(lambda: kernels.probs(z, lse), repeats),
+    }
+    return {"kernels": kernels.__name__, "block": [chunk, tile], "gb_per_s": results}
+
+
 def run_worker(mode: str, variants: list[str], argv: list[str]) -> dict:
     cmd = [sys.executable, __file__, *argv, "--worker", mode, "--worker-variants", ",".join(variants)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -207,19 +275,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--memory-variants", default=",".join(MEMORY_VARIANTS), help="'' skips the phase")
     parser.add_argument("--time-variants", default=",".join(TIMED_VARIANTS), help="'' skips the phase")
-    parser.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--bandwidth",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the per-block kernels' effective GB/s vs a copy (default on)",
+    )
+    parser.add_argument("--worker", choices=["memory", "time", "bandwidth"], help=argparse.SUPPRESS)
     parser.add_argument("--worker-variants", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
 
     if args.worker:
         args.worker_variants = args.worker_variants.split(",")
-        result = memory_worker(args) if args.worker == "memory" else time_worker(args)
-        print(json.dumps(result))
+        workers = {"memory": memory_worker, "time": time_worker, "bandwidth": bandwidth_worker}
+        print(json.dumps(workers[args.worker](args)))
         return 0
 
+    where = args.device
+    if args.device == "cuda":
+        import torch
+
+        where = f"cuda ({torch.cuda.get_device_name()}, torch {torch.__version__})"
     print(
-        f"shape N={args.n} H={args.h} V={args.v} {args.dtype} on {args.device}; "
+        f"shape N={args.n} H={args.h} V={args.v} {args.dtype} on {where}; "
         f"load average {tuple(round(x, 2) for x in os.getloadavg())}"
     )
     liger_reason = liger_skip_reason(args.device)
@@ -271,11 +350,23 @@ def main(argv: list[str] | None = None) -> int:
                         f"{num} {statistics.median(result['cpu_s'][num]):.2f} s, "
                         f"{den} {statistics.median(result['cpu_s'][den]):.2f} s)"
                     )
-        if args.device == "cuda" and "fused" in times:
-            flops = 4 * 2 * args.n * args.h * args.v  # forward GEMM, its recompute, grad_hidden, grad_weight
-            print(
-                f"  fused: {flops / statistics.median(times['fused']) / 1e12:.1f} TFLOP/s (4 GEMMs of 2*N*H*V)"
-            )
+        if "gemm" in times:
+            gemm = statistics.median(times["gemm"])
+            print(f"  gemm    one N x H x V GEMM: {2 * args.n * args.h * args.v / gemm / 1e12:.3f} TFLOP/s")
+            for variant, count in GEMMS_PER_STEP.items():
+                if variant in times:
+                    print(
+                        f"  floor   {variant} / ({count} x gemm): "
+                        f"{statistics.median(times[variant]) / (count * gemm):5.3f}x   (1.000 = GEMMs only)"
+                    )
+    if args.bandwidth:
+        result = run_worker("bandwidth", [], argv)
+        gbps = result["gb_per_s"]
+        chunk, tile = result["block"]
+        print(f"  bandwidth: {result['kernels']} on one fp32 block of {chunk} x {tile}:")
+        for name, rate in gbps.items():
+            share = "" if name == "copy" else f"   {rate / gbps['copy']:5.2f}x the copy's"
+            print(f"  bandwidth {name:13s} {rate / 1e9:9.1f} GB/s{share}")
     return 0
 
 
