@@ -24,7 +24,7 @@ setup(
         "rich",
         "matplotlib",
         "psutil",  # megatron dist_checkpointing needs it and does not declare it
-        "transformers>=4.45",
+        "transformers>=4.56",  # from_pretrained(dtype=...)
         "safetensors",
         "datasets",
         "sympy",

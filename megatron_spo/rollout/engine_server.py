@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import glob
+import inspect
 import logging
 import os
 import time
@@ -71,6 +72,9 @@ class LocalEngine:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
+        # transformers >= 5.24 names the KV cache argument `cache` (`past_key_values` is deprecated there)
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         self.tokenizer = _load_tokenizer(self.model_path)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -121,9 +125,8 @@ class LocalEngine:
 
         from transformers import DynamicCache
 
-        cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True)
+        cache = {self._cache_kwarg: DynamicCache()}  # filled in place by every forward call
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
         for _ in range(max(r.params.max_new_tokens for r in rows)):
             logits = out.logits[:, -1, :].float().cpu()  # sampling on CPU: per-row CPU generators
             tokens, logprobs = _sample(logits, temperature, top_p, top_k, min_p, greedy, generators)
@@ -145,7 +148,7 @@ class LocalEngine:
             mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=tokens[:, None].to(self.device), attention_mask=mask, position_ids=positions,
-                             past_key_values=out.past_key_values, use_cache=True)
+                             use_cache=True, **cache)
         return results
 
     def _generator(self, row: SampleRow) -> torch.Generator:
