@@ -201,12 +201,17 @@ def test_vocabulary_padding_never_enters_the_softmax(device):
     assert got[3][valid:].abs().max().item() == 0.0  # padding rows get no gradient
 
 
-def test_bf16_inputs_accumulate_in_fp32():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_inputs_accumulate_in_fp32(device, monkeypatch):
     """Tolerance: the op's inputs are exact bf16 values and every sum is fp32, so logp/entropy are off from
     the fp64 truth only by fp32 rounding (< 1e-4 at |logit| <= ~10); gradients come back in bf16, so they
-    may differ by one bf16 rounding, |err| <= 2^-9 |x| (we allow 2^-8), plus fp32 noise near zero."""
+    may differ by one bf16 rounding, |err| <= 2^-9 |x| (we allow 2^-8), plus fp32 noise near zero.
+    Where GEMMs cannot write fp32 from bf16 operands (CPU; CUDA under torch < 2.8, simulated here) the op
+    upcasts the operands once and multiplies in fp32."""
+    monkeypatch.setattr(token_logprobs_module, "_HAS_MM_OUT_DTYPE", False)
     hidden, weight, targets = make_problem(n=40, h=64, v=300, dtype=torch.bfloat16)
-    got = values_and_grads(token_logprobs, hidden, weight, targets, chunk_size=16, vocab_tile=128)
+    got = values_and_grads(token_logprobs, *on(device, hidden, weight, targets), chunk_size=16, vocab_tile=128)
+    got = tuple(x.cpu() for x in got)
     want = truth(hidden, weight, targets)
     assert got[2].dtype == got[3].dtype == torch.bfloat16 and got[0].dtype == torch.float32
     assert_all_close(got[:2], want[:2], rtol=0, atol=1e-4)

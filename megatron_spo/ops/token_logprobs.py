@@ -261,7 +261,7 @@ class _LogitsBlocks:
             self.hidden = _quantise_fp8(hidden, self.hidden_scale)
             self.weight_scale = _fp8_scale(weight[: plan.valid_local])
         else:
-            self.hidden = hidden.float() if hidden.dtype != torch.float32 and not hidden.is_cuda else hidden
+            self.hidden = hidden if _mixed_precision_gemm(hidden) else hidden.float()  # no-op for fp32
 
     def __call__(self, v0: int, v1: int, c0: int, c1: int) -> torch.Tensor:
         rows, cols = c1 - c0, v1 - v0
@@ -277,9 +277,19 @@ class _LogitsBlocks:
     def _prepare_tile(self, tile: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             return _quantise_fp8(tile, self.weight_scale, row_multiple=16)
-        if tile.dtype != torch.float32 and not tile.is_cuda:
-            return tile.float()
-        return tile
+        return tile if _mixed_precision_gemm(tile) else tile.float()
+
+
+_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch >= 2.8: aten::mm.dtype (bf16 in, fp32 out)
+
+
+def _mixed_precision_gemm(x: torch.Tensor) -> bool:
+    """Whether GEMMs on x run in its bf16/fp16 dtype with fp32 accumulation and fp32 output.
+
+    True on CUDA with torch >= 2.8. Elsewhere (CPU: no such kernel; CUDA under an older torch) a
+    low-precision operand is upcast to fp32, once per tensor or tile, and the GEMMs run in fp32.
+    """
+    return x.is_cuda and x.dtype != torch.float32 and _HAS_MM_OUT_DTYPE
 
 
 def _logits_block(hidden_chunk: torch.Tensor, weight_tile: torch.Tensor, out: torch.Tensor) -> None:
@@ -296,8 +306,8 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
     The first write overwrites (beta = 0), so an output never needs zero-filling beforehand. On CUDA with
     a bf16/fp16 b, a is multiplied in b's dtype with fp32 accumulation and output, as in megatron.
     """
-    if b.dtype == torch.float32 or not b.is_cuda:  # CPU has no mixed-precision GEMM: fp32 (b.float() is
-        if accumulate:  # a no-op for an fp32 b, such as a tile already upcast once)
+    if not _mixed_precision_gemm(b):  # fp32 GEMM (b.float() is a no-op for an fp32 b, such as a tile
+        if accumulate:  # already upcast once)
             out.addmm_(a, b.float())
         else:
             torch.mm(a, b.float(), out=out)
@@ -392,11 +402,11 @@ def _recompute_gradients(
         )
     scaled_hidden = hidden
     if factored and need_weight:  # -g * hidden: the GEMM operand of grad_weight's p^T term
-        operand_dtype = hidden.dtype if hidden.is_cuda else torch.float32  # CPU GEMMs run in fp32
+        operand_dtype = hidden.dtype if _mixed_precision_gemm(hidden) else torch.float32
         scaled_hidden = (hidden.float() * -grad_logp[:, None]).to(operand_dtype)
     logits = _LogitsBlocks(hidden, weight, plan)
     # cuBLAS multiplies the block in the model dtype (one conversion serves both GEMMs); CPU GEMMs run in fp32
-    low_precision_operand = weight.is_cuda and weight.dtype != torch.float32
+    low_precision_operand = _mixed_precision_gemm(weight)
     for v0, v1, c0, c1 in _blocks(plan, n_tokens):
         dz = logits(v0, v1, c0, c1)
         # the tile as the gradient GEMMs take it (fp32 on CPU, prepared once per tile; not the FP8 copy)
