@@ -373,6 +373,9 @@ class LoggingConfig(StrictModel):
     max_log_ratio: float | None = Field(
         50.0, gt=0, description="stop when the mean sequence log(pi / pi_0) exceeds this (a collapse; FIELD-NOTES)"
     )
+    policy_entropy: bool = Field(
+        True, description="log the policy's mean per-token entropy (nats) from its log-prob pass: no extra GEMM"
+    )
 
 
 class InitConfig(StrictModel):

@@ -69,6 +69,7 @@ def _assert_trains_alike(root, ref_name, name, algo):
     for a, b in zip(ref_metrics, metrics):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=loss_abs)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-5)  # TP: from vocabulary-parallel statistics
         if algo == "ppo":
             assert b["grad_norm/value"] == pytest.approx(a["grad_norm/value"], rel=1e-4)
     assert weights.keys() == ref_weights.keys()
@@ -90,6 +91,26 @@ def test_training_moved_the_policy(trained, hf, algo):
     assert max((weights[k] - init[k]).abs().max().item() for k in init) > 1e-4
     m = _metrics(trained, f"single-{algo}")
     assert m[0]["lr"] == pytest.approx(5e-4) and m[1]["lr"] == pytest.approx(1e-3)  # linear warm-up, then constant
+
+
+def test_logged_entropy_is_the_initial_policys_on_the_first_batch(trained, hf):
+    """Step 1 logs the entropy of the policy before its first update, i.e. of the initial model: here in plain
+    torch (the HF model, a full softmax in fp64) on the same 8 trajectories, at the positions that predict
+    response tokens, averaged per sequence, then over sequences. Step 2's policy has moved: a different value."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    per_sequence = []
+    for traj in DeterministicSource().take(8):
+        ids = torch.tensor([traj.prompt_tokens + traj.response_tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)[len(traj.prompt_tokens) - 1 : -1]
+        per_sequence.append(-(logp.exp() * logp).sum(-1).mean().item())
+    want = sum(per_sequence) / len(per_sequence)
+    for name in ("single-spo", "single-agro", "single-ppo", "tp2-spo", "pp2-ppo"):
+        first, second = _metrics(trained, name)
+        assert first["entropy"] == pytest.approx(want, rel=1e-5), name
+        assert abs(second["entropy"] - first["entropy"]) > 1e-4, name
 
 
 # -- interleaved (virtual) pipeline: PP=2 x VPP=2 on a 4-layer model, one layer per model chunk --------------

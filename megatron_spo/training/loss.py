@@ -98,3 +98,14 @@ def value_batch_loss(batch: TrainBatch, values: Tensor, old_values: Tensor, retu
                      clip_eps: float | None) -> tuple[Tensor, dict[str, float]]:
     loss = algorithms.ppo_value_loss(values, old_values, returns, batch.loss_mask, clip_eps=clip_eps)
     return loss, {"value_loss": float(loss.detach())}
+
+
+def mean_sequence_entropy(entropy: Tensor, loss_mask: Tensor) -> float:
+    """Mean over sequences of each sequence's mean per-token entropy (nats) on its response tokens.
+
+    entropy, loss_mask [B, L]; a sequence with no response token counts as 0. Sequence-weighted like the
+    loss metrics, so the trainer's reduction over micro-batches and data-parallel ranks stays exact.
+    """
+    mask = loss_mask.to(entropy.dtype)
+    per_sequence = (entropy.detach() * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return float(per_sequence.mean())

@@ -27,6 +27,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "reward": ("reward", "reward/online"),
     "terminal Q error": ("q_terminal_error",),
     "KL(pi || pi_0) estimate": ("kl", "log_ratio"),
+    "policy entropy (nats / token)": ("entropy",),
     "mean advantage": ("advantage",),
     "staleness (policy versions)": ("staleness", "staleness/max"),
     "tokens / s": ("tokens_per_s", "rollout/tokens_per_s"),

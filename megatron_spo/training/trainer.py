@@ -294,10 +294,11 @@ class Trainer:
                for rows in parts]
         return [mb.to(self.device) if self.device is not None else mb for mb in mbs]
 
-    def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor,
-                        loss_mask: torch.Tensor) -> torch.Tensor:
-        """[B, L] log-probs of targets from final hidden states [B, L, H] via the fused vocab-parallel op;
-        0 where loss_mask [B, L] is 0 (prompt and padding positions skip the LM-head GEMMs).
+    def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
+                        return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, L] log-probs of targets, [B, L] entropies or None) from final hidden states [B, L, H] via the
+        fused vocab-parallel op; 0 where loss_mask [B, L] is 0 (prompt and padding positions skip the LM-head
+        GEMMs). The entropy comes from the same blocks of logits (no extra GEMM) and takes no gradient.
 
         The op owns the LM-head matmul, so it also all-reduces the hidden gradient over TP ranks (under
         sequence parallelism the model has already gathered the sequence: builders.output_hidden_states)."""
@@ -307,10 +308,12 @@ class Trainer:
         tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.parallel.tensor_model_parallel_size > 1 else None
         b, s, h = hidden.shape
         targets = targets.masked_fill(loss_mask == 0, IGNORE_INDEX)
-        logp = token_logprobs(hidden.reshape(b * s, h), lm_head_weight(chunk), targets.reshape(-1),
-                              tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_start_index=lm_head_vocab_start(chunk),
-                              valid_vocab_size=self.model_cfg.vocab_size, **self.cfg.logprobs.op_kwargs())
-        return logp.view(b, s)
+        out = token_logprobs(hidden.reshape(b * s, h), lm_head_weight(chunk), targets.reshape(-1),
+                             tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_start_index=lm_head_vocab_start(chunk),
+                             valid_vocab_size=self.model_cfg.vocab_size, return_entropy=return_entropy,
+                             **self.cfg.logprobs.op_kwargs())
+        logp, entropy = out if return_entropy else (out, None)
+        return logp.view(b, s), (entropy.detach().view(b, s) if return_entropy else None)
 
     def _run(self, chunks, mbs: list[TrainBatch], *, forward_only: bool, output: str,
              loss_fn: Callable | None) -> list:
@@ -325,6 +328,8 @@ class Trainer:
         seq_len = max(mb.input_ids.shape[1] for mb in mbs)
         mbs_size = max(mb.num_sequences for mb in mbs)
         virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
+        # the policy's entropy, logged from its training pass (its gradient is never asked for: no extra work)
+        want_entropy = output == "logp" and not forward_only and self.cfg.logging.policy_entropy
 
         def forward_step(data_iterator, model):
             index, mb = next(data_iterator)
@@ -339,17 +344,19 @@ class Trainer:
                 out = model(input_ids, position_ids, None)
             if not _is_last(model):
                 return out, None
-            out = out[:mb.num_sequences]
+            out, entropy = out[:mb.num_sequences], None
             if output == "logp":
-                out = self._token_logprobs(model, out, mb.targets, mb.loss_mask)
-            return out, partial(_loss_wrapper, loss_fn, index, mb)
+                out, entropy = self._token_logprobs(model, out, mb.targets, mb.loss_mask, want_entropy)
+            return out, partial(_loss_wrapper, loss_fn, index, mb, entropy=entropy)
 
         n_global = self.cfg.batch.sequences_per_step
 
-        def _loss_wrapper(fn, index, mb, out):
+        def _loss_wrapper(fn, index, mb, out, entropy=None):
             if fn is None:
                 return out.new_zeros(()), {"index": index, "out": out.detach()}
             loss, metrics = fn(index, mb, out)
+            if entropy is not None:
+                metrics = {**metrics, "entropy": losses.mean_sequence_entropy(entropy, mb.loss_mask)}
             scale = losses.microbatch_scale(mb.num_sequences, len(mbs), self.dp_size, n_global)
             return loss * scale, {"index": index, "metrics": metrics, "n": mb.num_sequences}
 
@@ -748,6 +755,8 @@ def _progress(enabled: bool, total: int, start: int):
             info += f" kl {metrics['kl']:.3f}"
         if "approx_kl_old_new" in metrics:  # PPO: against the policy that sampled
             info += f" kl(old) {metrics['approx_kl_old_new']:.4f} clip {metrics.get('clip_fraction', 0.0):.2f}"
+        if "entropy" in metrics:  # nats per response token
+            info += f" entropy {metrics['entropy']:.3f}"
         bar.update(task, completed=step, info=info)
         if not bar.live.is_started or bar.disable:
             print(f"step {step}/{total} {info}", flush=True)
