@@ -3,6 +3,7 @@ N steps straight == k steps, SIGKILL, resume to N; SIGTERM makes a checkpoint an
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,11 +71,11 @@ def _wait_for(predicate, proc, timeout):
 
 def test_sigkill_and_resume_equals_straight_run(setup):
     root, hf = setup
-    straight = _train(_config(root, hf, "straight", 4))
+    straight = _train(_config(root, hf, "straight", 6))
     out, _ = straight.communicate(timeout=600)
     assert straight.returncode == 0, out[-3000:]
 
-    cfg = _config(root, hf, "killed", 4)
+    cfg = _config(root, hf, "killed", 6)
     proc = _train(cfg)
     _wait_for(lambda: (root / "killed/checkpoints/iter_0000002/COMPLETE").exists(), proc, 600)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -82,13 +83,17 @@ def test_sigkill_and_resume_equals_straight_run(setup):
     resumed = _train(cfg)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-3000:]
-    assert "resumed from" in out and "at step 2" in out
+    # normally step 2; on a loaded machine the trainer may write step 4's checkpoint before the kill lands
+    match = re.search(r"resumed from \S+ at step (\d+)", out)
+    assert match and int(match.group(1)) in (2, 4), out[-3000:]
+    resumed_at = int(match.group(1))
 
     a, b = _metrics(root / "straight"), _metrics(root / "killed")
-    assert sorted(b) == [1, 2, 3, 4]  # replayed steps replace, never duplicate, their metrics lines
-    for step in (3, 4):
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]  # replayed steps replace, never duplicate, their metrics lines
+    for step in range(resumed_at + 1, 7):
         assert b[step]["loss"] == a[step]["loss"]
         assert b[step]["grad_norm"] == a[step]["grad_norm"]
+        assert b[step]["entropy"] == a[step]["entropy"]
     wa = load_file(next((root / "straight/hf").glob("*.safetensors")))
     wb = load_file(next((root / "killed/hf").glob("*.safetensors")))
     assert wa.keys() == wb.keys()
