@@ -7,7 +7,7 @@ import torch
 
 from megatron_spo import algorithms
 from megatron_spo.data.batching import collate, split_by_token_budget
-from megatron_spo.training.loss import agro_batch_loss, microbatch_scale, spo_batch_loss
+from megatron_spo.training.loss import agro_batch_loss, metric_sums, microbatch_scale, spo_batch_loss
 
 
 @dataclass
@@ -81,6 +81,43 @@ def test_token_budget_micro_batches_give_the_full_batch_gradient():
         (l_mb * microbatch_scale(len(rows), len(parts), 1, len(trajs)) / len(parts)).backward()
         grads[rows] += lp.grad
     torch.testing.assert_close(grads, logp_full.grad, rtol=1e-12, atol=1e-14)
+
+
+def _micro_batch_metrics(trajs, parts, loss_fn):
+    """(full-batch metrics, the trainer's reduction of per-micro-batch metrics) for one batch."""
+    full = collate(trajs, pad_id=0)
+    logp, ref = _logps(full, 5)
+    _, want = loss_fn(full, logp, ref)
+    store = []
+    for rows in parts:
+        mb = collate([trajs[i] for i in rows], pad_id=0, length=full.input_ids.shape[1])
+        store.append({"metrics": loss_fn(mb, logp[rows], ref[rows])[1], "n": mb.num_sequences})
+    got = {k: s / n for k, (s, n) in metric_sums(store).items() if n}
+    want = {k: v[0] if isinstance(v, tuple) else v for k, v in want.items()}
+    return want, got
+
+
+def test_logged_metrics_are_the_full_batchs_however_micro_batches_split_it():
+    """Per-source metrics (a micro-batch may hold 1 of its 3 offline rows) and per-token ones reduce to the
+    value the whole batch gives; a plain per-micro-batch sequence weighting would not."""
+    trajs = _batch(7)
+    parts = split_by_token_budget([len(t.prompt_tokens) + len(t.response_tokens) - 1 for t in trajs], 13)
+    assert len(parts) >= 3
+    want, got = _micro_batch_metrics(trajs, parts, lambda b, lp, r: spo_batch_loss(
+        b, lp, r, beta=0.5, objectives=OBJ))
+    assert {"loss/offline", "mean_seq_log_ratio/online", "mean_token_advantage/mc"} <= set(want)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
+    # AGRO: micro-batches hold whole prompt groups (pairs here); the per-source log-ratios reduce exactly too
+    for i, t in enumerate(trajs):
+        t.prompt_id = f"g{i // 2}"
+    want, got = _micro_batch_metrics(trajs, [[0, 1, 2, 3], [4, 5], [6, 7]], lambda b, lp, r: agro_batch_loss(
+        b, lp, r, beta=0.5, on_policy=False))
+    assert {"mean_seq_log_ratio/online", "mean_seq_log_ratio/offline"} <= set(want)
+    for k in ("mean_seq_log_ratio", "mean_seq_log_ratio/online", "mean_seq_log_ratio/offline",
+              "mean_seq_log_ratio/mc"):
+        assert got[k] == pytest.approx(want[k], rel=1e-9), k
 
 
 def test_unconfigured_source_is_named():

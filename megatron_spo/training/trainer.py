@@ -447,8 +447,10 @@ class Trainer:
         if value_grad_norm is not None:
             metrics["grad_norm/value"] = value_grad_norm
         metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
-        if "mean_seq_log_ratio" in metrics:
-            metrics["kl"] = metrics["mean_seq_log_ratio"]
+        if "mean_seq_log_ratio/online" in metrics:
+            # k1 estimate of KL(pi || pi_0): unbiased only on samples from pi, so online trajectories only;
+            # offline data (e.g. pi_0's own samples) gives -KL(pi_0 || pi) or anything else
+            metrics["kl"] = metrics["mean_seq_log_ratio/online"]
         self.metrics.log(self.step, metrics)
         limit = cfg.logging.max_log_ratio
         if limit is not None and abs(metrics.get("mean_seq_log_ratio", 0.0)) > limit:
@@ -471,14 +473,11 @@ class Trainer:
         return store, float(grad_norm or 0.0)
 
     def _reduce_metrics(self, store: list) -> dict[str, float]:
-        """Sequence-weighted means of the loss metrics over data-parallel ranks, delivered on rank 0."""
+        """The loss metrics of the global batch (losses.metric_sums over micro-batches and data-parallel ranks),
+        delivered on rank 0."""
         local: dict[str, list[float]] = {}
         if self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0:
-            for item in store:
-                for k, v in item["metrics"].items():
-                    w = local.setdefault(k, [0.0, 0.0])
-                    w[0] += v * item["n"]
-                    w[1] += item["n"]
+            local = losses.metric_sums(store)
         gathered = [None] * self.world
         dist.all_gather_object(gathered, local)
         total: dict[str, list[float]] = {}
@@ -751,8 +750,10 @@ def _progress(enabled: bool, total: int, start: int):
             bar.stop()
             return
         info = f"loss {metrics.get('loss', math.nan):.4f} reward {metrics.get('reward', math.nan):+.3f}"
-        if "kl" in metrics:  # SPO / AGRO: mean sequence log(pi / pi_0)
+        if "kl" in metrics:  # SPO / AGRO: mean sequence log(pi / pi_0) on online samples
             info += f" kl {metrics['kl']:.3f}"
+        elif "mean_seq_log_ratio" in metrics:  # offline data only: not a KL estimate
+            info += f" log_ratio {metrics['mean_seq_log_ratio']:.3f}"
         if "approx_kl_old_new" in metrics:  # PPO: against the policy that sampled
             info += f" kl(old) {metrics['approx_kl_old_new']:.4f} clip {metrics.get('clip_fraction', 0.0):.2f}"
         if "entropy" in metrics:  # nats per response token
