@@ -9,6 +9,8 @@ import sys
 import psutil
 import pytest
 
+from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
@@ -60,6 +62,10 @@ def test_quickstart_end_to_end_small(tmp_path):
     assert metrics[0]["staleness/max"] == 0 and all(0 <= m["staleness/max"] <= 4 for m in metrics)
     assert all(-1.0 <= m["reward/online"] <= 0.0 for m in metrics)
     assert all("weight_sync/bytes_per_s" in metrics[i] for i in (1, 3))
+    # the KL estimate is on the online samples only (the offline set is the reference's own samples)
+    assert all(m["kl"] == m["mean_seq_log_ratio/online"] for m in metrics)
+    logged = {k for m in metrics for k in m} - UNPLOTTED  # every metric the run logs has a plot panel
+    assert logged - {n for title in PANELS for n in panel_names(title, logged)} == set()
 
     offline = [json.loads(line) for line in (run / "offline.jsonl").read_text().splitlines()]
     assert len(offline) >= 6 and all(r["reward"] == 0.0 for r in offline)  # correct samples + task solutions

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned
 
 from megatron_spo.config import ConfigError, TrainConfig
+from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names, plot_run
 from megatron_spo.training.trainer import Trainer, _microbatch_group_size, _split_to_count
 
 pytestmark = pytest.mark.multiproc
@@ -91,6 +92,25 @@ def test_training_moved_the_policy(trained, hf, algo):
     assert max((weights[k] - init[k]).abs().max().item() for k in init) > 1e-4
     m = _metrics(trained, f"single-{algo}")
     assert m[0]["lr"] == pytest.approx(5e-4) and m[1]["lr"] == pytest.approx(1e-3)  # linear warm-up, then constant
+
+
+def test_every_logged_metric_is_plotted_and_kl_comes_from_online_samples(trained, tmp_path):
+    """Each algorithm's metrics.jsonl: every name it logs lands in a plot panel (PANELS names drift from the
+    losses' metric names otherwise: two SPO panels once drew nothing). All data here is online, so the KL
+    estimate is the mean sequence log-ratio; the trainer's own rollout keys come from the quickstart test."""
+    for algo in ALGOS:
+        records = _metrics(trained, f"single-{algo}")
+        logged = {k for r in records for k in r} - UNPLOTTED
+        drawn = {n for title in PANELS for n in panel_names(title, logged)}
+        assert logged - drawn == set(), algo
+        for r in records:
+            if algo == "ppo":
+                assert "kl" not in r and "approx_kl_old_new" in r
+            else:
+                assert r["kl"] == r["mean_seq_log_ratio/online"] == pytest.approx(r["mean_seq_log_ratio"], rel=1e-9)
+    written = {p.name for p in plot_run(trained / "single-spo", tmp_path)}
+    assert {"spo_terminal_q_t_reward.png", "spo_mean_token_advantage.png", "kl_pi_pi_0_online_samples.png",
+            "policy_entropy_nats_token.png", "learning_rate.png"} <= written
 
 
 def test_logged_entropy_is_the_initial_policys_on_the_first_batch(trained, hf):

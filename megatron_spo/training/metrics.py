@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterable
@@ -21,20 +22,46 @@ from megatron_spo import extras
 
 METRICS_FILE = "metrics.jsonl"
 
-# Plot panels: title -> metric names drawn together (names missing from a run are skipped).
+# Plot panels: title -> the metrics drawn together. "prefix/*" stands for every logged name under that prefix
+# (per data source, per time bucket, ...); names a run did not log are skipped, and so is a panel with none.
 PANELS: dict[str, tuple[str, ...]] = {
-    "loss": ("loss", "loss/online", "loss/offline", "loss/mc"),
-    "reward": ("reward", "reward/online"),
-    "terminal Q error": ("q_terminal_error",),
-    "KL(pi || pi_0) estimate": ("kl", "log_ratio"),
+    "loss": ("loss", "loss/*"),
+    "reward": ("reward", "reward/*"),
+    "KL(pi || pi_0), online samples": ("kl",),
+    "sequence log(pi / pi_0) by source": ("mean_seq_log_ratio", "mean_seq_log_ratio/*"),
     "policy entropy (nats / token)": ("entropy",),
-    "mean advantage": ("advantage",),
-    "staleness (policy versions)": ("staleness", "staleness/max"),
+    "SPO terminal |Q_T - reward|": ("terminal_q_abs_error", "terminal_q_abs_error/*"),
+    "SPO mean Q_T": ("mean_q_terminal", "mean_q_terminal/*"),
+    "SPO mean token advantage": ("mean_token_advantage", "mean_token_advantage/*"),
+    "AGRO regularised reward": ("mean_regularised_reward", "half_var_regularised_reward", "mean_reward"),
+    "PPO vs the sampling policy": ("approx_kl_old_new", "clip_fraction", "mean_ratio"),
+    "PPO value loss": ("value_loss",),
+    "staleness (policy versions)": ("staleness", "staleness/*"),
     "tokens / s": ("tokens_per_s", "rollout/tokens_per_s"),
-    "step time split (s)": ("time/rollout_wait", "time/forward_backward", "time/weight_sync", "time/step"),
-    "grad norm": ("grad_norm",),
-    "pass@k": ("eval/pass@1", "eval/pass@10"),
+    "rollout queue depth (groups)": ("rollout/queue_depth",),
+    "rollout events (cumulative)": ("rollout/requests", "rollout/groups", "rollout/retries",
+                                    "rollout/failed_requests", "rollout/reward_errors", "rollout/dropped_stale",
+                                    "rollout/duplicates_dropped", "rollout/staleness_*"),
+    "step time split (s)": ("time/*", "weight_sync/seconds"),
+    "weight sync to the fleet (bytes / s)": ("weight_sync/bytes_per_s",),
+    "weight sync failures": ("weight_sync/failed",),
+    "grad norm": ("grad_norm", "grad_norm/*"),
+    "learning rate": ("lr",),
 }
+# Logged but not plotted: bookkeeping, not a training signal.
+UNPLOTTED = frozenset({"step", "time", "policy_version"})
+
+
+def panel_names(title: str, logged: Iterable[str]) -> list[str]:
+    """The logged metric names that PANELS[title] draws, in panel order (a pattern's matches sorted)."""
+    logged = set(logged)
+    out: list[str] = []
+    for pattern in PANELS[title]:
+        if pattern.endswith("*"):
+            out += sorted(n for n in logged if n.startswith(pattern[:-1]) and n not in out)
+        elif pattern in logged and pattern not in out:
+            out.append(pattern)
+    return out
 
 
 def _finite(value: Any) -> Any:
@@ -164,10 +191,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, smooth: 
     records = read_metrics(run_dir)
     out = Path(out_dir) if out_dir else Path(run_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
+    logged = {k for r in records for k, v in r.items() if isinstance(v, (int, float))}
     panels = {}
-    for title, names in PANELS.items():
+    for title in PANELS:
         series = {}
-        for name in names:
+        for name in panel_names(title, logged):
             pts = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float))]
             if pts:
                 series[name] = pts
@@ -225,7 +253,7 @@ def _moving_average(ys: Iterable[float], window: int) -> list[float]:
 
 
 def _slug(title: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in title.lower()).strip("_").replace("__", "_")
+    return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
 
 
 def plot_main(argv: list[str]) -> int:
