@@ -109,7 +109,7 @@ def test_every_logged_metric_is_plotted_and_kl_comes_from_online_samples(trained
             else:
                 assert r["kl"] == r["mean_seq_log_ratio/online"] == pytest.approx(r["mean_seq_log_ratio"], rel=1e-9)
     written = {p.name for p in plot_run(trained / "single-spo", tmp_path)}
-    assert {"spo_terminal_q_t_reward.png", "spo_mean_token_advantage.png", "kl_pi_pi_0_online_samples.png",
+    assert {"spo_terminal_q_t_reward.png", "spo_mean_token_advantage.png", "log_pi_pi_0_of_online_samples_kl_if_t_1_fresh.png",
             "policy_entropy_nats_token.png", "learning_rate.png"} <= written
 
 

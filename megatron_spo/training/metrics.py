@@ -27,7 +27,7 @@ METRICS_FILE = "metrics.jsonl"
 PANELS: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "loss/*"),
     "reward": ("reward", "reward/*"),
-    "KL(pi || pi_0), online samples": ("kl",),
+    "log(pi / pi_0) of online samples (KL if T=1, fresh)": ("kl",),
     "sequence log(pi / pi_0) by source": ("mean_seq_log_ratio", "mean_seq_log_ratio/*"),
     "policy entropy (nats / token)": ("entropy",),
     "SPO terminal |Q_T - reward|": ("terminal_q_abs_error", "terminal_q_abs_error/*"),

@@ -448,8 +448,9 @@ class Trainer:
             metrics["grad_norm/value"] = value_grad_norm
         metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
         if "mean_seq_log_ratio/online" in metrics:
-            # k1 estimate of KL(pi || pi_0): unbiased only on samples from pi, so online trajectories only;
-            # offline data (e.g. pi_0's own samples) gives -KL(pi_0 || pi) or anything else
+            # the k1 estimate of KL(pi || pi_0) is this mean on samples from pi itself: online trajectories only
+            # (offline data such as pi_0's own samples gives -KL(pi_0 || pi)); still biased when the engines
+            # sample below T=1 (rollout.temperature_range) or from a stale policy
             metrics["kl"] = metrics["mean_seq_log_ratio/online"]
         self.metrics.log(self.step, metrics)
         limit = cfg.logging.max_log_ratio
