@@ -39,10 +39,15 @@ fi
 constraints="$(mktemp)"; trap 'rm -f "$constraints"' EXIT
 "$PY" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
 
-# 3. The package with the extras the job needs (skipped when already installed at this checkout).
+# 3. The package with the extras the job needs (skipped when already installed at this checkout). The import
+#    runs from / : here the checkout itself is on sys.path, and an editable install of another clone (or a
+#    moved one) would pass, then fail in every process SLURM starts elsewhere.
 extras=""; [ "$job" = test ] && extras="[test]"
 stamp=".cache/bootstrap-$job-$(cat setup.py tools/bootstrap.sh | sha1sum | cut -c1-12)"
-if [ ! -f "$stamp" ] || ! "$PY" -c "import megatron_spo, megatron.core" 2>/dev/null; then
+installed_at="$(cd / && "$PY" -c "import megatron.core, megatron_spo, os; \
+print(os.path.realpath(os.path.join(os.path.dirname(megatron_spo.__file__), '..')))" 2>/dev/null || true)"
+if [ ! -f "$stamp" ] || [ "$installed_at" != "$(pwd -P)" ]; then
+  [ -n "$installed_at" ] && [ "$installed_at" != "$(pwd -P)" ] && log "megatron_spo is installed from $installed_at"
   log "pip install -e .$extras"
   "$PY" -m pip install -q --disable-pip-version-check -c "$constraints" -e ".$extras"
   mkdir -p .cache && touch "$stamp"
