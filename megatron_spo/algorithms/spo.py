@@ -18,6 +18,8 @@ from megatron_spo.algorithms.validation import check_token_inputs, upcast
 
 OBJECTIVES = ("terminal", "reverse_q", "advantage", "mc")
 LOSSES = ("squared", "cross_entropy", "sigmoid_bce")
+# spo_loss's metrics, each a mean over the batch's sequences except mean_token_advantage (over its tokens)
+METRIC_NAMES = ("loss", "terminal_q_abs_error", "mean_token_advantage", "mean_seq_log_ratio", "mean_q_terminal")
 # Advantages r - Q0 can be positive, so they are not log-probabilities: no cross-entropy for them.
 UNSUPPORTED = {
     ("advantage", "cross_entropy"): "advantages r - Q0 can be positive; use sigmoid_bce or squared"
@@ -229,7 +231,7 @@ def spo_loss(
         ).tolist()  # one sync for all metrics
     metrics = dict(
         zip(
-            ("loss", "terminal_q_abs_error", "mean_token_advantage", "mean_seq_log_ratio", "mean_q_terminal"),
+            METRIC_NAMES,
             stats,
             strict=True,
         )

@@ -72,7 +72,7 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
         weights["mean_token_advantage"] = int(mask.sum())  # a mean over response tokens
         for k, v in m.items():
             metrics[f"{k}/{source}"] = (v, weights[k])
-    for k in m:  # over sources, with the same weights
+    for k in algorithms.spo.METRIC_NAMES:  # over sources, with the same weights
         parts = [metrics[f"{k}/{source}"] for source in by_source]
         weight = sum(w for _, w in parts)
         metrics[k] = (sum(v * w for v, w in parts) / max(weight, 1), weight)

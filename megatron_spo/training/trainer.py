@@ -313,7 +313,7 @@ class Trainer:
                              valid_vocab_size=self.model_cfg.vocab_size, return_entropy=return_entropy,
                              **self.cfg.logprobs.op_kwargs())
         logp, entropy = out if return_entropy else (out, None)
-        return logp.view(b, s), (entropy.detach().view(b, s) if return_entropy else None)
+        return logp.view(b, s), None if entropy is None else entropy.detach().view(b, s)
 
     def _run(self, chunks, mbs: list[TrainBatch], *, forward_only: bool, output: str,
              loss_fn: Callable | None) -> list:
