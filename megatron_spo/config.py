@@ -396,17 +396,26 @@ class TaskConfig(StrictModel):
 
 
 class FleetEndpoints(StrictModel):
-    """Where the rollout engines are. Empty = read SPO_ROUTER_URL / SPO_ENGINE_URLS (set by slurm/spo.sbatch)."""
+    """Where the rollout engines are. Empty = read SPO_ROUTER_URL / SPO_ENGINE_URLS / ENGINE_TP (set by
+    slurm/spo.sbatch)."""
 
     router_url: str | None = None
     engine_urls: list[str] = Field(default_factory=list)
+    engine_tp_size: int | None = Field(None, gt=0, description="TP size every engine was launched with; checked "
+                                       "against each engine's /server_info before a weight push (None: trust it)")
 
     def resolved(self) -> FleetEndpoints:
         import os
 
         router = self.router_url or os.environ.get("SPO_ROUTER_URL") or None
         engines = self.engine_urls or [u for u in os.environ.get("SPO_ENGINE_URLS", "").replace(",", " ").split() if u]
-        return FleetEndpoints(router_url=router, engine_urls=engines)
+        tp = self.engine_tp_size
+        if tp is None and os.environ.get("ENGINE_TP"):
+            try:
+                tp = int(os.environ["ENGINE_TP"])
+            except ValueError:
+                raise ConfigError(f"ENGINE_TP={os.environ['ENGINE_TP']!r} is not an integer") from None
+        return FleetEndpoints(router_url=router, engine_urls=engines, engine_tp_size=tp)
 
 
 class TrainConfig(StrictModel):
@@ -509,6 +518,12 @@ class RolloutConfig(StrictModel):
     weight_bucket_mb: float = Field(512.0, gt=0)
     weight_sync_dir: str | None = Field(None, description="shared directory for weight_sync=disk")
     weight_sync_backend: Literal["gloo", "nccl"] = "gloo"
+    weight_sync_pause: Literal["retract", "abort"] = Field(
+        "retract", description="how a weight push pauses the engines: retract (requests in flight resume under "
+        "the new weights; their samples then span two versions) or abort (they end and are sent again)")
+    mixed_version_policy: Literal["tag", "drop"] = Field(
+        "tag", description="a sample whose tokens span a weight update: keep it (policy_version = its oldest "
+        "token's version, counted) or generate it again")
 
     @model_validator(mode="after")
     def _check_rollout(self) -> RolloutConfig:
@@ -562,8 +577,10 @@ class ToolSamplingConfig(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 = off")
     max_new_tokens: int = Field(512, gt=0)
-    seed: int | None = Field(0, description="per-prompt sampling seeds derive from it (reproducible resumes); "
-                             "None = engine randomness")
+    seed: int | None = Field(None, description="None: engine randomness, n samples per request. A seed: every "
+                             "sample gets its own sampling_seed (one request each), reproducible only on engines "
+                             "with deterministic inference (SGLang --enable-deterministic-inference, which shares "
+                             "one seed among the n samples of a request and ignores seeds otherwise)")
     samples_per_request: int = Field(64, gt=0, description="n of one /generate call; more samples = more calls")
     concurrency: int = Field(8, gt=0, description="prompts in flight at once")
 

@@ -27,7 +27,7 @@ from megatron_spo.data.trajectory import read_jsonl, validate_record  # noqa: E4
 from megatron_spo.eval.runner import evaluate  # noqa: E402
 from megatron_spo.rewards.reward import RewardResult  # noqa: E402
 from megatron_spo.rollout.manager import Prompt  # noqa: E402
-from megatron_spo.rollout.protocol import Completion  # noqa: E402
+from megatron_spo.rollout.protocol import Completion, SamplingParams  # noqa: E402
 from megatron_spo.rollout.weight_sync import free_port  # noqa: E402
 
 BETA = 0.25
@@ -216,9 +216,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from megatron_spo.rollout.engine_server import LocalEngine
+    from megatron_spo.rollout.local_engine import LocalEngine
 
-    with ServerThread(LocalEngine(model_dir, seed=0), free_port()) as srv:
+    with ServerThread(LocalEngine(model_dir, seed=0, deterministic=True), free_port()) as srv:
         yield srv
 
 
@@ -272,7 +272,7 @@ def test_estimate_q0_exact_values_and_interrupt_resume_equality(engine, tokenize
 
     one = CountingClient(engine.url)
     full = run(tmp_path / "full.jsonl", tmp_path / "full-traj.jsonl", one)
-    assert one.calls == 4  # one request of 16 samples per prompt
+    assert one.calls == 64  # seeded: one request per sample, each with its own seed
 
     # S0 = correct / n, Q0 = beta log(S0 + (1 - S0) e^(-1/beta)); every kept trajectory really contains 'e'
     kept, _ = read_jsonl(tmp_path / "full-traj.jsonl")
@@ -285,8 +285,8 @@ def test_estimate_q0_exact_values_and_interrupt_resume_equality(engine, tokenize
         assert all(t.q0 == est.q0 and t.reward == 0.0 for t in mine)
     assert 0 < sum(e.correct for e in full.values()) < 64  # a non-trivial mix: the check above means something
 
-    # interrupt at the third engine call (two prompts done), tear the file's tail, resume
-    cut = CountingClient(engine.url, fail_at=3)
+    # interrupt at the 33rd engine call (two prompts done), tear the file's tail, resume
+    cut = CountingClient(engine.url, fail_at=33)
     with pytest.raises(Interrupted):
         run(tmp_path / "cut.jsonl", tmp_path / "cut-traj.jsonl", cut)
     assert len(read_q0(tmp_path / "cut.jsonl")) == 2
@@ -294,12 +294,37 @@ def test_estimate_q0_exact_values_and_interrupt_resume_equality(engine, tokenize
         f.write('{"prompt_id": "half-writ')
     resumed = CountingClient(engine.url)
     run(tmp_path / "cut.jsonl", tmp_path / "cut-traj.jsonl", resumed)
-    assert resumed.calls == 2  # only the two missing prompts
+    assert resumed.calls == 32  # only the two missing prompts
     assert (tmp_path / "cut.jsonl").read_bytes() == (tmp_path / "full.jsonl").read_bytes()
     assert (tmp_path / "cut-traj.jsonl").read_bytes() == (tmp_path / "full-traj.jsonl").read_bytes()
     with pytest.raises(ValueError, match="was estimated with n=16, beta=0.25; this run asks n=16, beta=0.5"):
         run_with(CountingClient(engine.url), lambda c: estimate_q0(prompts, c, reward, samples=16, beta=0.5,
                                                                    sampling=sampling, out_path=tmp_path / "cut.jsonl"))
+
+
+def test_seeded_samples_of_one_prompt_differ_on_a_deterministic_engine(engine, tokenizer):
+    """Q0 must not be estimated from n copies of one sample: SGLang's deterministic inference gives the n
+    samples of a request one shared seed, so a seeded tool sends one request per sample (data/q0.py sample)."""
+    from megatron_spo.data.q0 import sample
+    from megatron_spo.rollout.client import EngineClient
+
+    tokens = tokenizer("# num: add 2\n")["input_ids"]
+
+    async def go(sampling):
+        async with EngineClient(engine.url) as client:
+            return [tuple(c.output_ids) for c in await sample(client, tokens, 8, sampling, seed_key=("p",))]
+
+    seeded = asyncio.run(go(ToolSamplingConfig(temperature=1.0, max_new_tokens=12, seed=5, samples_per_request=8)))
+    assert len(set(seeded)) == 8
+    assert seeded == asyncio.run(go(ToolSamplingConfig(temperature=1.0, max_new_tokens=12, seed=5)))  # reproducible
+    one_request = SamplingParams(temperature=1.0, max_new_tokens=12, n=8, sampling_seed=5)  # what a tool must not do
+
+    async def shared():
+        async with EngineClient(engine.url) as client:
+            [group] = await client.generate([tokens], one_request, return_logprob=False)
+            return {tuple(c.output_ids) for c in group}
+
+    assert len(asyncio.run(shared())) == 1
 
 
 def test_estimate_q0_greedy_gives_exact_s0_zero_and_one(engine, tokenizer):
@@ -441,18 +466,19 @@ def test_cli_estimate_q0_stops_on_sigusr1_keeps_finished_prompts_and_resumes(mod
     import subprocess
     import time
 
-    from megatron_spo.rollout.engine_server import LocalEngine
+    from megatron_spo.rollout.local_engine import LocalEngine
 
-    class PacedEngine(LocalEngine):  # the real engine, 0.3 s per batch: the signal lands mid-run
+    class PacedEngine(LocalEngine):  # the real engine, 0.1 s per sample admitted: the signal lands mid-run
         calls = 0
 
-        def generate(self, rows):
+        def check(self, req):
             type(self).calls += 1
-            time.sleep(0.3)
-            return super().generate(rows)
+            time.sleep(0.1)
+            return super().check(req)
 
     limit = 8
-    with ServerThread(PacedEngine(model_dir, seed=0), free_port()) as srv:
+    # --seed: one request per sample with its own seed, reproducible on an engine with deterministic inference
+    with ServerThread(PacedEngine(model_dir, seed=0, deterministic=True), free_port()) as srv:
         def cli(out: str) -> list[str]:
             return [sys.executable, "-m", "megatron_spo.cli", "estimate-q0", "--engine-url", srv.url, "--task", "toy",
                     "--limit", str(limit), "--samples", "4", "--samples-per-request", "4", "--concurrency", "1",
@@ -477,7 +503,7 @@ def test_cli_estimate_q0_stops_on_sigusr1_keeps_finished_prompts_and_resumes(mod
         before = PacedEngine.calls
         resumed = subprocess.run(cli("cut.jsonl"), capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert PacedEngine.calls - before == limit - len(saved)  # one request per missing prompt, no more
+        assert PacedEngine.calls - before == 4 * (limit - len(saved))  # the missing prompts' samples, no more
     assert cut.read_bytes() == (tmp_path / "full.jsonl").read_bytes()
 
 

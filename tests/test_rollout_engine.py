@@ -21,7 +21,7 @@ from rollout_helpers import FaultyServer, ServerThread, make_tiny_llama, perturb
 
 from megatron_spo.config import ConfigError, RolloutConfig, build_config  # noqa: E402
 from megatron_spo.rollout.client import EngineClient, EngineError, post_json  # noqa: E402
-from megatron_spo.rollout.engine_server import LocalEngine, SampleRow  # noqa: E402
+from megatron_spo.rollout.local_engine import LocalEngine, Req  # noqa: E402
 from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
 from megatron_spo.rollout.protocol import (  # noqa: E402
     GenerateRequest,
@@ -133,7 +133,10 @@ def test_responses_decode_with_sglang_decoder(server, sglang_api):
     status, items = post_json(server.url + "/generate", body)
     assert status == 200 and isinstance(items, list) and len(items) == 4
     decoded = [sglang_api.GenerateResponse.from_json_value(item) for item in items]
-    assert [d.meta_info.id for d in decoded] == ["a_0", "a_1", "b_0", "b_1"]  # prompt-major, SGLang's rid_i
+    # n > 1: SGLang gives every sample a fresh id (tokenizer_manager.py _handle_batch_request: regenerate_rid),
+    # not the request's rid or rid_i; clients must not match samples by id
+    ids = [d.meta_info.id for d in decoded]
+    assert len(set(ids)) == 4 and not {"a", "b", "a_0", "a_1", "b_0", "b_1"} & set(ids)
     for d in decoded:
         assert d.meta_info.completion_tokens == len(d.output_ids) == len(d.meta_info.output_token_logprobs)
         assert [e.token_id for e in d.meta_info.output_token_logprobs] == d.output_ids
@@ -171,7 +174,7 @@ def test_bad_requests_get_400_with_reason(server, sampling, message):
 def test_logprobs_are_sglang_temperature_scaled_logprobs(engine):
     prompt = [5, 6, 7, 8]
     for temperature in (0.3, 1.0, 1.7):
-        [res] = engine.generate([SampleRow(prompt, SamplingParams(max_new_tokens=12, temperature=temperature,
+        [res] = engine.generate([Req(prompt, SamplingParams(max_new_tokens=12, temperature=temperature,
                                                                   top_p=0.9, ignore_eos=True, sampling_seed=1), "x")])
         scores = hf_scores(engine, prompt, res.output_ids)
         expected = torch.log_softmax(scores / temperature, -1).gather(1, torch.tensor(res.output_ids)[:, None])[:, 0]
@@ -180,7 +183,7 @@ def test_logprobs_are_sglang_temperature_scaled_logprobs(engine):
 
 def test_greedy_matches_transformers_generate_and_reports_raw_logprobs(engine):
     prompt = [10, 11, 12]
-    [res] = engine.generate([SampleRow(prompt, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
+    [res] = engine.generate([Req(prompt, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
                                        "g")])
     ref = engine.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(prompt):].tolist()
@@ -189,20 +192,42 @@ def test_greedy_matches_transformers_generate_and_reports_raw_logprobs(engine):
     torch.testing.assert_close(torch.tensor(res.logprobs), raw, atol=2e-5, rtol=0)
 
 
-def test_seeded_rows_do_not_depend_on_batch_company(engine):
+@pytest.fixture(scope="module")
+def deterministic_engine(model_dir):
+    return LocalEngine(model_dir, seed=0, deterministic=True)
+
+
+def test_seeded_rows_do_not_depend_on_batch_company(deterministic_engine):
+    engine = deterministic_engine
     params = SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=42, ignore_eos=True)
-    alone = engine.generate([SampleRow([3, 4, 5, 6, 7], params, "a")])[0]
-    batched = engine.generate([SampleRow([9], SamplingParams(max_new_tokens=3), "b"),
-                               SampleRow([3, 4, 5, 6, 7], params, "a"),
-                               SampleRow([20, 21, 22, 23, 24, 25, 26, 27], SamplingParams(max_new_tokens=8), "c")])[1]
+    alone = engine.generate([Req([3, 4, 5, 6, 7], params, "a")])[0]
+    batched = engine.generate([Req([9], SamplingParams(max_new_tokens=3), "b"),
+                               Req([3, 4, 5, 6, 7], params, "a"),
+                               Req([20, 21, 22, 23, 24, 25, 26, 27], SamplingParams(max_new_tokens=8), "c")])[1]
     assert batched.output_ids == alone.output_ids
     torch.testing.assert_close(torch.tensor(batched.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+
+
+def test_sampling_seed_acts_only_under_deterministic_inference_and_n_samples_share_it(engine, deterministic_engine):
+    """SGLang (layers/sampler.py, sampling/sampling_batch_info.py): sampling_seed is used only with
+    --enable-deterministic-inference, every sample of a request gets the request's seed and unseeded rows get
+    42, so the n samples of one request are identical; without the flag the seed is ignored."""
+    def samples(eng, seed, n=3):
+        params = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, sampling_seed=seed)
+        return [r.output_ids for r in eng.generate([Req([3, 4, 5], params, f"s{i}") for i in range(n)])]
+
+    same = samples(deterministic_engine, 7)
+    assert same[0] == same[1] == same[2]  # n samples of one seeded request: one sample, three times
+    assert samples(deterministic_engine, 8)[0] != same[0]  # a seed per sample is what tells them apart
+    assert samples(deterministic_engine, None) == samples(deterministic_engine, 42)
+    ignored = samples(engine, 7)
+    assert len({tuple(o) for o in ignored}) == 3  # no deterministic inference: the seed does nothing
 
 
 def test_top_k_sampling_follows_the_renormalised_distribution(engine):
     """First-token frequencies over 1200 samples match softmax(logits / T) restricted to the top 3."""
     prompt, temperature = [30, 31, 32], 2.0
-    rows = [SampleRow(prompt, SamplingParams(max_new_tokens=1, temperature=temperature, top_k=3, ignore_eos=True,
+    rows = [Req(prompt, SamplingParams(max_new_tokens=1, temperature=temperature, top_k=3, ignore_eos=True,
                                              sampling_seed=s), f"s{s}") for s in range(1200)]
     counts = torch.zeros(engine.vocab_size)
     for res in engine.generate(rows):
@@ -217,11 +242,11 @@ def test_top_k_sampling_follows_the_renormalised_distribution(engine):
 
 def test_stop_tokens_and_length_finish_reasons(engine):
     prompt = [5, 6, 7]
-    [free] = engine.generate([SampleRow(prompt, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
+    [free] = engine.generate([Req(prompt, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
                                         "f")])
     stop_at = free.output_ids[3]
     first = free.output_ids.index(stop_at)
-    [stopped] = engine.generate([SampleRow(prompt, SamplingParams(max_new_tokens=10, temperature=0.0,
+    [stopped] = engine.generate([Req(prompt, SamplingParams(max_new_tokens=10, temperature=0.0,
                                                                   stop_token_ids=[stop_at], ignore_eos=True), "s")])
     assert stopped.output_ids == free.output_ids[:first + 1]  # the matched stop token is included (as SGLang)
     assert stopped.finish == {"type": "stop", "matched": stop_at}
@@ -248,7 +273,7 @@ def test_disk_weight_sync_loads_new_weights_and_version(server, model_dir, tmp_p
         assert status == 400 and body["success"] is False and "no *.safetensors" in body["message"]
     finally:
         engine.load_named_tensors(list(before.items()))
-        engine.weight_version = "default"
+        assert post_json(server.url + "/update_weight_version", {"new_version": "default"})[0] == 200
 
 
 def test_tied_embeddings_accept_both_names(tmp_path):

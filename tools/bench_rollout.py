@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from rollout_helpers import engine_env, make_tiny_llama  # noqa: E402
 
 from megatron_spo.rollout.client import EngineClient  # noqa: E402
-from megatron_spo.rollout.engine_server import LocalEngine, SampleRow  # noqa: E402
 from megatron_spo.rollout.fleet import Fleet  # noqa: E402
+from megatron_spo.rollout.local_engine import LocalEngine, Req  # noqa: E402
 from megatron_spo.rollout.protocol import SamplingParams  # noqa: E402
 
 
@@ -59,10 +59,10 @@ async def interleaved_overhead(url: str, engine: LocalEngine, workload, params: 
     inproc, http = [], []
     async with EngineClient(url) as client:
         await client.generate([workload[0]], params)
-        engine.generate([SampleRow(workload[0], params, "w", i) for i in range(params.n)])
+        engine.generate([Req(workload[0], params, f"w{i}") for i in range(params.n)])
         for p in workload:
             start = time.perf_counter()
-            engine.generate([SampleRow(p, params, "r", i) for i in range(params.n)])
+            engine.generate([Req(p, params, f"r{i}") for i in range(params.n)])
             inproc.append(time.perf_counter() - start)
             start = time.perf_counter()
             await client.generate([p], params, return_logprob=True)

@@ -223,9 +223,15 @@ def derive_seed(seed: int | None, *parts: Any) -> int | None:
 
 async def sample(client: Any, tokens: list[int], n: int, sampling: ToolSamplingConfig, *,
                  seed_key: tuple) -> list[Completion]:
-    """n completions of one prompt, in requests of at most samples_per_request (sent concurrently)."""
-    chunk = sampling.samples_per_request
-    sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
+    """n completions of one prompt, sent concurrently: requests of at most samples_per_request samples, or,
+    with sampling.seed, one request per sample with its own sampling_seed. SGLang gives every sample of one
+    request the same seed (under deterministic inference; seeds do nothing otherwise), so n seeded samples
+    in one request would be n copies of one: Q0 from them would be degenerate."""
+    if sampling.seed is None:
+        chunk = sampling.samples_per_request
+        sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
+    else:
+        sizes = [1] * n
 
     async def request(i: int, m: int) -> list[Completion]:
         params = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
@@ -431,7 +437,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: ToolSamplingCon
     g.add_argument("--top-p", type=float, default=defaults.top_p)
     g.add_argument("--top-k", type=int, default=defaults.top_k)
     g.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    g.add_argument("--seed", type=int, default=defaults.seed, help="base of the per-prompt sampling seeds")
+    g.add_argument("--seed", type=int, default=defaults.seed,
+                   help="per-sample sampling seeds derive from it (one request per sample; reproducible only on "
+                        "engines with deterministic inference). Default: engine randomness, n per request")
     g.add_argument("--samples-per-request", type=int, default=defaults.samples_per_request)
     g.add_argument("--concurrency", type=int, default=defaults.concurrency, help="prompts in flight")
 

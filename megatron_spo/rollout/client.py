@@ -110,7 +110,10 @@ class EngineClient:
             return False
 
     async def model_info(self) -> dict:
-        return await self.request("GET", "/get_model_info")
+        return await self.request("GET", "/model_info")  # /get_model_info is deprecated in SGLang
+
+    async def server_info(self) -> dict:
+        return await self.request("GET", "/server_info")
 
     async def weight_version(self) -> str | None:
         info = await self.model_info()

@@ -1,306 +1,69 @@
-"""A local generation engine on transformers, speaking the SGLang HTTP subset the project uses.
+"""The local engine's HTTP front, speaking the SGLang HTTP subset the project uses with SGLang's rules.
 
-    megatron-spo serve --model HF_DIR --port 30000
+    megatron-spo serve --model HF_DIR --port 30000 [--tp-size N] [--enable-deterministic-inference]
 
-Endpoints: /generate, /health, /health_generate, /get_model_info (/model_info), /get_server_info
-(/server_info), /get_weight_version, /flush_cache, /update_weights_from_disk, /init_weights_update_group,
-/update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version. Request and
-response shapes are SGLang's (see protocol.py). It is a real engine at small scale: batched sampling with
-a KV cache, per-row temperature/top-p/top-k/min-p/seed, stop tokens, n samples per prompt.
+Endpoints: /generate, /health, /health_generate, /model_info, /server_info (and the deprecated
+/get_model_info, /get_server_info), /get_weight_version, /flush_cache, /abort_request, /pause_generation,
+/continue_generation, /begin_weight_update, /end_weight_update, /update_weights_from_disk,
+/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
+/update_weight_version. Request and response shapes are SGLang's (protocol.py).
 
-All model work (generation and weight loads) runs on one worker thread, so a weight update never
-interleaves with a batch; requests that arrive while a batch runs are batched together next.
+What the front enforces, as SGLang's tokenizer manager does (sglang 0.5.23, managers/tokenizer_manager.py and
+tokenizer_control_mixin.py): every /generate waits while the engine is paused and then holds a reader lock
+until it returns; a weight update on an engine that is not paused takes the writer lock (it waits for every
+request in flight, and new ones queue behind it), and on a paused engine runs at once; /pause_generation
+``abort`` aborts every request and returns when none is left in flight, ``retract`` and ``in_place`` hand the
+pause to the scheduler (local_engine.py); request ids of n > 1 samples are fresh per sample; a request id
+already in flight is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
-import glob
-import inspect
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from megatron_spo.rollout.local_engine import LocalEngine, Req, Scheduler
 from megatron_spo.rollout.protocol import (
-    TOP_K_ALL,
+    PAUSE_MODES,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     ProtocolError,
-    SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     parse_body,
 )
+from megatron_spo.rollout.rwlock import RWLock
 
 log = logging.getLogger("megatron_spo.engine")
 
-RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes")
 
-
-@dataclass
-class SampleRow:
-    """One sequence to generate: a prompt, its sampling params, and its response id."""
-
-    prompt: list[int]
-    params: SamplingParams
-    rid: str
-    sample_index: int = 0
-
-
-@dataclass
-class SampleResult:
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: dict[str, Any] = field(default_factory=dict)
-
-
-class LocalEngine:
-    """A HF causal LM on CPU (or one GPU) with SGLang's sampling semantics. Thread-compatible, not
-    thread-safe: call from one thread."""
-
-    def __init__(self, model_dir: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0):
-        from transformers import AutoModelForCausalLM
-
-        self.model_path = os.path.abspath(model_dir)
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
-        self.model.to(self.device).eval()
-        # transformers >= 5.24 names the KV cache argument `cache` (`past_key_values` is deprecated there)
-        forward_args = inspect.signature(self.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
-        self.tokenizer = _load_tokenizer(self.model_path)
-        cfg = self.model.config
-        self.vocab_size = int(cfg.vocab_size)
-        self.max_context_length = int(getattr(cfg, "max_position_embeddings", 4096))
-        self.eos_ids = _eos_ids(self.model, self.tokenizer)
-        self.pad_id = self.eos_ids[0] if self.eos_ids else 0
-        self.weight_version = "default"  # SGLang's initial weight_version
-        self.rng = torch.Generator().manual_seed(seed)
-        self.update_groups: dict[str, Any] = {}
-
-    # ---------------------------------------------------------------------------------------------
-    # generation
-    # ---------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def generate(self, rows: list[SampleRow]) -> list[SampleResult]:
-        """Generate every row in one left-padded batch with a KV cache."""
-        if not rows:
-            return []
-        for row in rows:
-            if len(row.prompt) + row.params.max_new_tokens > self.max_context_length:
-                raise ProtocolError(
-                    f"prompt of {len(row.prompt)} tokens + max_new_tokens {row.params.max_new_tokens} exceeds "
-                    f"the context length {self.max_context_length}"
-                )
-            bad = [t for t in row.prompt if t >= self.vocab_size]
-            if bad:
-                raise ProtocolError(f"input id {bad[0]} is outside the vocabulary of size {self.vocab_size}")
-        batch = len(rows)
-        width = max(len(r.prompt) for r in rows)
-        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row.prompt):] = torch.tensor(row.prompt)
-            mask[i, width - len(row.prompt):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-
-        results = [SampleResult() for _ in rows]
-        active = [r.params.max_new_tokens > 0 for r in rows]
-        for i in range(batch):
-            if not active[i]:
-                results[i].finish = {"type": "length", "length": 0}
-        if not any(active):
-            return results
-        generators = [self._generator(r) for r in rows]
-        stop_sets = [self._stop_ids(r.params) for r in rows]
-        temperature, top_p, top_k, min_p, greedy = self._sampling_tensors(rows)
-
-        from transformers import DynamicCache
-
-        cache = {self._cache_kwarg: DynamicCache()}  # filled in place by every forward call
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
-        for _ in range(max(r.params.max_new_tokens for r in rows)):
-            logits = out.logits[:, -1, :].float().cpu()  # sampling on CPU: per-row CPU generators
-            tokens, logprobs = _sample(logits, temperature, top_p, top_k, min_p, greedy, generators)
-            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-            for i, row in enumerate(rows):
-                if not active[i]:
-                    continue
-                tok = token_list[i]
-                results[i].output_ids.append(tok)
-                results[i].logprobs.append(logprob_list[i])
-                if tok in stop_sets[i]:
-                    results[i].finish = {"type": "stop", "matched": tok}
-                    active[i] = False
-                elif len(results[i].output_ids) >= row.params.max_new_tokens:
-                    results[i].finish = {"type": "length", "length": row.params.max_new_tokens}
-                    active[i] = False
-            if not any(active):
-                break
-            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(input_ids=tokens[:, None].to(self.device), attention_mask=mask, position_ids=positions,
-                             use_cache=True, **cache)
-        return results
-
-    def _generator(self, row: SampleRow) -> torch.Generator:
-        if row.params.sampling_seed is None:
-            return self.rng
-        return torch.Generator().manual_seed((row.params.sampling_seed * 1_000_003 + row.sample_index) % (1 << 63))
-
-    def _stop_ids(self, params: SamplingParams) -> set[int]:
-        stop = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            stop.update(self.eos_ids)
-        return stop
-
-    def _sampling_tensors(self, rows: list[SampleRow]):
-        temperature = torch.tensor([[1.0 if r.params.is_greedy else r.params.temperature] for r in rows])
-        top_p = torch.tensor([[r.params.top_p] for r in rows])
-        top_k = torch.tensor([[TOP_K_ALL if r.params.top_k == -1 else r.params.top_k] for r in rows])
-        min_p = torch.tensor([[r.params.min_p] for r in rows])
-        greedy = torch.tensor([r.params.is_greedy for r in rows])
-        return temperature, top_p, top_k, min_p, greedy
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    # ---------------------------------------------------------------------------------------------
-    # weights
-    # ---------------------------------------------------------------------------------------------
-    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named full tensors into the model. All names and shapes are checked before the first
-        copy, so a bad update leaves the old weights intact."""
-        params = self.model.state_dict(keep_vars=True)  # has both names of tied weights (lm_head / embed)
-        for name, tensor in named:
-            if name not in params:
-                raise ValueError(f"unknown weight name '{name}'")
-            if tuple(params[name].shape) != tuple(tensor.shape):
-                raise ValueError(f"weight '{name}': shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-        with torch.no_grad():
-            for name, tensor in named:
-                params[name].copy_(tensor.to(params[name].dtype))
-
-    def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> None:
-        from safetensors.torch import load_file
-
-        files = sorted(glob.glob(os.path.join(req.model_path, "*.safetensors")))
-        if not files:
-            raise ValueError(f"no *.safetensors files in '{req.model_path}'")
-        named: list[tuple[str, torch.Tensor]] = []
-        for path in files:
-            named.extend(load_file(path).items())
-        self.load_named_tensors(named)
-        if req.weight_version is not None:
-            self.weight_version = req.weight_version
-
-    def init_weights_update_group(self, req: InitWeightsUpdateGroupRequest) -> None:
-        from megatron_spo.rollout.weight_sync import init_custom_process_group
-
-        if req.group_name in self.update_groups:
-            raise ValueError(f"group '{req.group_name}' already exists")
-        self.update_groups[req.group_name] = init_custom_process_group(
-            backend=req.backend, master_address=req.master_address, master_port=req.master_port,
-            rank=req.rank_offset, world_size=req.world_size, group_name=req.group_name,
-        )
-
-    def update_weights_from_distributed(self, req: UpdateWeightsFromDistributedRequest) -> None:
-        from megatron_spo.rollout.weight_sync import receive_broadcast
-
-        group = self.update_groups.get(req.group_name)
-        if group is None:
-            raise ValueError(f"group '{req.group_name}' not initialised: call /init_weights_update_group first")
-        named = receive_broadcast(group, req.names, req.dtypes, req.shapes, req.load_format, self.device)
-        self.load_named_tensors(named)
-        if req.weight_version is not None:
-            self.weight_version = req.weight_version
-
-    def destroy_weights_update_group(self, group_name: str) -> None:
-        group = self.update_groups.pop(group_name, None)
-        if group is None:
-            raise ValueError(f"group '{group_name}' does not exist")
-        torch.distributed.destroy_process_group(group)
-
-
-def _sample(logits, temperature, top_p, top_k, min_p, greedy, generators):
-    """SGLang's sampler on a [B, V] batch -> (tokens [B], log-probs [B]) with per-row settings.
-
-    Log-probs are log softmax(logits / T) of the sampled token (raw log softmax for greedy rows or with
-    SGLANG_RETURN_ORIGINAL_LOGPROB=1), before top-p/top-k/min-p truncation, as SGLang reports them."""
-    raw = torch.log_softmax(logits, dim=-1)
-    scaled = torch.log_softmax(logits / temperature, dim=-1)
-    probs_sorted, order = scaled.exp().sort(dim=-1, descending=True)
-    rank = torch.arange(probs_sorted.shape[-1]).expand_as(probs_sorted)
-    drop = rank >= top_k
-    drop |= (probs_sorted.cumsum(-1) - probs_sorted) > top_p
-    drop |= probs_sorted < min_p * probs_sorted[:, :1]
-    probs_sorted = probs_sorted.masked_fill(drop, 0.0)
-    tokens = torch.empty(logits.shape[0], dtype=torch.long)
-    for i, gen in enumerate(generators):
-        if greedy[i]:
-            tokens[i] = logits[i].argmax()
-        else:
-            tokens[i] = order[i, torch.multinomial(probs_sorted[i], 1, generator=gen)[0]]
-    report = torch.where(greedy[:, None], raw, raw if RETURN_ORIGINAL_LOGPROB else scaled)
-    return tokens, report.gather(1, tokens[:, None])[:, 0]
-
-
-def _load_tokenizer(model_dir: str):
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError) as err:
-        log.warning("no tokenizer in %s (%s): responses will have empty text", model_dir, err)
-        return None
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        for tok in eos if isinstance(eos, list) else [eos]:
-            if tok is not None and tok not in ids:
-                ids.append(int(tok))
-    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    return ids
-
-
-# -------------------------------------------------------------------------------------------------
-# HTTP server
-# -------------------------------------------------------------------------------------------------
 class EngineServer:
-    """aiohttp front: batches concurrent /generate calls onto the engine's worker thread."""
+    """aiohttp front of one LocalEngine, whose Scheduler thread does all model work."""
 
     def __init__(self, engine: LocalEngine, *, host: str, port: int, max_batch_size: int = 64,
                  served_model_name: str | None = None):
         self.engine = engine
         self.host, self.port = host, port
-        self.max_batch_size = max_batch_size
         self.served_model_name = served_model_name or engine.model_path
-        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.pending: asyncio.Queue | None = None
-        self.batcher: asyncio.Task | None = None
+        self.scheduler = Scheduler(engine, max_batch_size=max_batch_size)
+        self.is_pause = False
+        self.pause_cond: asyncio.Condition | None = None
+        self.model_update_lock: RWLock | None = None
+        self.live_rids: set[str] = set()
+        self.startup_time = time.time()
 
     async def on_startup(self, app) -> None:
-        self.pending = asyncio.Queue()
-        self.batcher = asyncio.create_task(self._batch_loop())
+        self.pause_cond = asyncio.Condition()
+        self.model_update_lock = RWLock()
+        self.scheduler.start()
 
     async def on_cleanup(self, app) -> None:
-        if self.batcher is not None:
-            self.batcher.cancel()
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        self.scheduler.stop()
 
     def build_app(self):
         from aiohttp import web
@@ -311,13 +74,18 @@ class EngineServer:
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
-        for path in ("/get_model_info", "/model_info"):
-            r.add_get(path, self.model_info)
-        for path in ("/get_server_info", "/server_info"):
-            r.add_get(path, self.server_info)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_model_info", self.deprecated(self.model_info, "/get_model_info", "/model_info"))
+        r.add_get("/get_server_info", self.deprecated(self.server_info, "/get_server_info", "/server_info"))
         r.add_get("/get_weight_version", self.get_weight_version)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
@@ -325,8 +93,17 @@ class EngineServer:
         r.add_post("/update_weight_version", self.update_weight_version)
         return app
 
-    async def run_on_worker(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+    async def on_scheduler(self, fn, *args):
+        """Run fn on the scheduler thread between two decode steps."""
+        return await asyncio.wrap_future(self.scheduler.call(fn, *args))
+
+    def deprecated(self, handler, old: str, new: str):
+        async def wrapped(request):
+            log.warning("Endpoint '%s' is deprecated and will be removed in a future version. Please use '%s' "
+                        "instead.", old, new)
+            return await handler(request)
+
+        return wrapped
 
     # --- info ------------------------------------------------------------------------------------
     async def health(self, request):
@@ -341,29 +118,35 @@ class EngineServer:
         return web.json_response({
             "model_path": self.engine.model_path, "tokenizer_path": self.engine.model_path,
             "served_model_name": self.served_model_name, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
+            "preferred_sampling_params": None, "weight_version": self.scheduler.weight_version,
             "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
         })
 
     async def server_info(self, request):
         from aiohttp import web
 
+        s = self.scheduler
         return web.json_response({
             "model_path": self.engine.model_path, "tokenizer_path": self.engine.model_path,
             "served_model_name": self.served_model_name, "max_context_length": self.engine.max_context_length,
-            "version": "megatron-spo-local", "host": self.host, "port": self.port, "tp_size": 1, "dp_size": 1,
-            "weight_version": self.engine.weight_version, "internal_states": [],
+            "version": "megatron-spo-local", "host": self.host, "port": self.port, "tp_size": self.engine.tp_size,
+            "dp_size": 1, "enable_deterministic_inference": self.engine.deterministic,
+            "startup_time": self.startup_time,
+            "internal_states": [{"weight_version": s.weight_version, "paused": s.paused or self.is_pause,
+                                 "weight_update_session_open": s.session_open, **dict(s.stats)}],
         })
 
     async def get_weight_version(self, request):
         from aiohttp import web
 
-        return web.json_response({"weight_version": self.engine.weight_version})
+        return web.json_response({"weight_version": self.scheduler.weight_version})
 
     async def flush_cache(self, request):
         from aiohttp import web
 
-        return web.Response(text="Cache flushed.\n", status=200)  # no cross-request prefix cache here
+        if await self.on_scheduler(self.scheduler.flush_cache):
+            return web.Response(text="Cache flushed.\n", status=200)
+        return web.Response(text="Cache not flushed: requests are running or queued.\n", status=400)
 
     # --- generate --------------------------------------------------------------------------------
     async def generate(self, request):
@@ -377,121 +160,199 @@ class EngineServer:
         except ValueError as err:
             return _error(400, f"invalid JSON body: {err}")
         params, n = req.sampling_params, req.sampling_params.n
-        num = len(req.prompts) * n
-        if isinstance(req.rid, list):
-            rids = [f"{rid}_{i}" if n > 1 else rid for rid in req.rid for i in range(n)]
-        elif isinstance(req.rid, str):
-            rids = [req.rid] if num == 1 else [f"{req.rid}_{i}" for i in range(num)]
-        else:
-            rids = [uuid.uuid4().hex for _ in range(num)]
-        rows = [SampleRow(prompt, params, rids[p * n + i], i) for p, prompt in enumerate(req.prompts) for i in range(n)]
-        future = asyncio.get_running_loop().create_future()
-        await self.pending.put((rows, future))
+        reqs = [Req(prompt, params, rid) for prompt, rid in zip(
+            [p for p in req.prompts for _ in range(n)], _sample_rids(req.rid, len(req.prompts), n))]
         try:
-            results, version = await future
+            for r in reqs:
+                self.engine.check(r)
         except ProtocolError as err:
             return _error(400, str(err))
-        except Exception as err:
-            log.exception("generate failed")
-            return _error(500, f"generation failed: {type(err).__name__}: {err}")
+        duplicate = next((r.rid for r in reqs if r.rid in self.live_rids), None)
+        if duplicate is not None or len({r.rid for r in reqs}) < len(reqs):
+            return _error(400, f"Duplicate request ID detected: {duplicate or reqs[0].rid}")
+        self.live_rids.update(r.rid for r in reqs)
+        try:
+            async with self.pause_cond:
+                await self.pause_cond.wait_for(lambda: not self.is_pause)
+            async with self.model_update_lock.reader():
+                await self._run(reqs)
+        finally:
+            self.live_rids.difference_update(r.rid for r in reqs)
+        failed = next((r.error for r in reqs if r.error is not None), None)
+        if failed is not None:
+            return _error(500, f"generation failed: {type(failed).__name__}: {failed}")
         latency = time.perf_counter() - start
+        version = self.scheduler.weight_version
         items = []
-        for row, res in zip(rows, results):
+        for r in reqs:
+            spans = r.weight_version_spans(version)
             meta: dict[str, Any] = {
-                "id": row.rid, "finish_reason": res.finish, "prompt_tokens": len(row.prompt),
-                "completion_tokens": len(res.output_ids), "cached_tokens": 0, "weight_version": version,
+                "id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.prompt),
+                "weight_version": spans[-1]["version"], "weight_versions": spans,
+                "num_retractions": r.retractions, "completion_tokens": len(r.output_ids), "cached_tokens": 0,
                 "e2e_latency": latency,
             }
             if req.return_logprob:
                 meta["output_token_logprobs"] = [[_json_float(lp), tok, None] for lp, tok in
-                                                 zip(res.logprobs, res.output_ids)]
-            items.append({"text": self.engine.decode(res.output_ids, params.skip_special_tokens),
-                          "output_ids": res.output_ids, "meta_info": meta})
+                                                 zip(r.logprobs, r.output_ids)]
+            items.append({"text": self.engine.decode(r.output_ids, params.skip_special_tokens),
+                          "output_ids": r.output_ids, "meta_info": meta})
         return web.json_response(items if (req.is_batch or n > 1) else items[0])
 
-    async def _batch_loop(self) -> None:
-        while True:
-            batch = [await self.pending.get()]
-            rows = len(batch[0][0])
-            while not self.pending.empty() and rows < self.max_batch_size:
-                item = self.pending.get_nowait()
-                batch.append(item)
-                rows += len(item[0])
-            all_rows = [row for rows_i, _ in batch for row in rows_i]
-            try:
-                results, version = await self.run_on_worker(self._generate_with_version, all_rows)
-            except Exception as err:  # a bad request must not poison the others: retry them one by one
-                if len(batch) == 1:
-                    if not batch[0][1].done():
-                        batch[0][1].set_exception(err)
-                    continue
-                for rows_i, fut in batch:
-                    try:
-                        res = await self.run_on_worker(self._generate_with_version, rows_i)
-                        if not fut.done():
-                            fut.set_result(res)
-                    except Exception as one_err:
-                        if not fut.done():
-                            fut.set_exception(one_err)
-                continue
-            offset = 0
-            for rows_i, fut in batch:
-                if not fut.done():
-                    fut.set_result((results[offset:offset + len(rows_i)], version))
-                offset += len(rows_i)
+    async def _run(self, reqs: list[Req]) -> None:
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in reqs]
+        for r, fut in zip(reqs, futures):
+            r.on_finish = lambda _r, fut=fut: loop.call_soon_threadsafe(_resolve, fut)
+        self.scheduler.submit(reqs)
+        await asyncio.gather(*futures)
 
-    def _generate_with_version(self, rows: list[SampleRow]):
-        return self.engine.generate(rows), self.engine.weight_version
+    async def abort_request(self, request):
+        from aiohttp import web
+
+        body = await _json(request)
+        rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
+        await self.on_scheduler(self.scheduler.abort, rid, abort_all)
+        return web.Response(status=200)
+
+    # --- pause / continue ------------------------------------------------------------------------
+    async def pause_generation(self, request):
+        from aiohttp import web
+
+        mode = (await _json(request)).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return _error(400, f"/pause_generation: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        async with self.pause_cond:
+            self.is_pause = True
+            if mode != "abort":
+                await self.on_scheduler(self.scheduler.pause, mode)
+            else:  # SGLang: abort everything until no /generate holds the lock any more
+                while True:
+                    await self.on_scheduler(self.scheduler.abort, "", True)
+                    if not await self.model_update_lock.is_locked():
+                        break
+                    await asyncio.sleep(0.02)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request):
+        from aiohttp import web
+
+        async with self.pause_cond:
+            self.is_pause = False
+            await self.on_scheduler(self.scheduler.resume)
+            self.pause_cond.notify_all()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     # --- weights ---------------------------------------------------------------------------------
-    async def _weight_op(self, request, cls, endpoint: str, op):
+    async def _exclusive(self, fn, *args):
+        """SGLang's locking of an update: on a paused engine at once (holding the pause condition so nobody
+        unpauses meanwhile), otherwise under the writer lock."""
+        async with self.pause_cond:
+            paused = self.is_pause
+            if paused:
+                return await self.on_scheduler(fn, *args)
+        async with self.model_update_lock.writer():
+            return await self.on_scheduler(fn, *args)
+
+    async def _update(self, request, cls, endpoint: str, fn):
         from aiohttp import web
 
         try:
-            req = parse_body(cls, await request.json(), endpoint)
-        except (ProtocolError, ValueError) as err:
+            body = parse_body(cls, await _json(request), endpoint)
+        except ProtocolError as err:
             return _error(400, str(err))
-        try:
-            await self.run_on_worker(op, req)
-        except Exception as err:
-            log.error("%s failed: %s", endpoint, err)
-            return web.json_response({"success": False, "message": f"{endpoint} failed: {err}"}, status=400)
-        log.info("%s ok: weight_version=%s", endpoint, self.engine.weight_version)
-        return web.json_response({"success": True, "message": f"{endpoint} succeeded",
-                                  "num_paused_requests": 0, "weight_version": self.engine.weight_version})
+        if getattr(body, "abort_all_requests", False):
+            await self.on_scheduler(self.scheduler.abort, "", True)
+        success, message = await self._exclusive(fn, body)
+        version = getattr(body, "weight_version", None)
+        if success and version is not None:
+            message += f" Weight version updated to {version}."
+        (log.info if success else log.error)("%s: %s", endpoint, message)
+        content = {"success": success, "message": message}
+        if endpoint == "/update_weights_from_disk":
+            content["num_paused_requests"] = 0
+        return web.json_response(content, status=200 if success else 400)
 
     async def update_weights_from_disk(self, request):
-        return await self._weight_op(request, UpdateWeightsFromDiskRequest, "/update_weights_from_disk",
-                                     self.engine.update_weights_from_disk)
-
-    async def init_weights_update_group(self, request):
-        return await self._weight_op(request, InitWeightsUpdateGroupRequest, "/init_weights_update_group",
-                                     self.engine.init_weights_update_group)
+        return await self._update(request, UpdateWeightsFromDiskRequest, "/update_weights_from_disk",
+                                  self.scheduler.update_weights_from_disk)
 
     async def update_weights_from_distributed(self, request):
-        return await self._weight_op(request, UpdateWeightsFromDistributedRequest,
-                                     "/update_weights_from_distributed", self.engine.update_weights_from_distributed)
+        return await self._update(request, UpdateWeightsFromDistributedRequest, "/update_weights_from_distributed",
+                                  self.scheduler.update_weights_from_distributed)
+
+    async def begin_weight_update(self, request):
+        from aiohttp import web
+
+        success, message = await self._exclusive(self.scheduler.begin_weight_update)
+        return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+    async def end_weight_update(self, request):
+        from aiohttp import web
+
+        success, message = await self._exclusive(self.scheduler.end_weight_update)
+        return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+    async def init_weights_update_group(self, request):
+        from aiohttp import web
+
+        try:
+            body = parse_body(InitWeightsUpdateGroupRequest, await _json(request), "/init_weights_update_group")
+            await self.on_scheduler(self.engine.init_weights_update_group, body)
+        except Exception as err:
+            message = f"Failed to initialize custom process group: {err}."
+            log.error(message)
+            return web.json_response({"success": False, "message": message}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def destroy_weights_update_group(self, request):
         from aiohttp import web
 
-        body = await request.json()
+        name = (await _json(request)).get("group_name", "weight_update_group")
         try:
-            await self.run_on_worker(self.engine.destroy_weights_update_group,
-                                     body.get("group_name", "weight_update_group"))
+            await self.on_scheduler(self.engine.destroy_weights_update_group, name)
         except ValueError as err:
             return web.json_response({"success": False, "message": str(err)}, status=400)
-        return web.json_response({"success": True, "message": "destroyed"})
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def update_weight_version(self, request):
         from aiohttp import web
 
-        body = await request.json()
-        version = body.get("new_version") if isinstance(body, dict) else None
+        body = await _json(request)
+        version = body.get("new_version")
         if not isinstance(version, str):
             return _error(400, "/update_weight_version: new_version must be a string")
-        self.engine.weight_version = version
-        return web.json_response({"success": True, "message": "ok", "new_version": version})
+        if body.get("abort_all_requests", True):
+            await self.on_scheduler(self.scheduler.abort, "", True)
+        await self.on_scheduler(self.scheduler.update_weight_version, version)
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": version})
+
+
+def _sample_rids(rid: str | list[str] | None, num_prompts: int, n: int) -> list[str]:
+    """One id per sample, prompt-major, as SGLang assigns them: the given rid for one prompt and n = 1,
+    rid_i for a batch of one string rid, the listed rids for n = 1, and fresh ids for every sample of n > 1
+    (SGLang regenerates them; the request's rid is not echoed)."""
+    if n > 1:
+        return [uuid.uuid4().hex for _ in range(num_prompts * n)]
+    if isinstance(rid, list):
+        return list(rid)
+    if isinstance(rid, str):
+        return [rid] if num_prompts == 1 else [f"{rid}_{i}" for i in range(num_prompts)]
+    return [uuid.uuid4().hex for _ in range(num_prompts)]
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _json(request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    return body if isinstance(body, dict) else {}
 
 
 def _json_float(x: float) -> float | None:
@@ -512,6 +373,8 @@ class _DropGrpcProbes(logging.Filter):
 
 
 def main(argv: list[str]) -> int:
+    import torch
+
     parser = argparse.ArgumentParser(prog="megatron-spo serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="HF model directory (config + safetensors + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -521,6 +384,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling RNG for unseeded requests")
     parser.add_argument("--max-batch-size", type=int, default=64, help="sequences per forward batch")
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="ranks this engine takes in a weight-update group (stands in for SGLang's TP size)")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="sampling_seed takes effect (SGLang's flag; the n samples of a request share it)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
@@ -529,11 +396,14 @@ def main(argv: list[str]) -> int:
     logging.getLogger("aiohttp.server").addFilter(_DropGrpcProbes())
     if not os.path.isdir(args.model):
         parser.error(f"--model '{args.model}' is not a directory")
+    if args.tp_size < 1:
+        parser.error(f"--tp-size must be >= 1, got {args.tp_size}")
     if args.threads:
         torch.set_num_threads(args.threads)
     from aiohttp import web
 
-    engine = LocalEngine(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+    engine = LocalEngine(args.model, dtype=args.dtype, device=args.device, seed=args.seed, tp_size=args.tp_size,
+                         deterministic=args.enable_deterministic_inference)
     server = EngineServer(engine, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
                           served_model_name=args.served_model_name)
     log.info("serving %s on http://%s:%d", args.model, args.host, args.port)

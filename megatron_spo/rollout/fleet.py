@@ -228,30 +228,26 @@ class Fleet:
         out: dict[str, str | None] = {}
         for engine in self.engines:
             try:
-                status, body = get_json(engine.url + "/get_model_info", 10.0) if engine.alive else (0, None)
+                status, body = get_json(engine.url + "/model_info", 10.0) if engine.alive else (0, None)
                 out[engine.url] = body.get("weight_version") if status == 200 and isinstance(body, dict) else None
             except OSError:
                 out[engine.url] = None
         return out
 
-    def sync_weights(self, broadcaster, named_tensors_fn, version: str) -> list[str]:
-        """Bring every live engine to ``version`` and route only to engines that have it.
+    def sync_weights(self, broadcaster, named_tensors, version: str) -> list[str]:
+        """Bring every live engine to ``version`` (one push) and route only to engines that have it.
 
-        named_tensors_fn() returns a fresh iterator of (hf_name, tensor) (called once per push). Engines
-        in the router get the update first; engines outside it (restarted) are caught up separately and
-        only then added. Returns the urls left lagging (out of the router until a later sync)."""
+        Engines outside the router (restarted) join the push and are added back once they hold the version;
+        engines that missed it leave the router. Returns the urls left lagging."""
         from megatron_spo.rollout.weight_sync import WeightSyncError
 
         version = str(version)
         live = [e.url for e in self.engines if e.alive]
         routed = set(self.router_workers()) if self.router is not None else set(live)
-        for group in ([u for u in live if u in routed], [u for u in live if u not in routed]):
-            if not group:
-                continue
-            try:
-                broadcaster.push(named_tensors_fn(), version, engines=group)
-            except WeightSyncError as err:
-                log.error("weight sync to %s failed: %s", group, err)
+        try:
+            broadcaster.push(named_tensors, version, engines=live)
+        except WeightSyncError as err:
+            log.error("weight sync failed: %s", err)
         versions = self.engine_versions()
         lagging = [u for u in live if versions.get(u) != version]
         if self.router is not None:

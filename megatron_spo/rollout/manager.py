@@ -4,8 +4,14 @@ Each worker task loops: pick a prompt, draw a temperature T ~ U(lo, hi), POST /g
 and logprobs, score every completion with the reward function, and put the group into the buffer. A
 full buffer blocks the workers (backpressure: at most max_inflight_requests requests in flight and
 buffer_groups groups waiting, nothing unbounded). Engine errors are retried with exponential backoff on
-another endpoint; each request keeps one request id across retries and a group is delivered at most
-once per id. A group generated more than max_staleness policy versions ago is dropped or tagged.
+another endpoint; each request keeps one request id across retries (each attempt sends its own SGLang rid:
+SGLang refuses an id that is still in flight) and a group is delivered at most once per id. A request
+aborted by a weight update's pause (finish_reason abort) is sent again, and is not an engine failure.
+
+A trajectory's policy_version is the oldest weight version among its tokens (SGLang reports which version
+produced which tokens in meta_info.weight_versions): a sample that spans a weight update (a request
+retracted and resumed) is kept and marked (rollout.mixed_version_policy=tag) or generated again (drop), and
+counted. A group more than max_staleness policy versions behind is dropped or tagged.
 
     manager = RolloutManager(cfg, prompts, reward_fn, endpoints=[fleet.router_url])
     await manager.start()
@@ -39,6 +45,7 @@ from megatron_spo.rollout.protocol import Completion, SamplingParams
 log = logging.getLogger("megatron_spo.rollout")
 
 RewardFn = Callable[[Any, str], "float | Awaitable[float]"]
+MAX_INTERRUPTIONS = 50  # aborts / mixed-version redos of one request before it counts as failed
 
 
 @dataclass
@@ -58,6 +65,7 @@ class Trajectory(TrajectoryRecord):
     top_p: float = 1.0
     finish_reason: str = ""
     stale: bool = False
+    mixed_versions: bool = False  # its tokens come from more than one weight version
     text: str = ""
 
     def to_record(self) -> dict:
@@ -98,6 +106,10 @@ class RolloutMetrics:
     duplicates_dropped: int = 0
     reward_errors: int = 0
     generated_tokens: int = 0
+    aborted_requests: int = 0  # ended by an engine's pause (a weight update), sent again
+    retracted_samples: int = 0  # delivered samples that a pause retracted and resumed
+    mixed_version_samples: int = 0  # delivered samples whose tokens span a weight update (tagged)
+    mixed_version_dropped: int = 0  # requests generated again because a sample spanned an update (drop)
     staleness: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -196,6 +208,10 @@ class RolloutManager:
             "rollout/failed_requests": float(m.failed_requests), "rollout/groups": float(m.groups_delivered),
             "rollout/dropped_stale": float(m.groups_dropped_stale),
             "rollout/duplicates_dropped": float(m.duplicates_dropped),
+            "rollout/aborted_requests": float(m.aborted_requests),
+            "rollout/retracted_samples": float(m.retracted_samples),
+            "rollout/mixed_version_samples": float(m.mixed_version_samples),
+            "rollout/mixed_version_dropped": float(m.mixed_version_dropped),
         }
         for lag, count in sorted(m.staleness.items()):
             out[f"rollout/staleness_{lag}"] = float(count)
@@ -228,15 +244,15 @@ class RolloutManager:
     async def _generate_with_retries(self, prompt: Prompt, params: SamplingParams,
                                      request_id: str) -> list[Completion] | None:
         backoff = self.cfg.retry_backoff_s
-        for attempt in range(self.cfg.max_retries + 1):
+        attempt = interruptions = 0
+        while True:
             ep = await self._pick_endpoint()
             ep.requests += 1
+            rid = f"{request_id}.{attempt + interruptions}"
             try:
                 [completions] = await ep.client.generate([prompt.tokens], params, return_logprob=True,
-                                                         rid=request_id, timeout_s=self.cfg.request_timeout_s)
+                                                         rid=rid, timeout_s=self.cfg.request_timeout_s)
                 self._check_completions(ep, completions, params)
-                ep.failures = 0
-                return completions
             except EngineError as err:
                 ep.errors += 1
                 if not err.retryable:
@@ -246,17 +262,37 @@ class RolloutManager:
                 self._mark_failure(ep)
                 if attempt == self.cfg.max_retries:
                     break
+                attempt += 1
                 self.metrics.retries += 1
-                log.warning("request %s attempt %d failed on %s: %s; retrying in %.2f s", request_id, attempt + 1,
+                log.warning("request %s attempt %d failed on %s: %s; retrying in %.2f s", request_id, attempt,
                             ep.url, err, backoff)
                 await asyncio.sleep(backoff * (0.5 + self.rng.random()))
                 backoff = min(backoff * 2, self.cfg.retry_backoff_max_s)
+                continue
+            ep.failures = 0
+            again = None
+            if any(c.finish_reason == "abort" for c in completions):
+                self.metrics.aborted_requests += 1
+                again = "aborted by the engine (a weight update's pause)"
+            elif self.cfg.mixed_version_policy == "drop" and any(len(set(c.versions)) > 1 for c in completions):
+                self.metrics.mixed_version_dropped += 1
+                again = "a sample spans a weight update (rollout.mixed_version_policy=drop)"
+            if again is None:
+                return completions
+            interruptions += 1
+            if interruptions > MAX_INTERRUPTIONS:
+                log.error("request %s: %s %d times, given up", request_id, again, interruptions)
+                self.metrics.failed_requests += 1
+                return None
+            log.info("request %s %s: sent again", request_id, again)
         log.error("request %s failed after %d attempts", request_id, self.cfg.max_retries + 1)
         self.metrics.failed_requests += 1
         return None
 
     def _check_completions(self, ep: Endpoint, completions: list[Completion], params: SamplingParams) -> None:
         for c in completions:
+            if c.finish_reason == "abort":
+                continue  # partial output, sent again by the caller
             if c.logprobs is None or len(c.output_ids) > params.max_new_tokens:
                 raise EngineError(ep.url, f"inconsistent completion {c.rid}: {len(c.output_ids)} tokens")
             version = parse_version(c.weight_version)
@@ -307,11 +343,16 @@ class RolloutManager:
         group = []
         for i, (c, reward) in enumerate(zip(completions, rewards)):
             self.metrics.generated_tokens += len(c.output_ids)
+            versions = [parse_version(v) for v in c.versions] or [0]
+            mixed = len(set(versions)) > 1
+            self.metrics.mixed_version_samples += mixed
+            self.metrics.retracted_samples += c.num_retractions > 0
             group.append(Trajectory(
                 prompt_id=prompt.prompt_id, prompt_tokens=list(prompt.tokens), response_tokens=c.output_ids,
-                reward=float(reward), source=self.source, policy_version=parse_version(c.weight_version),
+                reward=float(reward), source=self.source, policy_version=min(versions),
                 behaviour_logprobs=c.logprobs, request_id=request_id, sample_index=i,
-                temperature=params.temperature, top_p=params.top_p, finish_reason=c.finish_reason, text=c.text,
+                temperature=params.temperature, top_p=params.top_p, finish_reason=c.finish_reason,
+                mixed_versions=mixed, text=c.text,
             ))
         return group
 

@@ -171,8 +171,19 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
     completion_tokens: int
-    weight_version: str | None
+    weight_version: str | None  # the version at the end of the sample
     logprobs: list[float] | None  # log-prob of each output token under the sampling distribution
+    # (version, start, end) over the output tokens: more than one when weights changed mid-sample (SGLang
+    # meta_info.weight_versions; None when the engine does not report it)
+    weight_versions: list[tuple[str, int, int]] | None = None
+    num_retractions: int = 0
+
+    @property
+    def versions(self) -> list[str]:
+        """Every weight version that produced a token of this sample (oldest first)."""
+        if self.weight_versions:
+            return [v for v, _, _ in self.weight_versions]
+        return [] if self.weight_version is None else [self.weight_version]
 
     @classmethod
     def from_json(cls, item: Any) -> Completion:
@@ -193,6 +204,9 @@ class Completion:
                     if tid != tok:
                         raise ProtocolError(f"logprob entry token {tid} != output id {tok}")
                     logprobs.append(float("-inf") if lp is None else float(lp))
+            spans = meta.get("weight_versions")
+            if spans is not None:
+                spans = [(str(sp["version"]), int(sp["start"]), int(sp["end"])) for sp in spans]
             return cls(
                 rid=str(meta["id"]),
                 output_ids=output_ids,
@@ -202,6 +216,8 @@ class Completion:
                 completion_tokens=int(meta["completion_tokens"]),
                 weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
                 logprobs=logprobs,
+                weight_versions=spans,
+                num_retractions=int(meta.get("num_retractions") or 0),
             )
         except ProtocolError:
             raise
@@ -222,6 +238,20 @@ def parse_generate_response(body: Any, num_prompts: int, n: int) -> list[list[Co
 # Weight-update bodies (sglang io_struct: UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
 # UpdateWeightsFromDistributedReqInput)
 # --------------------------------------------------------------------------------------------------
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class PauseGenerationRequest:
+    """abort: in-flight requests end with finish_reason abort; retract: they wait, and resume (their KV
+    recomputed) under the new weights; in_place: they stay (SGLang then refuses to flush the cache)."""
+
+    mode: str = "abort"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class UpdateWeightsFromDiskRequest:
     model_path: str

@@ -1,12 +1,21 @@
 """Push policy weights (full tensors with HF names) from the trainer to every rollout engine.
 
+One push, on every engine concurrently (sglang 0.5.23's order; slime does the same):
+    /pause_generation {mode: retract | abort}   no request samples from half-loaded weights
+    /begin_weight_update                         SGLang refuses distributed updates outside a session
+    per bucket /update_weights_from_distributed  while rank 0 broadcasts the bucket (version + flush on the last)
+    /end_weight_update
+    /continue_generation                         retracted requests resume under the new weights
 Two transports, both SGLang's own:
-- broadcast: a process group spanning the sender (rank 0) and every engine (ranks 1..N, or
-  rank_offset + tp_rank for TP engines), set up with /init_weights_update_group; then per bucket a
-  POST /update_weights_from_distributed {names, dtypes, shapes, load_format: "flattened_bucket"} to every
-  engine while rank 0 broadcasts the bucket's bytes (SGLang's FlattenedTensorBucket layout: tensors as
-  uint8 back to back, no padding). NCCL on GPUs, gloo on CPU.
-- disk: a safetensors directory (one file per bucket), then POST /update_weights_from_disk.
+- broadcast: a process group spanning the sender (rank 0) and every engine rank (rank_offset + tp_rank, so
+  the world is 1 + the engines' TP sizes, read from each engine's /server_info and checked against the launch
+  config before anything is sent), set up with /init_weights_update_group; each bucket is SGLang's
+  FlattenedTensorBucket layout (tensors as uint8 back to back, no padding). NCCL on GPUs, gloo on CPU.
+- disk: a safetensors directory (one file per bucket), written before the pause, then
+  /update_weights_from_disk inside the same pause.
+A push never reports an engine as updated unless it took every bucket and the version: an engine that
+missed it stays paused (its requests aborted, so clients retry elsewhere) and keeps its old weight_version,
+so version gating gives it no work; the next push brings it back ("resynced").
 
 The input is any iterator of (hf_name, full tensor) pairs, e.g.
 ``megatron_spo.models.hf_map.iter_hf_tensors(model_chunks, model_cfg)`` on trainer rank 0, or a HF
@@ -31,6 +40,7 @@ import torch
 from megatron_spo.rollout.client import get_json, post_json
 from megatron_spo.rollout.protocol import (
     InitWeightsUpdateGroupRequest,
+    PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
 )
@@ -153,44 +163,71 @@ def receive_broadcast(group, names: list[str], dtypes: list[str], shapes: list[l
 # -------------------------------------------------------------------------------------------------
 # Sender
 # -------------------------------------------------------------------------------------------------
+SYNC_PAUSE_MODES = ("retract", "abort")  # in_place leaves requests running: SGLang then refuses the flush
+
+
 @dataclass
 class SyncReport:
     version: str
     bytes_sent: int
     num_tensors: int
     num_buckets: int
-    seconds: float
-    engine_versions: dict[str, str]
+    seconds: float  # the whole push
+    pause_seconds: float  # from /pause_generation sent until every updated engine continued
+    transfer_seconds: float  # buckets: gather + broadcast + load (disk: writing the files, before the pause)
+    engines_updated: list[str]
+    failed: dict[str, str] = field(default_factory=dict)  # url -> why; these engines stay out of service
+    resynced: list[str] = field(default_factory=list)  # updated engines that had missed an earlier push
 
     @property
     def bytes_per_s(self) -> float:
-        return self.bytes_sent / max(self.seconds, 1e-9)
+        return self.bytes_sent / max(self.transfer_seconds, 1e-9)
+
+    @property
+    def engine_versions(self) -> dict[str, str]:
+        return {u: self.version for u in self.engines_updated}
+
+    def metrics(self) -> dict[str, float]:
+        return {"weight_sync/seconds": self.seconds, "weight_sync/pause_seconds": self.pause_seconds,
+                "weight_sync/transfer_seconds": self.transfer_seconds, "weight_sync/bytes_per_s": self.bytes_per_s,
+                "weight_sync/engines_updated": float(len(self.engines_updated)),
+                "weight_sync/engines_failed": float(len(self.failed)),
+                "weight_sync/engines_resynced": float(len(self.resynced)),
+                "weight_sync/failed": float(bool(self.failed))}
 
 
 class WeightBroadcaster:
     """Rank-0 sender of full HF-named weights to a set of engines.
 
         sync = WeightBroadcaster(["http://127.0.0.1:30001", ...], mode="broadcast")
-        report = sync.push(model.state_dict().items(), version="3")
+        report = sync.push(model.state_dict().items(), version="3")   # report.failed: engines that missed it
 
-    ``push(..., engines=[...])`` targets a subset (e.g. a restarted engine that must catch up); the
-    broadcast group is rebuilt whenever the set of engines changes. A failure raises WeightSyncError
-    naming the engines that did not take the update, so the caller can stop routing to them.
+    ``push(..., engines=[...])`` targets a subset; the broadcast group is rebuilt whenever its members change.
+    ``engine_tp_sizes`` (the launch config, e.g. ENGINE_TP) is checked against what each engine reports.
+    The tensors are always consumed to the end, even when the push fails: they usually come from a
+    collective gather that every trainer rank runs. WeightSyncError only when no engine took the update.
     """
 
     def __init__(self, engine_urls: list[str], *, mode: str = "broadcast", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  backend: str = "gloo", master_address: str = "127.0.0.1", disk_dir: str | None = None,
-                 engine_tp_sizes: list[int] | None = None, timeout_s: float = 600.0):
+                 engine_tp_sizes: list[int] | None = None, pause_mode: str = "retract", timeout_s: float = 600.0):
         if mode not in ("broadcast", "disk"):
             raise ValueError(f"weight sync mode must be 'broadcast' or 'disk', got '{mode}'")
         if mode == "disk" and not disk_dir:
             raise ValueError("weight sync mode 'disk' needs disk_dir (a directory every engine can read)")
+        if pause_mode not in SYNC_PAUSE_MODES:
+            raise ValueError(f"weight sync pause mode must be one of {list(SYNC_PAUSE_MODES)}, got '{pause_mode}' "
+                             "(in_place keeps requests running, and SGLang then refuses the update's cache flush)")
         if not engine_urls:
             raise ValueError("WeightBroadcaster needs at least one engine url")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        self.tp_sizes = dict(zip(self.engine_urls, engine_tp_sizes or [1] * len(self.engine_urls)))
-        self.mode, self.bucket_bytes, self.backend = mode, bucket_bytes, backend
+        if engine_tp_sizes is not None and len(engine_tp_sizes) != len(self.engine_urls):
+            raise ValueError(f"{len(engine_tp_sizes)} engine TP sizes for {len(self.engine_urls)} engines")
+        self.launch_tp_sizes = dict(zip(self.engine_urls, engine_tp_sizes or []))
+        self.tp_sizes: dict[str, int] = {}
+        self.mode, self.bucket_bytes, self.backend, self.pause_mode = mode, bucket_bytes, backend, pause_mode
         self.master_address, self.disk_dir, self.timeout_s = master_address, disk_dir, timeout_s
+        self.lagging: dict[str, str] = {}  # engines that missed a push -> why (kept paused until resynced)
         self.group = None
         self.group_name: str | None = None
         self.group_members: tuple[str, ...] = ()
@@ -198,6 +235,48 @@ class WeightBroadcaster:
         self._last_disk_path: str | None = None
         self._staging: torch.Tensor | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.engine_urls)))
+
+    # --- engine calls ----------------------------------------------------------------------------
+    def _post_all(self, urls, path: str, body: dict, failed: dict[str, str], timeout_s: float | None = None) -> list:
+        """POST to every url concurrently; the ones that succeed, in order. Failures go into ``failed``."""
+        futures = [(u, self.pool.submit(post_json, f"{u}{path}", body, timeout_s or self.timeout_s)) for u in urls]
+        bad = _failures(futures, needs_success=path not in ("/pause_generation", "/continue_generation",
+                                                              "/abort_request"))
+        for url, why in bad.items():
+            failed.setdefault(url, f"{path}: {why}")
+        return [u for u in urls if u not in bad]
+
+    def _ready(self, targets: tuple[str, ...], failed: dict[str, str]) -> list[str]:
+        """Engines that answer /health and, for a broadcast, report a TP size (dp_size 1) that agrees with
+        the launch config: checked before anything is sent, so the group's world size is right."""
+        def probe(url: str) -> str | None:
+            try:
+                status, _ = get_json(f"{url}/health", 10.0)
+                if status != 200:
+                    return f"/health: HTTP {status}"
+                if self.mode != "broadcast":
+                    return None
+                status, info = get_json(f"{url}/server_info", 10.0)
+            except OSError as err:
+                return f"unreachable: {err}"
+            if status != 200 or not isinstance(info, dict):
+                return f"/server_info: HTTP {status}"
+            tp, dp = info.get("tp_size"), info.get("dp_size", 1)
+            if not isinstance(tp, int) or tp < 1:
+                return f"/server_info has no valid tp_size ({tp!r})"
+            if dp not in (None, 1):
+                return f"/server_info reports dp_size {dp}: SGLang refuses distributed weight updates with DP > 1"
+            launch = self.launch_tp_sizes.get(url)
+            if launch is not None and launch != tp:
+                return f"/server_info reports tp_size {tp}, the launch config says {launch}"
+            self.tp_sizes[url] = tp
+            return None
+
+        reasons = list(self.pool.map(probe, targets))
+        for url, why in zip(targets, reasons):
+            if why is not None:
+                failed[url] = why
+        return [u for u, why in zip(targets, reasons) if why is None]
 
     # --- broadcast group -------------------------------------------------------------------------
     def _ensure_group(self, members: tuple[str, ...]) -> None:
@@ -207,7 +286,7 @@ class WeightBroadcaster:
         self._generation += 1
         name = f"megatron_spo_weights_{os.getpid()}_{self._generation}"
         port = free_port()
-        world = 1 + sum(self.tp_sizes.get(u, 1) for u in members)
+        world = 1 + sum(self.tp_sizes[u] for u in members)
         futures, offset = [], 1
         for url in members:
             body = InitWeightsUpdateGroupRequest(master_address=self.master_address, master_port=port,
@@ -215,13 +294,15 @@ class WeightBroadcaster:
                                                  backend=self.backend).to_json()
             futures.append((url, self.pool.submit(post_json, f"{url}/init_weights_update_group", body,
                                                   self.timeout_s)))
-            offset += self.tp_sizes.get(url, 1)
+            offset += self.tp_sizes[url]
         try:
             group = init_custom_process_group(backend=self.backend, master_address=self.master_address,
                                               master_port=port, rank=0, world_size=world, group_name=name,
                                               timeout_s=min(self.timeout_s, 120.0))
         except Exception as err:
-            raise WeightSyncError(f"weight group '{name}' with {list(members)} did not form: {err}") from err
+            failed = _failures(futures)
+            raise WeightSyncError(f"weight group '{name}' with {list(members)} did not form: {err}"
+                                  + (f"; /init_weights_update_group failed on {failed}" if failed else "")) from err
         failed = _failures(futures)
         if failed:
             raise WeightSyncError(f"/init_weights_update_group failed on {failed}")
@@ -243,87 +324,125 @@ class WeightBroadcaster:
              engines: list[str] | None = None) -> SyncReport:
         """Send every tensor to ``engines`` (default: all) and set their weight_version to ``version``."""
         targets = tuple(u.rstrip("/") for u in (engines or self.engine_urls))
+        tensors = iter(named_tensors)
         start = time.perf_counter()
-        if self.mode == "broadcast":
-            nbytes, ntensors, nbuckets = self._push_broadcast(named_tensors, str(version), targets)
-        else:
-            nbytes, ntensors, nbuckets = self._push_disk(named_tensors, str(version), targets)
-        seconds = time.perf_counter() - start
-        return SyncReport(str(version), nbytes, ntensors, nbuckets, seconds, {u: str(version) for u in targets})
-
-    def _check_alive(self, targets: tuple[str, ...]) -> None:
-        """Fail fast on a dead engine: a broadcast to a group with a missing member hangs until timeout."""
-        dead = {}
-        for url, fut in [(u, self.pool.submit(get_json, f"{u}/health", 10.0)) for u in targets]:
-            try:
-                status, _ = fut.result()
-                if status != 200:
-                    dead[url] = f"HTTP {status}"
-            except OSError as err:
-                dead[url] = str(err)
-        if dead:
-            raise WeightSyncError(f"engines not healthy, no update sent: {dead}")
-
-    def _push_broadcast(self, named_tensors, version: str, targets: tuple[str, ...]):
-        self._check_alive(targets)
         try:
-            self._ensure_group(targets)
-        except WeightSyncError:
-            self._destroy_group()
-            raise
-        nbytes = ntensors = nbuckets = 0
-        buckets = iter_buckets(named_tensors, self.bucket_bytes)
-        current = next(buckets, None)
-        if current is None:
-            raise ValueError("push: no tensors to send")
-        while current is not None:
-            following = next(buckets, None)  # look ahead: the last bucket carries the new weight_version
-            last = following is None
-            body = current.request(group_name=self.group_name, flush_cache=last,
-                                   weight_version=version if last else None).to_json()
-            futures = [(url, self.pool.submit(post_json, f"{url}/update_weights_from_distributed", body,
-                                              self.timeout_s)) for url in targets]
-            self._staging = current.flatten(self._staging)  # reused: no fresh pages per bucket
-            flat = self._staging[:current.nbytes]
-            if self.backend == "nccl" and not flat.is_cuda:
-                flat = flat.cuda()
-            try:
-                torch.distributed.broadcast(flat, src=0, group=self.group)
-            except Exception as err:
-                self._destroy_group()
-                raise WeightSyncError(f"broadcast of bucket {nbuckets} to {list(targets)} failed: {err}") from err
-            failed = _failures(futures)
-            if failed:
-                self._destroy_group()
-                raise WeightSyncError(f"/update_weights_from_distributed failed on {failed}")
-            nbytes += flat.numel()
-            ntensors += len(current.names)
-            nbuckets += 1
-            current = following
-        return nbytes, ntensors, nbuckets
+            report = self._push(tensors, str(version), targets, start)
+        finally:
+            for _ in tensors:  # a collective gather: every rank must see it through, whatever happened here
+                pass
+        for url, why in report.failed.items():
+            self.lagging[url] = why
+            log.error("weight sync to version %s: %s missed it (%s); it serves nothing until a later push "
+                      "reaches it", version, url, why)
+        if not report.engines_updated:
+            raise WeightSyncError(f"weight sync to version {version} reached no engine: {report.failed}")
+        return report
 
-    def _push_disk(self, named_tensors, version: str, targets: tuple[str, ...]):
+    def _push(self, tensors, version: str, targets: tuple[str, ...], start: float) -> SyncReport:
+        failed: dict[str, str] = {}
+        ready = self._ready(targets, failed)
+        buckets = iter_buckets(tensors, self.bucket_bytes)
+        nbytes = ntensors = nbuckets = 0
+        transfer = pause = 0.0
+        updated: list[str] = []
+        if self.mode == "disk" and ready:
+            t0 = time.perf_counter()
+            path, nbytes, ntensors, nbuckets = self._write_disk(buckets, version)
+            transfer = time.perf_counter() - t0
+        first = next(buckets, None) if self.mode == "broadcast" else None
+        if self.mode == "broadcast" and first is None and ready:
+            raise ValueError("push: no tensors to send")
+        if ready:
+            if self.mode == "broadcast":
+                try:
+                    self._ensure_group(tuple(ready))
+                except WeightSyncError as err:
+                    self._destroy_group()
+                    failed.update({u: str(err) for u in ready})
+                    ready = []
+            t_pause = time.perf_counter()
+            paused = self._post_all(ready, "/pause_generation", PauseGenerationRequest(self.pause_mode).to_json(),
+                                    failed)
+            try:
+                if self.mode == "broadcast":
+                    t0 = time.perf_counter()
+                    updated, nbytes, ntensors, nbuckets = self._broadcast(first, buckets, version, paused, failed)
+                    transfer = time.perf_counter() - t0
+                else:
+                    body = UpdateWeightsFromDiskRequest(model_path=path, weight_version=version).to_json()
+                    updated = self._post_all(paused, "/update_weights_from_disk", body, failed)
+            finally:
+                updated = self._post_all([u for u in updated if u not in failed], "/continue_generation", {}, failed)
+                # missed the update: abort what it holds (clients retry elsewhere) and leave it paused
+                self._post_all([u for u in paused if u in failed], "/abort_request", {"abort_all": True}, {}, 30.0)
+                pause = time.perf_counter() - t_pause
+        resynced = [u for u in updated if self.lagging.pop(u, None) is not None]
+        return SyncReport(version, nbytes, ntensors, nbuckets, time.perf_counter() - start, pause, transfer,
+                          updated, failed, resynced)
+
+    def _broadcast(self, current: Bucket, buckets: Iterator[Bucket], version: str, paused: list[str],
+                   failed: dict[str, str]):
+        """begin -> buckets -> end on the paused engines; returns (engines that took all, bytes, tensors, buckets)."""
+        stale = {}  # a session left open by an interrupted push: close it and begin again
+        begun = self._post_all(paused, "/begin_weight_update", {}, stale)
+        if stale:
+            self._post_all(list(stale), "/end_weight_update", {}, {})
+            begun += self._post_all(list(stale), "/begin_weight_update", {}, failed)
+        members = [u for u in paused if u in begun]
+        nbytes = ntensors = nbuckets = 0
+        try:
+            while current is not None and members:
+                following = next(buckets, None)  # look ahead: the last bucket carries the new weight_version
+                last = following is None
+                if tuple(members) != self.group_members:
+                    self._ensure_group(tuple(members))  # an engine dropped out: the others go on without it
+                body = current.request(group_name=self.group_name, flush_cache=last,
+                                       weight_version=version if last else None).to_json()
+                futures = [(url, self.pool.submit(post_json, f"{url}/update_weights_from_distributed", body,
+                                                  self.timeout_s)) for url in members]
+                self._staging = current.flatten(self._staging)  # reused: no fresh pages per bucket
+                flat = self._staging[:current.nbytes]
+                if self.backend == "nccl" and not flat.is_cuda:
+                    flat = flat.cuda()
+                try:
+                    torch.distributed.broadcast(flat, src=0, group=self.group)
+                except Exception as err:
+                    self._destroy_group()
+                    log.error("broadcast of bucket %d to %s failed: %s", nbuckets, members, err)
+                bad = _failures(futures)
+                for url, why in bad.items():
+                    failed[url] = f"bucket {nbuckets}: {why}"
+                members = [u for u in members if u not in bad]
+                nbytes += flat.numel()
+                ntensors += len(current.names)
+                nbuckets += 1
+                current = following
+        except WeightSyncError as err:  # the group did not re-form
+            failed.update({u: str(err) for u in members})
+            members = []
+        finally:
+            self._post_all(begun, "/end_weight_update", {}, failed if current is None else {})
+        return [u for u in members if u not in failed], nbytes, ntensors, nbuckets
+
+    def _write_disk(self, buckets: Iterator[Bucket], version: str):
         from safetensors.torch import save_file
 
         path = os.path.join(self.disk_dir, f"weights_v{version}")
         os.makedirs(path, exist_ok=True)
         nbytes = ntensors = nbuckets = 0
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+        for bucket in buckets:
             tensors = {n: t.detach().contiguous().cpu() for n, t in zip(bucket.names, bucket.tensors)}
             save_file(tensors, os.path.join(path, f"model-{nbuckets:05d}.safetensors"))
             nbytes += bucket.nbytes
             ntensors += len(bucket.names)
             nbuckets += 1
-        body = UpdateWeightsFromDiskRequest(model_path=path, weight_version=version).to_json()
-        futures = [(url, self.pool.submit(post_json, f"{url}/update_weights_from_disk", body, self.timeout_s))
-                   for url in targets]
-        failed = _failures(futures)
-        if failed:
-            raise WeightSyncError(f"/update_weights_from_disk failed on {failed}")
+        if not nbuckets:
+            raise ValueError("push: no tensors to send")
         if self._last_disk_path not in (None, path):  # keep only the newest directory
             shutil.rmtree(self._last_disk_path, ignore_errors=True)
         self._last_disk_path = path
-        return nbytes, ntensors, nbuckets
+        return path, nbytes, ntensors, nbuckets
 
     def close(self) -> None:
         self._destroy_group()
@@ -336,7 +455,8 @@ class WeightBroadcaster:
         self.close()
 
 
-def _failures(futures) -> dict[str, str]:
+def _failures(futures, needs_success: bool = True) -> dict[str, str]:
+    """url -> why, for calls that raised, answered >= 300, or (``needs_success``) lacked success: true."""
     failed = {}
     for url, fut in futures:
         try:
@@ -344,6 +464,6 @@ def _failures(futures) -> dict[str, str]:
         except Exception as err:
             failed[url] = f"{type(err).__name__}: {err}"
             continue
-        if status != 200 or not (isinstance(body, dict) and body.get("success")):
+        if status >= 300 or (needs_success and not (isinstance(body, dict) and body.get("success"))):
             failed[url] = f"HTTP {status}: {body}"
     return failed

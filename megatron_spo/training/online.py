@@ -111,9 +111,12 @@ class OnlineSource:
             from megatron_spo.rollout.weight_sync import WeightBroadcaster
 
             r = cfg.rollout
+            tp = endpoints.engine_tp_size
             broadcaster = WeightBroadcaster(endpoints.engine_urls, mode=r.weight_sync,
                                             bucket_bytes=int(r.weight_bucket_mb * 2**20), backend=r.weight_sync_backend,
-                                            master_address=weight_sync_address(), disk_dir=r.weight_sync_dir)
+                                            master_address=weight_sync_address(), disk_dir=r.weight_sync_dir,
+                                            engine_tp_sizes=None if tp is None else [tp] * len(endpoints.engine_urls),
+                                            pause_mode=r.weight_sync_pause)
         q0 = {}
         if cfg.task.q0_path:
             from megatron_spo.data.q0 import read_q0
@@ -125,6 +128,7 @@ class OnlineSource:
         return source
 
     broadcaster = None
+    last_sync_error: str | None = None
     _fleet_seen_healthy = False
 
     def _call(self, coro, timeout: float | None = None) -> Any:
@@ -143,41 +147,40 @@ class OnlineSource:
             stats = ", ".join(f"{key.split('/')[-1]} {value:g}" for key, value in self.stats().items()
                               if key.split("/")[-1] in ("requests", "failed_requests", "retries", "reward_errors",
                                                         "groups", "dropped_stale", "queue_depth"))
+            sync = f"; last weight sync failed: {self.last_sync_error}" if self.last_sync_error else ""
             raise RuntimeError(f"online source: no batch of {k} trajectories within {timeout_s:g} s "
-                               f"(rollout.wait_timeout_s); rollout counters: {stats}") from None
+                               f"(rollout.wait_timeout_s); rollout counters: {stats}{sync}") from None
         out = [t for g in groups for t in g][:k]
         for t in out:
             t.q0 = self.q0.get(str(t.prompt_id), 0.0)
         return out
 
     def push_weights(self, version: int, named_tensors) -> dict[str, float]:
-        """Send the new weights to every engine, then let new requests carry this policy version."""
+        """Send the new weights to every engine (pause -> session -> buckets -> continue, weight_sync.py), then
+        let new requests carry this policy version. Engines that missed the push keep their old version, so
+        version gating gives them no work until a later push reaches them; the metrics count them."""
         from megatron_spo.rollout.weight_sync import WeightSyncError
 
-        report = None
-        if self.broadcaster is not None:
-            if not self._fleet_seen_healthy:
-                # the first push may come before a freshly (re)started fleet is up (a resumed run re-sends its
-                # weights at once): an engine missing it would stay gated off with nothing left to train on
-                wait_healthy(self.broadcaster.engine_urls, FLEET_STARTUP_TIMEOUT_S)
-                self._fleet_seen_healthy = True
-            try:
-                report = self.broadcaster.push(named_tensors, version=str(version))
-            except WeightSyncError as err:
-                # engines that missed it keep their old weight_version: version gating keeps them idle
-                # until a later push reaches them; training goes on with the others
-                log.warning("weight sync to version %d incomplete: %s", version, err)
-                for _ in named_tensors:  # drain the collective gather on this rank
-                    pass
-                self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
-                return {"weight_sync/failed": 1.0}
-        else:
-            for _ in named_tensors:  # nothing to push to (router only): still drain the collective
+        if self.broadcaster is None:
+            for _ in named_tensors:  # nothing to push to (router only): still drain the collective gather
                 pass
-        self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
-        if report is None:
+            self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
             return {}
-        return {"weight_sync/bytes_per_s": report.bytes_per_s, "weight_sync/seconds": report.seconds}
+        if not self._fleet_seen_healthy:
+            # the first push may come before a freshly (re)started fleet is up (a resumed run re-sends its
+            # weights at once): an engine missing it would stay gated off with nothing left to train on
+            wait_healthy(self.broadcaster.engine_urls, FLEET_STARTUP_TIMEOUT_S)
+            self._fleet_seen_healthy = True
+        try:
+            metrics = self.broadcaster.push(named_tensors, version=str(version)).metrics()  # drains the gather
+            self.last_sync_error = None
+        except WeightSyncError as err:
+            log.error("%s", err)
+            self.last_sync_error = str(err)
+            metrics = {"weight_sync/failed": 1.0, "weight_sync/engines_updated": 0.0,
+                       "weight_sync/engines_failed": float(len(self.broadcaster.engine_urls))}
+        self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
+        return metrics
 
     def stats(self) -> dict[str, float]:
         return self._call(_stats(self.manager), timeout=10)

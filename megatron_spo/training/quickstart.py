@@ -262,8 +262,7 @@ def run(cfg: QuickstartConfig) -> dict:
                 async with EngineClient(fleet.router_url) as client:
                     return await evaluate(prompts, client, eval_rewards, n=cfg.eval_n,
                                           temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, ks=(1, 10),
-                                          sampling=ToolSamplingConfig(max_new_tokens=cfg.train.max_new_tokens,
-                                                                      seed=cfg.seed),
+                                          sampling=ToolSamplingConfig(max_new_tokens=cfg.train.max_new_tokens),
                                           out_path=out / f"eval_{tag}.jsonl", progress=cfg.progress)
 
             t0 = stage(f"4/6 evaluate the reference: {len(heldout)} held-out problems x {cfg.eval_n} samples")
@@ -279,8 +278,7 @@ def run(cfg: QuickstartConfig) -> dict:
                     return await estimate_q0(train_prompts, client, rewards, samples=cfg.q0_samples,
                                              beta=cfg.train.beta, out_path=out / "q0.jsonl",
                                              sampling=ToolSamplingConfig(temperature=1.0,
-                                                                         max_new_tokens=cfg.train.max_new_tokens,
-                                                                         seed=cfg.seed),
+                                                                         max_new_tokens=cfg.train.max_new_tokens),
                                              trajectories_out=out / "offline.jsonl",
                                              keep_successful=cfg.offline_per_prompt, progress=cfg.progress)
 
