@@ -182,10 +182,9 @@ class EngineServer:
         if failed is not None:
             return _error(500, f"generation failed: {type(failed).__name__}: {failed}")
         latency = time.perf_counter() - start
-        version = self.scheduler.weight_version
         items = []
         for r in reqs:
-            spans = r.weight_version_spans(version)
+            spans = r.spans
             meta: dict[str, Any] = {
                 "id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.prompt),
                 "weight_version": spans[-1]["version"], "weight_versions": spans,

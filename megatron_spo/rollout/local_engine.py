@@ -67,6 +67,7 @@ class Req:
     finish: dict[str, Any] | None = None
     version_events: list[tuple[str, int]] = field(default_factory=list)  # (version replaced, output tokens then)
     retractions: int = 0
+    spans: list[dict[str, Any]] | None = None  # weight_version_spans, taken when it finished
     error: BaseException | None = None
     on_finish: Callable[[Req], None] | None = field(default=None, repr=False)
 
@@ -215,11 +216,13 @@ class LocalEngine:
         return received[0]
 
     def destroy_weights_update_group(self, group_name: str) -> None:
+        from megatron_spo.rollout.weight_sync import destroy_custom_process_group
+
         groups = self.update_groups.pop(group_name, None)
         if groups is None:
             raise ValueError("The group to be destroyed does not exist.")
         for group in groups:
-            torch.distributed.destroy_process_group(group)
+            destroy_custom_process_group(group)
 
 
 def _on_tp_ranks(tp_size: int, fn: Callable[[int], Any]) -> list:
@@ -345,7 +348,8 @@ class Scheduler:
         self.paused: str | None = None  # "retract" | "in_place" while paused
         self.session_open = False
         self.weights_partial = False  # a session loaded some weights and has not set a version yet
-        self.stats = collections.Counter()  # tokens_sampled_with_partial_weights, retracted, aborted, ...
+        # requests retracted and aborted by pauses; tokens sampled while a session had loaded only some buckets
+        self.stats = collections.Counter(dict.fromkeys(("retracted", "aborted", "tokens_sampled_with_partial_weights"), 0))
         self._ops: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._stopped = False
@@ -420,6 +424,7 @@ class Scheduler:
 
     def _deliver(self, reqs: list[Req]) -> None:
         for req in reqs:
+            req.spans = req.weight_version_spans(self.weight_version)  # now, not when the answer is written
             if req.on_finish is not None:
                 req.on_finish(req)
 

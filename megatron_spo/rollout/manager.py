@@ -66,6 +66,7 @@ class Trajectory(TrajectoryRecord):
     finish_reason: str = ""
     stale: bool = False
     mixed_versions: bool = False  # its tokens come from more than one weight version
+    weight_versions: list | None = None  # [(version, start, end)] over response_tokens, as the engine reported
     text: str = ""
 
     def to_record(self) -> dict:
@@ -352,7 +353,7 @@ class RolloutManager:
                 reward=float(reward), source=self.source, policy_version=min(versions),
                 behaviour_logprobs=c.logprobs, request_id=request_id, sample_index=i,
                 temperature=params.temperature, top_p=params.top_p, finish_reason=c.finish_reason,
-                mixed_versions=mixed, text=c.text,
+                mixed_versions=mixed, weight_versions=c.weight_versions, text=c.text,
             ))
         return group
 

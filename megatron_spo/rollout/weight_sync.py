@@ -25,12 +25,15 @@ sglang-router returns 404 for these endpoints.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import os
 import shutil
 import socket
+import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -61,7 +64,11 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
                               world_size: int, group_name: str, timeout_s: float = 300.0):
     """A process group that does not touch the default one: what SGLang's init_custom_process_group
     builds (TCP rendezvous at master_address:master_port hosted by rank 0, a store prefixed by
-    group_name), so a trainer using this joins real SGLang engines."""
+    group_name), so a trainer using this joins real SGLang engines.
+
+    Several ranks of one group may live in one process (the local engine standing in for a TP engine,
+    or a test holding the sender and an engine): torch registers group names per process, so a second
+    local rank registers under its own name and reaches the group's store keys through a renaming store."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -75,10 +82,83 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
                                               timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                         timeout=timeout)
+    with _LOCAL_NAMES_LOCK:
+        shared = group_name in _world.pg_names.values() or _local_names_in_creation[group_name] > 0
+        _local_names_in_creation[group_name] += 1
+    local_name = f"{group_name}#{rank}" if shared else group_name
+    if shared:
+        store = _RenamedKeys(store, f"{local_name}/", f"{group_name}/", timeout)
+    try:
+        group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=local_name,
+                                             timeout=timeout)
+    finally:
+        with _LOCAL_NAMES_LOCK:
+            _local_names_in_creation[group_name] -= 1
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    _group_stores[group] = store  # torch keeps only the C++ side of a Python store: the wrapper must live on
     return group
+
+
+def destroy_custom_process_group(group) -> None:
+    try:
+        torch.distributed.destroy_process_group(group)
+    finally:
+        _group_stores.pop(group, None)
+
+
+_LOCAL_NAMES_LOCK = threading.Lock()
+_local_names_in_creation: collections.Counter = collections.Counter()
+_group_stores: dict = {}
+
+
+class _RenamedKeys(torch.distributed.Store):
+    """A store whose keys under ``local`` are the inner store's keys under ``shared``.
+
+    Gloo calls it from C++ holding the GIL, so it never blocks inside the inner store (a blocking get or wait
+    would hold the GIL while the rank that must set the key, in this same process, waits for it): it polls."""
+
+    def __init__(self, inner, local: str, shared: str, timeout: timedelta):
+        super().__init__()
+        self.inner, self.local, self.shared, self.wait_limit = inner, local, shared, timeout
+
+    def _key(self, key: str) -> str:
+        return self.shared + key[len(self.local):] if key.startswith(self.local) else key
+
+    def _await(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.wait_limit).total_seconds()
+        while not self.inner.check(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for store keys {keys}")
+            time.sleep(0.002)
+
+    def set(self, key, value):
+        self.inner.set(self._key(key), value)
+
+    def get(self, key):
+        self._await([self._key(key)])
+        return self.inner.get(self._key(key))
+
+    def add(self, key, value):
+        return self.inner.add(self._key(key), value)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(self._key(key), expected, desired)
+
+    def wait(self, keys, timeout=None):
+        self._await([self._key(k) for k in keys], timeout)
+
+    def check(self, keys):
+        return self.inner.check([self._key(k) for k in keys])
+
+    def delete_key(self, key):
+        return self.inner.delete_key(self._key(key))
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        self.wait_limit = timeout
+        self.inner.set_timeout(timeout)
 
 
 def free_port() -> int:
@@ -284,7 +364,7 @@ class WeightBroadcaster:
             return
         self._destroy_group()
         self._generation += 1
-        name = f"megatron_spo_weights_{os.getpid()}_{self._generation}"
+        name = f"megatron_spo_weights_{os.getpid()}_{self._generation}_{uuid.uuid4().hex[:8]}"
         port = free_port()
         world = 1 + sum(self.tp_sizes[u] for u in members)
         futures, offset = [], 1
@@ -314,7 +394,7 @@ class WeightBroadcaster:
         for url in self.group_members:  # best effort: an engine that died has nothing to destroy
             self.pool.submit(post_json, f"{url}/destroy_weights_update_group", {"group_name": self.group_name}, 10.0)
         try:
-            torch.distributed.destroy_process_group(self.group)
+            destroy_custom_process_group(self.group)
         except Exception as err:  # a group with a dead peer may refuse a clean shutdown
             log.warning("destroying weight group %s: %s", self.group_name, err)
         self.group, self.group_members = None, ()
