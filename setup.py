@@ -45,6 +45,12 @@ setup(
             "liger-kernel",
             "msgspec",
             "wandb",
+            # SGLang source loaded on CPU by tests/sglang_source.py: imports of the sglang modules it loads
+            # (sglang itself is installed --no-deps by tools/bootstrap.sh), and httpx for FastAPI's TestClient.
+            "pybase64",
+            "pyzmq",
+            "ipython",
+            "httpx",
         ],
     },
     entry_points={"console_scripts": ["megatron-spo=megatron_spo.cli:main"]},
