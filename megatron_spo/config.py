@@ -518,6 +518,9 @@ class RolloutConfig(StrictModel):
     weight_bucket_mb: float = Field(512.0, gt=0)
     weight_sync_dir: str | None = Field(None, description="shared directory for weight_sync=disk")
     weight_sync_backend: Literal["gloo", "nccl"] = "gloo"
+    weight_sync_attempts: int = Field(3, gt=0, description="times a push that reached no engine is sent "
+                                      "before the run stops (a push some engines took is not repeated: the "
+                                      "others catch up at the next push)")
     weight_sync_pause: Literal["retract", "abort"] = Field(
         "retract", description="how a weight push pauses the engines: retract (requests in flight resume under "
         "the new weights; their samples then span two versions) or abort (they end and are sent again)")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned
+from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned, train_with_failing_pushes
 
 from megatron_spo.config import ConfigError, TrainConfig
 from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names, plot_run
@@ -239,3 +239,23 @@ def test_virtual_pipeline_checkpoint_converts_to_the_final_policy(trained_vpp, t
     final = torch.load(trained_vpp / "vpp-ppo.pt")
     assert converted.keys() == final.keys()
     assert all(torch.equal(converted[k], final[k]) for k in final)
+
+
+@pytest.mark.parametrize("failures", [2, 5])
+def test_a_push_that_reached_no_engine_is_sent_again_then_stops_the_run(hf, tmp_path, failures):
+    """Every engine missed the push (all paused, none serving): both ranks gather and send it again at once,
+    up to rollout.weight_sync_attempts (3), then stop together with the reason instead of starving."""
+    from megatron_spo.models.parallel import spawn_local
+
+    out = tmp_path / "result.json"
+    spawn_local(train_with_failing_pushes, 2, _cfg(tmp_path, hf, "run", tp=2, steps=2), failures, str(out))
+    result = json.loads(out.read_text())
+    n_tensors = result["pushes"][0][1]
+    if failures == 2:
+        assert result["error"] is None and result["step"] == 2
+        assert result["pushes"] == [[1, n_tensors]] * 3 + [[2, n_tensors]]  # step 1's push took 3 attempts
+    else:
+        assert result["pushes"] == [[1, n_tensors]] * 3 and result["step"] == 1
+        assert result["error"] == ("weight sync to version 1 reached no engine in 3 attempts "
+                                   "(rollout.weight_sync_attempts): weight sync to version 1 reached no engine: "
+                                   "{'http://e0': 'OOM'}")

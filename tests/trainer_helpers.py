@@ -84,3 +84,44 @@ def run_spawned(runs: list[tuple[dict, str]], world_size: int) -> None:
     from megatron_spo.models.parallel import spawn_local
 
     spawn_local(train_and_dump, world_size, runs)
+
+
+class FailingPushSource(DeterministicSource):
+    """An online source whose first ``failures`` weight pushes reach no engine (as OnlineSource reports it)."""
+
+    def __init__(self, failures: int):
+        super().__init__()
+        self.failures, self.pushes = failures, []
+        self.last_sync_error = None
+
+    def push_weights(self, version: int, named_tensors) -> dict:
+        n = sum(1 for _ in named_tensors)
+        self.pushes.append((version, n))
+        if len(self.pushes) <= self.failures:
+            self.last_sync_error = f"weight sync to version {version} reached no engine: {{'http://e0': 'OOM'}}"
+            return {"weight_sync/failed": 1.0, "weight_sync/engines_updated": 0.0}
+        self.last_sync_error = None
+        return {"weight_sync/failed": 0.0, "weight_sync/engines_updated": 1.0}
+
+
+def train_with_failing_pushes(cfg_data: dict, failures: int, out_file: str) -> None:
+    """One rank: train; rank 0's pushes fail ``failures`` times; rank 0 writes its pushes and the error."""
+    import json
+
+    from megatron_spo.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    source = FailingPushSource(failures)
+    trainer = Trainer(TrainConfig.model_validate(cfg_data), online_source=source)
+    error = None
+    try:
+        trainer.train()
+    except RuntimeError as err:
+        error = str(err)
+    finally:
+        trainer.close()
+    if trainer.rank == 0:
+        with open(out_file, "w") as f:
+            json.dump({"pushes": source.pushes, "error": error, "step": trainer.step}, f)
+    elif (error is not None) != (failures >= trainer.cfg.rollout.weight_sync_attempts):
+        raise AssertionError(f"rank {trainer.rank} did not act with rank 0: {error}")

@@ -403,7 +403,7 @@ class WeightBroadcaster:
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str,
              engines: list[str] | None = None) -> SyncReport:
         """Send every tensor to ``engines`` (default: all) and set their weight_version to ``version``."""
-        targets = tuple(u.rstrip("/") for u in (engines or self.engine_urls))
+        targets = tuple(u.rstrip("/") for u in (self.engine_urls if engines is None else engines))
         tensors = iter(named_tensors)
         start = time.perf_counter()
         try:

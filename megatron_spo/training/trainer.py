@@ -492,17 +492,36 @@ class Trainer:
     # -- weights to the fleet ------------------------------------------------------------------
     def sync_weights(self, new_version: bool = True) -> float:
         """Collective: the policy's HF-named weights to the fleet as version policy_version + 1 (or as the
-        current version, to bring a restarted fleet up to a resumed policy)."""
+        current version, to bring a restarted fleet up to a resumed policy).
+
+        A push that reached no engine is sent again at once (rollout.weight_sync_attempts in all): every engine
+        is then paused and serves nothing, so waiting for the next scheduled push would starve the run. After
+        the last attempt the run stops with the reason. Engines that missed a push the others took stay out of
+        service until the next push reaches them (weight_sync.py)."""
         from megatron_spo.models.hf_map import iter_hf_tensors
 
         t0 = time.perf_counter()
         self.policy_version += int(new_version)
-        tensors = iter_hf_tensors(self.policy, self.model_cfg)
-        if self.rank == 0 and hasattr(self.online, "push_weights"):
-            self._sync_metrics = self.online.push_weights(self.policy_version, tensors) or {}
-        else:
-            for _ in tensors:  # every rank takes part in the gather
-                pass
+        online = self.rank == 0 and hasattr(self.online, "push_weights")
+        attempts = self.cfg.rollout.weight_sync_attempts
+        for attempt in range(1, attempts + 1):
+            tensors = iter_hf_tensors(self.policy, self.model_cfg)
+            if online:
+                self._sync_metrics = self.online.push_weights(self.policy_version, tensors) or {}
+            else:
+                for _ in tensors:  # every rank takes part in the gather
+                    pass
+            missed = [online and self._sync_metrics.get("weight_sync/engines_updated", 1.0) == 0
+                      and (getattr(self.online, "last_sync_error", None) or "no engine took it")]
+            dist.broadcast_object_list(missed, src=0)
+            if not missed[0]:
+                break
+            if attempt == attempts:
+                raise RuntimeError(f"weight sync to version {self.policy_version} reached no engine in {attempts} "
+                                   f"attempts (rollout.weight_sync_attempts): {missed[0]}")
+            if self.rank == 0:
+                print(f"[megatron-spo] weight sync attempt {attempt} reached no engine; sending it again",
+                      flush=True)
         return time.perf_counter() - t0
 
     _sync_metrics: dict = {}
