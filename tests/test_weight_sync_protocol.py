@@ -348,3 +348,16 @@ def test_pause_abort_returns_once_nothing_is_in_flight(model_dir):
         assert not blocked.done()  # new requests wait while paused
         assert post_json(srv.url + "/continue_generation", {})[0] == 200
         assert blocked.result(30)[0] == 200
+
+
+def test_manager_refuses_engines_whose_n_samples_would_be_copies(model_dir):
+    """Point 4 for rollouts: under SGLang's deterministic inference the n samples of a request share a seed."""
+    cfg = RolloutConfig(samples_per_prompt=4, max_new_tokens=4)
+    with ServerThread(LocalEngine(model_dir, deterministic=True), free_port()) as srv:
+        async def go():
+            manager = RolloutManager(cfg, [Prompt("p", [3, 4])], lambda p, t: 0.0, endpoints=[srv.url])
+            with pytest.raises(ValueError, match=r"run with --enable-deterministic-inference: the 4 samples"):
+                await manager.start()
+            await manager.stop()
+
+        asyncio.run(go())

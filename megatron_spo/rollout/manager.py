@@ -154,10 +154,30 @@ class RolloutManager:
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self, max_requests: int | None = None) -> None:
         """Start the workers. With max_requests, stop issuing new requests after that many."""
+        if self.cfg.samples_per_prompt > 1:
+            await self._refuse_deterministic_engines()
         self.buffer = asyncio.Queue(maxsize=self.cfg.buffer_groups)
         self.max_requests = max_requests
         self.metrics = RolloutMetrics()
         self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.cfg.max_inflight_requests)]
+
+    async def _refuse_deterministic_engines(self) -> None:
+        """An SGLang engine with --enable-deterministic-inference gives every sample of a request one seed
+        (42 when unseeded): the n samples of a group would be copies, and every group baseline degenerate.
+        Engines that do not answer /server_info yet (starting, or a router) are not judged."""
+        async def deterministic(ep: Endpoint) -> bool:
+            try:
+                info = await ep.client.server_info()
+            except EngineError:
+                return False
+            return isinstance(info, dict) and bool(info.get("enable_deterministic_inference"))
+
+        flagged = [ep.url for ep, on in zip(self.endpoints, await asyncio.gather(
+            *[deterministic(ep) for ep in self.endpoints])) if on]
+        if flagged:
+            raise ValueError(f"rollout engines {flagged} run with --enable-deterministic-inference: the "
+                             f"{self.cfg.samples_per_prompt} samples of each request would be identical "
+                             "(SGLang shares one seed among them); restart them without it")
 
     async def stop(self) -> None:
         for task in self._tasks:
