@@ -143,7 +143,7 @@ class ServerThread:
         self.thread.start()
 
         async def up():
-            self.runner = web.AppRunner(self.server.build_app(), access_log=None)
+            self.runner = web.AppRunner(self.server.build_app(), access_log=None, handler_cancellation=True)
             await self.runner.setup()
             await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 

@@ -361,3 +361,18 @@ def test_manager_refuses_engines_whose_n_samples_would_be_copies(model_dir):
             await manager.stop()
 
         asyncio.run(go())
+
+
+def test_a_request_whose_client_went_away_is_aborted(model_dir):
+    """SGLang aborts a request whose HTTP client disconnected (tokenizer_manager.py _stream_one_response): its
+    decoding stops and its rid is free again."""
+    with engines(model_dir, 1, cls=PacedEngine) as [srv]:
+        body = {"input_ids": [3, 4], "sampling_params": LONG, "rid": "gone"}
+        with pytest.raises(OSError):  # the client's timeout: it closes the connection
+            post_json(srv.url + "/generate", body, timeout_s=0.5)
+        deadline = time.monotonic() + 10
+        while internal_state(srv)["aborted"] < 1:
+            assert time.monotonic() < deadline, "the engine kept decoding for a client that left"
+            time.sleep(0.05)
+        status, item = post_json(srv.url + "/generate", {**body, "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and item["meta_info"]["id"] == "gone"

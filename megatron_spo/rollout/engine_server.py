@@ -176,6 +176,9 @@ class EngineServer:
                 await self.pause_cond.wait_for(lambda: not self.is_pause)
             async with self.model_update_lock.reader():
                 await self._run(reqs)
+        except asyncio.CancelledError:  # the client went away: stop its requests, as SGLang does
+            self.scheduler.call(self.scheduler.abort, "", False, reqs)
+            raise
         finally:
             self.live_rids.difference_update(r.rid for r in reqs)
         failed = next((r.error for r in reqs if r.error is not None), None)
@@ -406,5 +409,6 @@ def main(argv: list[str]) -> int:
     server = EngineServer(engine, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
                           served_model_name=args.served_model_name)
     log.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    web.run_app(server.build_app(), host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(server.build_app(), host=args.host, port=args.port, print=None, access_log=None,
+                handler_cancellation=True)  # a client that disconnects cancels its /generate
     return 0

@@ -349,7 +349,8 @@ class Scheduler:
         self.session_open = False
         self.weights_partial = False  # a session loaded some weights and has not set a version yet
         # requests retracted and aborted by pauses; tokens sampled while a session had loaded only some buckets
-        self.stats = collections.Counter(dict.fromkeys(("retracted", "aborted", "tokens_sampled_with_partial_weights"), 0))
+        self.stats = collections.Counter(
+            dict.fromkeys(("retracted", "aborted", "tokens_sampled_with_partial_weights"), 0))
         self._ops: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._stopped = False
@@ -450,11 +451,11 @@ class Scheduler:
     def resume(self) -> None:
         self.paused = None
 
-    def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """Finish matching requests now with finish_reason abort (their output so far is returned). SGLang
-        matches rid as a prefix."""
+    def abort(self, rid: str = "", abort_all: bool = False, reqs: list[Req] | None = None) -> int:
+        """Finish matching requests now with finish_reason abort (their output so far is returned): all, those
+        whose rid starts with ``rid`` (SGLang matches a prefix), or the given ``reqs``."""
         def match(req: Req) -> bool:
-            return abort_all or (bool(rid) and req.rid.startswith(rid))
+            return abort_all or (bool(rid) and req.rid.startswith(rid)) or (reqs is not None and req in reqs)
 
         reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         with self._cond:
