@@ -82,26 +82,8 @@ def build(model_dir: str):
     events: list = []
     model = Model(model_dir)
     scheduler = Scheduler(events)
-    weight_updater = sgl.model_runner_weight_updater_module().WeightUpdater(
-        tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={}, get_model=lambda: model,
-        update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None)
-
-    class RunnerWeights:  # begin/end repack quantised weights on a GPU (model_loader): recorded here
-        def begin_weight_update(self):
-            events.append(("runner_begin",))
-
-        def end_weight_update(self, *, run_post_load):
-            events.append(("runner_end", run_post_load))
-
-        def load_weights_from_distributed(self, named_tensors):
-            return weight_updater.load_weights_from_distributed(named_tensors)
-
-    tp_worker = type("TpWorker", (), sgl.tp_worker_methods())()
-    tp_worker.model_runner = types.SimpleNamespace(weight_updater=weight_updater)
-    tp_worker._model_runner = types.SimpleNamespace(weight_updater=RunnerWeights())
-    manager = sgl.scheduler_weight_updater_module().SchedulerWeightUpdaterManager(
-        tp_worker=tp_worker, draft_worker=None, memory_saver_adapter=None, is_fully_idle=scheduler.is_fully_idle,
-        flush_cache=scheduler.flush_cache, scheduler=scheduler)
+    manager = sgl.scheduler_weight_update_stack(model=model, events=events, scheduler=scheduler,
+                                                is_fully_idle=scheduler.is_fully_idle, flush_cache=scheduler.flush_cache)
 
     def communicator(method):
         async def call(obj):  # the scheduler process runs it; receiving blocks, so off the event loop

@@ -801,6 +801,36 @@ def _tp_worker_methods() -> dict[str, Callable]:
     return methods
 
 
+def scheduler_weight_update_stack(*, model: Any, events: list, scheduler: Any, is_fully_idle: Callable,
+                                  flush_cache: Callable) -> Any:
+    """SGLang's scheduler-side weight-update path on CPU, returned as its SchedulerWeightUpdaterManager:
+    manager (scheduler_components/weight_updater.py) -> the TP worker's plumbing (:func:`tp_worker_methods`)
+    -> the model runner's WeightUpdater (model_runner_components/weight_updater.py, device "cpu") ->
+    ``model.load_weights``. The runner's begin/end (quantised-weight repacking in model_loader, stubbed here)
+    are stand-ins that append ``("runner_begin",)`` / ``("runner_end", run_post_load)`` to ``events``.
+    Build and call it inside :func:`sglang_imports` with the runtime context published (see the tests)."""
+    weight_updater = model_runner_weight_updater_module().WeightUpdater(
+        tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={}, get_model=lambda: model,
+        update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None)
+
+    class RunnerWeights:
+        def begin_weight_update(self):
+            events.append(("runner_begin",))
+
+        def end_weight_update(self, *, run_post_load):
+            events.append(("runner_end", run_post_load))
+
+        def load_weights_from_distributed(self, named_tensors):
+            return weight_updater.load_weights_from_distributed(named_tensors)
+
+    tp_worker = type("TpWorker", (), tp_worker_methods())()
+    tp_worker.model_runner = types.SimpleNamespace(weight_updater=weight_updater)
+    tp_worker._model_runner = types.SimpleNamespace(weight_updater=RunnerWeights())
+    return scheduler_weight_updater_module().SchedulerWeightUpdaterManager(
+        tp_worker=tp_worker, draft_worker=None, memory_saver_adapter=None, is_fully_idle=is_fully_idle,
+        flush_cache=flush_cache, scheduler=scheduler)
+
+
 def runtime_context() -> types.ModuleType:
     """``sglang/srt/runtime_context.py``: get_parallel()/get_model() read by the updaters and the mixin."""
     return load_module("sglang.srt.runtime_context")

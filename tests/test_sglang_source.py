@@ -277,24 +277,7 @@ def _inference(port: int, results) -> None:
         model = torch.nn.Linear(3, 2, bias=False)
         loaded = []
         model.load_weights = loaded.extend
-        weight_updater = sgl.model_runner_weight_updater_module().WeightUpdater(
-            tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={}, get_model=lambda: model,
-            update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None)
         events = []
-
-        class RunnerWeights:  # begin/end load/post-process the real model (model_loader: stubbed)
-            def begin_weight_update(self):
-                events.append("begin")
-
-            def end_weight_update(self, *, run_post_load):
-                events.append(("end", run_post_load))
-
-            def load_weights_from_distributed(self, named_tensors):
-                return weight_updater.load_weights_from_distributed(named_tensors)
-
-        tp_worker = type("TpWorker", (), sgl.tp_worker_methods())()
-        tp_worker.model_runner = types.SimpleNamespace(weight_updater=weight_updater)
-        tp_worker._model_runner = types.SimpleNamespace(weight_updater=RunnerWeights())
         scheduler = types.SimpleNamespace(record_weight_version_change=lambda new_version: events.append(new_version))
         body = {"names": ["a", "b"], "dtypes": ["float32", "int64"], "shapes": [[2, 3], [3]], "group_name": "g",
                 "weight_version": "v1"}
@@ -302,9 +285,9 @@ def _inference(port: int, results) -> None:
                        "group_name": "g", "load_format": "flattened_bucket"}
         with sgl.sglang_imports(), rc.get_context().override_server_args(), rc.get_parallel().override(
                 tp_group=types.SimpleNamespace(cpu_group=None, world_size=1)):
-            manager = sgl.scheduler_weight_updater_module().SchedulerWeightUpdaterManager(
-                tp_worker=tp_worker, draft_worker=None, memory_saver_adapter=None, is_fully_idle=lambda **_: True,
-                flush_cache=lambda **kw: events.append(("flush", kw)) or True, scheduler=scheduler)
+            manager = sgl.scheduler_weight_update_stack(
+                model=model, events=events, scheduler=scheduler, is_fully_idle=lambda **_: True,
+                flush_cache=lambda **kw: events.append(("flush", kw)) or True)
             replies = [
                 manager.init_weights_update_group(sgl.parse_http_body(io.InitWeightsUpdateGroupReqInput, {
                     "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
@@ -361,8 +344,8 @@ def test_weight_update_over_gloo_on_cpu():
     assert loaded == [("a", "torch.float32", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]), ("b", "torch.int64", [7, 8, 9]),
                       ("c", "torch.float32", [0.5, 0.5]), ("d", "torch.bfloat16", [1.0, 1.0, 1.0])]
     # end_weight_update skips post_load_weights when a load ran; the version and the flush follow each load.
-    assert events == repr(["begin", "v1", ("flush", {"empty_cache": False}), None,
-                           ("flush", {"empty_cache": False}), ("end", False)])
+    assert events == repr([("runner_begin",), "v1", ("flush", {"empty_cache": False}), None,
+                           ("flush", {"empty_cache": False}), ("runner_end", False)])
 
 
 # --- 7. TokenizerManager control methods ------------------------------------------------------------
