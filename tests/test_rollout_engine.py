@@ -113,7 +113,7 @@ def test_responses_decode_with_sglang_decoder(server, sglang_api):
         assert [e.token_id for e in d.meta_info.output_token_logprobs] == d.output_ids
         assert d.meta_info.weight_version == "default"
         assert isinstance(d.meta_info.finish_reason, (sglang_api.FinishLength, sglang_api.FinishStop))
-    for path, cls in (("/get_model_info", "GetModelInfoResponse"), ("/get_server_info", "GetServerInfoResponse")):
+    for path, cls in (("/model_info", "GetModelInfoResponse"), ("/server_info", "GetServerInfoResponse")):
         info = getattr(sglang_api, cls).from_json_value(json.loads(_get(server.url + path)))
         assert info.model_path == server.engine.model_path
 
@@ -237,7 +237,7 @@ def test_disk_weight_sync_loads_new_weights_and_version(server, model_dir, tmp_p
         assert report.num_buckets > 1 and report.num_tensors == len(new)
         for name, tensor in engine.model.state_dict().items():
             assert torch.equal(tensor, new[name]), name
-        info = json.loads(_get(server.url + "/get_model_info"))
+        info = json.loads(_get(server.url + "/model_info"))
         assert info["weight_version"] == "5"
         # a bad update names the weight and leaves the model untouched
         status, body = post_json(server.url + "/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})

@@ -131,19 +131,19 @@ def make_prompts(problems: Sequence[Any], tokenizer: Any, *, prompt_format: str 
 
 
 def load_tokenizer(path: str | None, engine_url: str) -> Any:
-    """A HF tokenizer from ``path``, or from the engine's tokenizer_path (/get_model_info) when None."""
+    """A HF tokenizer from ``path``, or from the engine's tokenizer_path (/model_info) when None."""
     from transformers import AutoTokenizer
 
     from megatron_spo.rollout.client import get_json
 
     if path is None:
         try:
-            status, info = get_json(engine_url.rstrip("/") + "/get_model_info")
+            status, info = get_json(engine_url.rstrip("/") + "/model_info")
         except OSError as err:
             raise ValueError(f"cannot reach {engine_url} for its tokenizer ({err}); pass --tokenizer DIR") from None
         path = (info or {}).get("tokenizer_path") or (info or {}).get("model_path") if status == 200 else None
         if not path or not os.path.isdir(path):
-            raise ValueError(f"{engine_url}/get_model_info names no local tokenizer folder ({path!r}); "
+            raise ValueError(f"{engine_url}/model_info names no local tokenizer folder ({path!r}); "
                              "pass --tokenizer DIR")
     return AutoTokenizer.from_pretrained(path)
 
