@@ -243,6 +243,8 @@ def receive_broadcast(group, names: list[str], dtypes: list[str], shapes: list[l
 # -------------------------------------------------------------------------------------------------
 # Sender
 # -------------------------------------------------------------------------------------------------
+# SGLang answers these with {"message", "status"} (pause/continue) or an empty body (abort), not {"success"}
+REPLIES_WITHOUT_SUCCESS = frozenset({"/pause_generation", "/continue_generation", "/abort_request"})
 SYNC_PAUSE_MODES = ("retract", "abort")  # in_place leaves requests running: SGLang then refuses the flush
 
 
@@ -320,8 +322,7 @@ class WeightBroadcaster:
     def _post_all(self, urls, path: str, body: dict, failed: dict[str, str], timeout_s: float | None = None) -> list:
         """POST to every url concurrently; the ones that succeed, in order. Failures go into ``failed``."""
         futures = [(u, self.pool.submit(post_json, f"{u}{path}", body, timeout_s or self.timeout_s)) for u in urls]
-        bad = _failures(futures, needs_success=path not in ("/pause_generation", "/continue_generation",
-                                                              "/abort_request"))
+        bad = _failures(futures, needs_success=path not in REPLIES_WITHOUT_SUCCESS)
         for url, why in bad.items():
             failed.setdefault(url, f"{path}: {why}")
         return [u for u in urls if u not in bad]
