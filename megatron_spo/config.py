@@ -115,7 +115,7 @@ def dump_config(cfg: BaseModel) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Model architecture (Llama family)
+# Model architecture (one of the families in models/arch/)
 # ---------------------------------------------------------------------------------------------
 class RopeScaling(StrictModel):
     """Llama 3.1 frequency-dependent RoPE scaling (HF rope_type 'llama3')."""
@@ -128,13 +128,21 @@ class RopeScaling(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    """A Llama-architecture decoder (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings by default)."""
+    """A pre-norm RoPE decoder (RMSNorm, SwiGLU, GQA) of one registered family (models/arch/).
 
+    ``architecture`` names the family (its config.json model_type); the feature fields say what the
+    family's layer has beyond Llama's: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), a head_dim
+    not equal to hidden_size / heads (``kv_channels``, megatron's name; Qwen3)."""
+
+    architecture: str = Field("llama", description="model family (models/arch/): llama | qwen2 | qwen3 | mistral ...")
     num_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     ffn_hidden_size: int = Field(gt=0)
     num_attention_heads: int = Field(gt=0)
     num_query_groups: int = Field(gt=0, description="key/value heads (GQA); = heads for MHA")
+    kv_channels: int | None = Field(None, gt=0, description="head_dim when not hidden_size / num_attention_heads")
+    qkv_bias: bool = Field(False, description="biases on q, k and v (Qwen2)")
+    qk_layernorm: bool = Field(False, description="per-head RMSNorm on queries and keys (Qwen3)")
     vocab_size: int = Field(gt=0, description="tokenizer vocabulary; padded for TP at build time")
     max_position_embeddings: int = Field(4096, gt=0)
     rope_theta: float = Field(500000.0, gt=0)
@@ -145,22 +153,43 @@ class ModelConfig(StrictModel):
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     fp8: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _family_features(cls, data):
+        """Feature fields left out take the family's values (architecture: qwen3 implies qk_layernorm)."""
+        if isinstance(data, dict) and isinstance(data.get("architecture"), str):
+            from megatron_spo.models.arch import registry
+
+            family = registry().get(data["architecture"])
+            if family is not None:
+                data = {**family.features, **data}
+        return data
+
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads} "
+                f"(set kv_channels for a head_dim of its own)"
             )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {self.num_query_groups}"
             )
+        from megatron_spo.models.arch import architecture  # the registry (imports nothing heavy)
+
+        try:
+            problem = architecture(self.architecture).check(self)
+        except ValueError as err:  # unknown family: the registry's message lists the known ones
+            raise ValueError(f"architecture: {err}") from None
+        if problem:
+            raise ValueError(f"architecture {self.architecture!r}: {problem}")
         return self
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
         """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by * TP (megatron's rule)."""
@@ -169,8 +198,9 @@ class ModelConfig(StrictModel):
 
     def num_parameters(self) -> int:
         """Parameters of the unpadded model (embeddings + layers + final norm + LM head)."""
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.num_query_groups * self.head_dim
-        attn = h * h + 2 * h * kv + h * h
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * d if self.qk_layernorm else 0)
         mlp = 3 * h * f
         layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h

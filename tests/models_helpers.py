@@ -62,6 +62,118 @@ def make_tiny_llama(
     return out_dir
 
 
+# ---------------------------------------------------------------------------------------------
+# One tiny checkpoint per registered family (models/arch/), in the shapes that make each feature count
+# ---------------------------------------------------------------------------------------------
+FAMILY_CASES = {  # name -> (transformers config class, fields beyond the shared tiny shape)
+    "llama3.2-tied": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling=tiny_hf_config().rope_scaling)),
+    "qwen2.5": ("Qwen2Config", dict(rope_theta=1000000.0)),
+    "qwen2.5-tied": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0)),  # head_dim != hidden / heads (16)
+    "qwen3-tied": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(head_dim=24, sliding_window=None)),
+}
+
+
+def make_tiny_family(out_dir: str | Path, case: str, seed: int = 0, num_layers: int = 4, vocab_size: int = VOCAB):
+    """A random fp32 checkpoint of one FAMILY_CASES entry. Norm weights (incl. Qwen3's q/k norms) are
+    1 + noise and biases (Qwen2's q/k/v) are noise, so a dropped or swapped one changes the logits."""
+    import transformers
+
+    cls_name, fields = FAMILY_CASES[case]
+    config = getattr(transformers, cls_name)(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+        **{"tie_word_embeddings": False, **fields},
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, max_shard_size="40KB")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}) + "\n")
+    return out_dir
+
+
+FAMILY_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP) on a world of 4
+
+
+def family_worker(hf_dirs: dict[str, str], result_path: str) -> None:
+    """For each family checkpoint and layout: logits and gradients vs transformers, and the streaming
+    export (the live weight-sync names) bit-exact against the checkpoint."""
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_spo.config import ParallelConfig
+    from megatron_spo.models.builders import build_policy
+    from megatron_spo.models.hf_checkpoint import HFReader, read_hf_config
+    from megatron_spo.models.hf_map import iter_hf_tensors, load_hf_into_model
+    from megatron_spo.models.parallel import init_parallel
+    from megatron_spo.models.pipeline import gather_logits_to_rank0, run_pipeline
+
+    rank = int(os.environ["RANK"])
+    ids = tokens()
+    mb_ids = [ids[0:2], ids[2:4]]
+    results: dict = {}
+    for case, hf_dir in hf_dirs.items():
+        cfg = read_hf_config(hf_dir)
+        reader = HFReader(hf_dir)
+        reader.validate(cfg)
+        if rank == 0:
+            ref_logits, ref_grads = hf_reference(hf_dir, ids)
+
+        def loss_fn(logits_local, index):
+            return vocab_parallel_cross_entropy(logits_local[:, :-1].float().contiguous(), mb_ids[index][:, 1:]).mean()
+
+        for tp, pp in FAMILY_LAYOUTS:
+            pcfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            init_parallel(pcfg, cfg, seed=123)
+            chunks = build_policy(cfg, pcfg)
+            load_hf_into_model(chunks, cfg, reader.get)
+            rec: dict = {}
+            logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=2)
+            if rank == 0:
+                rec["logit_max_abs_diff"] = (logits - ref_logits).abs().max().item()
+            for c in chunks:
+                c.train()
+                c.zero_grad(set_to_none=True)
+            run_pipeline(chunks, ids, micro_batch_size=2, loss_fn=loss_fn)
+            for c in chunks if tp > 1 else []:  # finalize_model_grads (the trainer's) sums q/k norm grads over TP
+                for name, p in c.named_parameters():
+                    if "q_layernorm" in name or "k_layernorm" in name:
+                        dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+            if cfg.tie_word_embeddings and pp > 1:  # what finalize_model_grads does in the trainer
+                shared = chunks[0].shared_embedding_or_output_weight()
+                dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+            worst, worst_name, names = 0.0, "", []
+            for hf_name, g in iter_hf_tensors(chunks, cfg, grads=True):
+                ref = ref_grads[hf_name]
+                d = (g - ref).abs().max().item() / (ref.abs().max().item() + 1e-12)
+                names.append(hf_name)
+                if d > worst:
+                    worst, worst_name = d, hf_name
+            exact, exported = True, []
+            for hf_name, t in iter_hf_tensors(chunks, cfg):
+                exact &= torch.equal(t, reader.get(hf_name))
+                exported.append(hf_name)
+            if rank == 0:
+                rec.update(grad_max_rel_diff=worst, grad_worst_tensor=worst_name, export_bit_exact=bool(exact),
+                           exported=exported, hf_grad_names=sorted(ref_grads), checkpoint_names=reader.names())
+            results[f"{case}/tp{tp}_pp{pp}"] = rec
+            del chunks
+            ps.destroy_model_parallel()
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(results, indent=2))
+    dist.destroy_process_group()
+
+
 def tokens(batch: int = 4, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
@@ -69,9 +181,9 @@ def tokens(batch: int = 4, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1) ->
 
 def hf_reference(hf_dir: str | Path, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits [B, S, V] and gradients (by HF name) of the mean next-token cross-entropy."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     logits = model(ids).logits
     loss = next_token_loss(logits, ids)
     loss.backward()

@@ -215,12 +215,12 @@ def _convert_error(hf: Path, out: Path) -> str:
 def test_unsupported_architecture(hf_dir, tmp_path):
     bad = _copy_hf(hf_dir, tmp_path / "hf")
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["MistralForCausalLM"]
+    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
     msg = _convert_error(bad, tmp_path / "out")
     assert msg == (
-        f"{bad}/config.json: unsupported architecture ['MistralForCausalLM'] "
-        "(field 'architectures'; supported: LlamaForCausalLM)"
+        f"{bad}/config.json: unsupported architecture ['Qwen3MoeForCausalLM'] (field 'architectures'; "
+        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
     )
 
 
@@ -230,7 +230,7 @@ def test_unsupported_config_field(hf_dir, tmp_path):
     cfg["hidden_act"] = "gelu"
     (bad / "config.json").write_text(json.dumps(cfg))
     assert _convert_error(bad, tmp_path / "out") == (
-        f"{bad}/config.json: unsupported hidden_act='gelu' (supported: ('silu',))"
+        f"{bad}/config.json: unsupported hidden_act='gelu' (supported: 'silu')"
     )
 
 
@@ -259,7 +259,7 @@ def test_missing_and_extra_tensor(hf_dir, tmp_path):
         {**tensors, "model.layers.9.mlp.gate_proj.weight": torch.zeros(2, 2)}, extra / "model.safetensors"
     )
     assert _convert_error(extra, tmp_path / "out2") == (
-        f"{extra}: unexpected tensor 'model.layers.9.mlp.gate_proj.weight' not in a Llama with this config.json"
+        f"{extra}: unexpected tensor 'model.layers.9.mlp.gate_proj.weight' not in a LlamaForCausalLM with this config.json"
     )
 
 

@@ -1,4 +1,4 @@
-"""megatron-core GPT models with the Llama architecture: policy, frozen reference, PPO value model.
+"""megatron-core GPT models of the registered families (models/arch/): policy, frozen reference, PPO value model.
 
 All builders return a list of model chunks (one per virtual pipeline stage; one chunk without
 virtual pipelining), built for THIS rank's place in the TP/PP layout. Call ``init_parallel`` first.
@@ -36,7 +36,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, init_weights: bool = True):
-    """megatron TransformerConfig for a Llama decoder under the given layout.
+    """megatron TransformerConfig for the config's decoder (family features: q/k/v bias, q/k norm,
+    head_dim) under the given layout.
 
     init_weights=False skips random initialisation (weights are loaded right after, e.g. conversion).
     """
@@ -56,7 +57,8 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, 
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=model_cfg.qkv_bias,
+        qk_layernorm=model_cfg.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -235,6 +237,7 @@ def _build_chunks(
             vp_stage=stage,
         )
         model.valid_vocab_size = model_cfg.vocab_size
+        model.model_cfg = model_cfg  # hf_map reads the family's rule table from it
         if model_cfg.rope_scaling is not None:
             rope = model.rotary_pos_emb
             dim = model_cfg.head_dim

@@ -301,10 +301,10 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, max_shard_bytes: i
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo convert", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-megatron", help="HF Llama dir -> megatron-core dist checkpoint")
+    a = sub.add_parser("hf-to-megatron", help="HF dir (Llama, Qwen2/2.5, Qwen3, Mistral) -> megatron-core dist checkpoint")
     a.add_argument("--hf", required=True, help="HF checkpoint dir (config.json + safetensors)")
     a.add_argument("--out", required=True, help="output dir (must not exist)")
-    b = sub.add_parser("megatron-to-hf", help="megatron-core dist checkpoint -> HF Llama dir")
+    b = sub.add_parser("megatron-to-hf", help="megatron-core dist checkpoint -> HF dir of the same family")
     b.add_argument(
         "--megatron",
         required=True,
@@ -347,9 +347,9 @@ def _check_worker(
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size)
     if logits is not None:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             ref = hf(ids).logits.float()
         diff = (logits - ref).abs().max().item()

@@ -1,4 +1,4 @@
-"""Read and write real Hugging Face Llama checkpoints: config.json, (sharded) safetensors, index.
+"""Read and write real Hugging Face checkpoints of the registered families: config.json, (sharded) safetensors, index.
 
     cfg = read_hf_config(hf_dir)                  # ModelConfig; refuses unsupported architectures
     reader = HFReader(hf_dir); reader.validate(cfg)   # missing / extra / wrong-shape tensors -> HFCheckpointError
@@ -23,11 +23,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_spo.config import ConfigError, ModelConfig, RopeScaling
+from megatron_spo.config import ConfigError, ModelConfig
 from megatron_spo.fsutil import fsync_path
+from megatron_spo.models.arch import architecture, architecture_of_hf, supported_hf_classes
+from megatron_spo.models.arch.base import HFConfigFields, UnsupportedHFConfig
 from megatron_spo.models.hf_map import hf_shapes
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ARCHITECTURES = tuple(supported_hf_classes())
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Files copied through conversions so the output loads in transformers / SGLang unchanged.
@@ -41,14 +43,6 @@ TOKENIZER_PATTERNS = (
     "*.tiktoken",
     "chat_template*",
 )
-_DTYPE_NAMES = {
-    "float32": "float32",
-    "bfloat16": "bfloat16",
-    "float16": "float16",
-    "fp32": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-}
 # safetensors dtype names (the file format's own table).
 _ST_DTYPES = {
     "F64": torch.float64,
@@ -63,7 +57,7 @@ _ST_DTYPES = {
     "BOOL": torch.bool,
 }
 _ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
-# Tensors some Llama checkpoints carry that hold no weights (recomputed from config).
+# Tensors some checkpoints carry that hold no weights (recomputed from config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -75,7 +69,7 @@ class HFCheckpointError(ValueError):
 # config.json <-> ModelConfig
 # ---------------------------------------------------------------------------------------------
 def read_hf_config(hf_dir: str | Path) -> ModelConfig:
-    """ModelConfig from config.json (Llama only; unsupported features are refused by field name)."""
+    """ModelConfig from config.json (a registered family; unsupported features are refused by field name)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise HFCheckpointError(f"{path}: config.json not found")
@@ -87,106 +81,23 @@ def read_hf_config(hf_dir: str | Path) -> ModelConfig:
 
 
 def hf_config_to_model_config(raw: dict, source: str = "config.json") -> ModelConfig:
-    archs = raw.get("architectures") or []
-    if archs != ["LlamaForCausalLM"] and not (not archs and raw.get("model_type") == "llama"):
-        raise HFCheckpointError(
-            f"{source}: unsupported architecture {archs or raw.get('model_type')!r} "
-            f"(field 'architectures'; supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-
-    def need(field: str):
-        if field not in raw:
-            raise HFCheckpointError(f"{source}: missing field '{field}'")
-        return raw[field]
-
-    def refuse(field: str, ok) -> None:
-        if field in raw and raw[field] not in ok:
-            raise HFCheckpointError(f"{source}: unsupported {field}={raw[field]!r} (supported: {ok})")
-
-    refuse("hidden_act", ("silu",))
-    refuse("attention_bias", (False,))
-    refuse("mlp_bias", (False,))
-    refuse("pretraining_tp", (1,))
-    heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    if raw.get("head_dim") not in (None, hidden // heads):
-        raise HFCheckpointError(
-            f"{source}: unsupported head_dim={raw['head_dim']} (must equal hidden_size / num_attention_heads "
-            f"= {hidden // heads})"
-        )
-    rope = dict(raw.get("rope_parameters") or {})
-    rope.update(raw.get("rope_scaling") or {})
-    rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise HFCheckpointError(
-            f"{source}: unsupported rope_scaling type {rope_type!r} (supported: default, llama3)"
-        )
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=rope["factor"],
-            low_freq_factor=rope["low_freq_factor"],
-            high_freq_factor=rope["high_freq_factor"],
-            original_max_position_embeddings=rope["original_max_position_embeddings"],
-        )
-    dtype = _DTYPE_NAMES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), "float32")
+    """The family's reading of config.json (models/arch/); fields it cannot honour are refused by name."""
     try:
-        return ModelConfig(
-            num_layers=need("num_hidden_layers"),
-            hidden_size=hidden,
-            ffn_hidden_size=need("intermediate_size"),
-            num_attention_heads=heads,
-            num_query_groups=raw.get("num_key_value_heads") or heads,
-            vocab_size=need("vocab_size"),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            norm_epsilon=raw.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            params_dtype=dtype,
-        )
-    except (ValueError, ConfigError) as err:
-        first = str(err).splitlines()
-        raise HFCheckpointError(f"{source}: {first[-1] if len(first) > 1 else first[0]}") from None
+        family = architecture_of_hf(raw, source)
+        fields = family.read_hf(HFConfigFields(raw, source))
+        return ModelConfig(architecture=family.name, **fields)
+    except UnsupportedHFConfig as err:
+        raise HFCheckpointError(str(err)) from None
+    except (ValueError, ConfigError, KeyError) as err:
+        if isinstance(err, KeyError):
+            raise HFCheckpointError(f"{source}: missing field {err}") from None
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+        raise HFCheckpointError(f"{source}: {lines[-1] if lines else err}") from None
 
 
 def model_config_to_hf_config(cfg: ModelConfig, extra: dict | None = None) -> dict:
-    """config.json contents for LlamaForCausalLM (classic rope_theta / rope_scaling fields, which
-    transformers 4.x, 5.x and SGLang all read)."""
-    raw = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.norm_epsilon,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "torch_dtype": cfg.params_dtype,
-    }
-    if cfg.rope_scaling is not None:
-        raw["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_scaling.factor,
-            "low_freq_factor": cfg.rope_scaling.low_freq_factor,
-            "high_freq_factor": cfg.rope_scaling.high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_scaling.original_max_position_embeddings,
-        }
-    # Token ids and similar fields of the source config ride along unchanged.
-    for key, value in (extra or {}).items():
-        if key in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache"):
-            raw[key] = value
-    return raw
+    """config.json contents for the config's family; token ids of ``extra`` (the source config) ride along."""
+    return architecture(cfg.architecture).hf_config(cfg, extra)
 
 
 def write_hf_config(out_dir: str | Path, cfg: ModelConfig, extra: dict | None = None) -> None:
@@ -319,7 +230,8 @@ class HFReader:
         if extra:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
             raise HFCheckpointError(
-                f"{self.dir}: unexpected tensor '{extra[0]}'{more} not in a Llama with this config.json"
+                f"{self.dir}: unexpected tensor '{extra[0]}'{more} not in a "
+                f"{architecture(cfg.architecture).hf_class} with this config.json"
             )
 
     def total_bytes(self) -> int:

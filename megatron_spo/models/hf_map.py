@@ -1,13 +1,16 @@
-"""THE Hugging Face <-> Megatron map for Llama: names, layouts, TP split rules, vocab padding.
+"""THE Hugging Face <-> Megatron map: names (the family's rule table), layouts, TP split rules, vocab padding.
 
 One module serves checkpoint conversion (``convert.py``) and live weight sync (the rollout
-WeightBroadcaster consumes ``iter_hf_tensors``). Layouts, per decoder layer (H hidden, d head_dim,
-G KV groups, n = heads / G query heads per group, F ffn):
+WeightBroadcaster consumes ``iter_hf_tensors``). Each family (``models/arch/``) declares its layer's
+rules; the layouts below are shared. Per decoder layer (H hidden, d head_dim, G KV groups,
+n = heads / G query heads per group, F ffn):
 
-  HF q_proj [n*G*d, H], k_proj [G*d, H], v_proj [G*d, H]
-      <-> linear_qkv [G*(n+2)*d, H], interleaved per KV group: [q_g (n*d); k_g (d); v_g (d)] for g = 0..G-1
+  HF q_proj [n*G*d, H], k_proj [G*d, H], v_proj [G*d, H]   (and their biases [n*G*d], [G*d], [G*d])
+      <-> linear_qkv [G*(n+2)*d, H] (bias [G*(n+2)*d]), interleaved per KV group:
+          [q_g (n*d); k_g (d); v_g (d)] for g = 0..G-1
   HF gate_proj [F, H], up_proj [F, H]  <-> linear_fc1 [2F, H] = cat[gate, up]
   HF o_proj / down_proj                <-> linear_proj / linear_fc2 (same layout)
+  HF q_norm / k_norm [d]               <-> q_layernorm / k_layernorm (replicated)
   HF embed_tokens / lm_head [V, H]     <-> word_embeddings / output_layer [V_pad, H] (zero rows appended)
 
 TP split rules (rank r of T): qkv, fc1, embedding, output layer split dim 0; linear_proj and fc2 split
@@ -19,85 +22,36 @@ splits the PADDED rows contiguously.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from megatron_spo.config import ModelConfig
-
-# ---------------------------------------------------------------------------------------------
-# Names
-# ---------------------------------------------------------------------------------------------
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One Megatron parameter and the HF tensors it is made of."""
-
-    megatron: str  # name inside a layer (layer rules) or inside the GPTModel (model rules)
-    hf: tuple[str, ...]  # HF names; '{i}' is the global layer index
-    kind: str  # "replicated" | "qkv" | "fc1" | "row" (TP dim 1) | "vocab" (TP dim 0, padded)
-    te_alias: str | None = None  # name in the Transformer Engine spec (norms fused into linears)
-
-
-LAYER_RULES: tuple[Rule, ...] = (
-    Rule(
-        "input_layernorm.weight",
-        ("model.layers.{i}.input_layernorm.weight",),
-        "replicated",
-        te_alias="self_attention.linear_qkv.layer_norm_weight",
-    ),
-    Rule(
-        "self_attention.linear_qkv.weight",
-        (
-            "model.layers.{i}.self_attn.q_proj.weight",
-            "model.layers.{i}.self_attn.k_proj.weight",
-            "model.layers.{i}.self_attn.v_proj.weight",
-        ),
-        "qkv",
-    ),
-    Rule("self_attention.linear_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "row"),
-    Rule(
-        "pre_mlp_layernorm.weight",
-        ("model.layers.{i}.post_attention_layernorm.weight",),
-        "replicated",
-        te_alias="mlp.linear_fc1.layer_norm_weight",
-    ),
-    Rule(
-        "mlp.linear_fc1.weight",
-        ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-        "fc1",
-    ),
-    Rule("mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+from megatron_spo.models.arch import architecture
+from megatron_spo.models.arch.base import (  # noqa: F401  (re-exported: the names every family shares)
+    EMBED,
+    EMBED_RULE,
+    FINAL_NORM,
+    FINAL_NORM_RULE,
+    LM_HEAD,
+    LM_HEAD_RULE,
+    Rule,
 )
-EMBED_RULE = Rule("embedding.word_embeddings.weight", (EMBED,), "vocab")
-FINAL_NORM_RULE = Rule("decoder.final_layernorm.weight", (FINAL_NORM,), "replicated")
-LM_HEAD_RULE = Rule("output_layer.weight", (LM_HEAD,), "vocab")
+
+
+# ---------------------------------------------------------------------------------------------
+# Names and shapes: the family's rule table (models/arch/)
+# ---------------------------------------------------------------------------------------------
+def layer_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    """The rules of one decoder layer of this config's family, in HF checkpoint order."""
+    return architecture(cfg.architecture).layer_rules(cfg)
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of a Llama with this config, in checkpoint order, with its shape."""
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    q_rows, kv_rows = cfg.num_attention_heads * d, cfg.num_query_groups * d
-    shapes: dict[str, tuple[int, ...]] = {EMBED: (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_rows, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_rows, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_rows, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (f, h)
-        shapes[p + "mlp.up_proj.weight"] = (f, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, f)
-    shapes[FINAL_NORM] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes[LM_HEAD] = (cfg.vocab_size, h)
+    """Every HF tensor name of a model with this config, in checkpoint order, with its shape."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rule, layer in _global_items(cfg):
+        shapes.update(zip(hf_names(rule, layer), rule.shapes(cfg)))
     return shapes
 
 
@@ -112,11 +66,10 @@ def to_megatron(rule: Rule, hf: list[Tensor], cfg: ModelConfig, padded_vocab: in
     """HF tensors of one rule -> the full Megatron tensor (vocab padded with zero rows to padded_vocab)."""
     if rule.kind == "qkv":
         q, k, v = hf
-        g, d, h = cfg.num_query_groups, cfg.head_dim, cfg.hidden_size
+        g, d, rest = cfg.num_query_groups, cfg.head_dim, tuple(q.shape[1:])  # rest: (H,) or () for biases
         n = cfg.num_attention_heads // g
-        return torch.cat([q.reshape(g, n * d, h), k.reshape(g, d, h), v.reshape(g, d, h)], dim=1).reshape(
-            -1, h
-        )
+        grouped = [q.reshape(g, n * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+        return torch.cat(grouped, dim=1).reshape(-1, *rest)
     if rule.kind == "fc1":
         return torch.cat(hf, dim=0)
     if rule.kind == "vocab" and padded_vocab is not None and padded_vocab > hf[0].shape[0]:
@@ -128,12 +81,12 @@ def to_megatron(rule: Rule, hf: list[Tensor], cfg: ModelConfig, padded_vocab: in
 def from_megatron(rule: Rule, full: Tensor, cfg: ModelConfig) -> list[Tensor]:
     """The full Megatron tensor of one rule -> its HF tensors (vocab padding dropped)."""
     if rule.kind == "qkv":
-        g, d, h = cfg.num_query_groups, cfg.head_dim, cfg.hidden_size
+        g, d, rest = cfg.num_query_groups, cfg.head_dim, tuple(full.shape[1:])
         n = cfg.num_attention_heads // g
-        grouped = full.reshape(g, (n + 2) * d, h)
-        q = grouped[:, : n * d].reshape(-1, h)
-        k = grouped[:, n * d : (n + 1) * d].reshape(-1, h)
-        v = grouped[:, (n + 1) * d :].reshape(-1, h)
+        grouped = full.reshape(g, (n + 2) * d, *rest)
+        q = grouped[:, : n * d].reshape(-1, *rest)
+        k = grouped[:, n * d : (n + 1) * d].reshape(-1, *rest)
+        v = grouped[:, (n + 1) * d :].reshape(-1, *rest)
         return [q.contiguous(), k.contiguous(), v.contiguous()]
     if rule.kind == "fc1":
         gate, up = full.chunk(2, dim=0)
@@ -154,14 +107,14 @@ def checkpoint_parts(rule: Rule, hf: list[Tensor], cfg: ModelConfig, padded_voca
 
 def hf_from_checkpoint_parts(rule: Rule, parts: list[Tensor], cfg: ModelConfig) -> list[Tensor]:
     """Inverse of checkpoint_parts: the HF tensors of one rule (vocab padding dropped), as views of
-    the parts where possible. q, k and v come as [G, rows per group, H] strided views: their row-major
+    the parts where possible. q, k and v come as [G, rows per group, H] (biases [G, rows]) strided views: their row-major
     element order is the HF tensor's (reshape(-1, H) would copy)."""
     if rule.kind == "fc1":
         return list(parts)
     if rule.kind == "qkv":
-        g, d, h = cfg.num_query_groups, cfg.head_dim, cfg.hidden_size
+        g, d, rest = cfg.num_query_groups, cfg.head_dim, tuple(parts[0].shape[1:])
         n = cfg.num_attention_heads // g
-        grouped = parts[0].view(g, (n + 2) * d, h)
+        grouped = parts[0].view(g, (n + 2) * d, *rest)
         return [grouped[:, : n * d], grouped[:, n * d : (n + 1) * d], grouped[:, (n + 1) * d :]]
     return from_megatron(rule, parts[0], cfg)
 
@@ -210,21 +163,25 @@ def _param(module, rule: Rule):
 
 
 def local_entries(model_chunks) -> Iterator[tuple[Rule, int | None, torch.nn.Parameter]]:
-    """(rule, global layer index or None, this rank's parameter) for every mapped parameter here."""
+    """(rule, global layer index or None, this rank's parameter) for every mapped parameter here.
+    The rules are those of the family each chunk was built for (``builders`` records its ModelConfig)."""
     for chunk in model_chunks:
         model = _unwrap(chunk)
+        rules = layer_rules(model.model_cfg)
         if model.pre_process:
             yield EMBED_RULE, None, _param(model, EMBED_RULE)
         for layer in model.decoder.layers:
-            for rule in LAYER_RULES:
+            for rule in rules:
                 yield rule, layer.layer_number - 1, _param(layer, rule)
         if model.post_process:
             yield FINAL_NORM_RULE, None, _param(model, FINAL_NORM_RULE)
-            if (
-                not model.share_embeddings_and_output_weights
-                and getattr(model, "output_layer", None) is not None
-            ):
+            head = getattr(model, "output_layer", None)
+            if head is not None and not model.share_embeddings_and_output_weights:
                 yield LM_HEAD_RULE, None, _param(model, LM_HEAD_RULE)
+            elif head is not None and not model.pre_process:
+                # Tied embeddings under PP: the last stage keeps its own copy of the embedding as the
+                # LM head (megatron syncs the two only at construction), so it loads embed_tokens too.
+                yield EMBED_RULE, None, head.weight
 
 
 @torch.no_grad()
@@ -261,7 +218,7 @@ def load_hf_into_model(
 # ---------------------------------------------------------------------------------------------
 def _global_items(cfg: ModelConfig) -> list[tuple[Rule, int | None]]:
     items: list[tuple[Rule, int | None]] = [(EMBED_RULE, None)]
-    items += [(rule, i) for i in range(cfg.num_layers) for rule in LAYER_RULES]
+    items += [(rule, i) for i in range(cfg.num_layers) for rule in layer_rules(cfg)]
     items.append((FINAL_NORM_RULE, None))
     if not cfg.tie_word_embeddings:
         items.append((LM_HEAD_RULE, None))

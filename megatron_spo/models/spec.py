@@ -28,12 +28,12 @@ def spec_backend(prefer: Backend | None = None) -> Backend:
 
 
 def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None):
-    """(ModuleSpec for one Llama decoder layer, backend name). FP8 needs the TE spec."""
+    """(ModuleSpec for one decoder layer of the config's family, backend name). FP8 needs the TE spec."""
     backend = spec_backend(prefer)
     if model_cfg.fp8 and backend != "transformer_engine":
         raise ConfigError("model.fp8 needs the transformer_engine layer spec (transformer-engine + a GPU)")
     from megatron.core.models.gpt import gpt_layer_specs
 
     if backend == "transformer_engine":  # GPU path: not exercised on the CPU test machine
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), backend
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"), backend
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.qk_layernorm), backend
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model_cfg.qk_layernorm), backend

@@ -527,7 +527,7 @@ class Trainer:
     _sync_metrics: dict = {}
 
     def export_hf(self, out_dir: str | Path) -> Path:
-        """Collective: write the policy as an HF Llama directory (safetensors shards, config.json and the
+        """Collective: write the policy as an HF directory of its family (safetensors shards, config.json and the
         tokenizer of init.hf), atomically: out_dir appears complete or not at all."""
         import shutil
 
