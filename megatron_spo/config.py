@@ -167,6 +167,8 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)  # one spelling of the default head_dim, so configs compare
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads} "

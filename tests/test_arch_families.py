@@ -8,6 +8,7 @@ export that live weight sync sends); one subprocess converts each family HF -> M
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -213,3 +214,95 @@ def test_two_spo_steps_per_family_tp2_equals_one_process(family_dirs, tmp_path):
         for a, b in zip(metrics, metrics2):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real config.json files from the hub (as published; the families' size fields and quirks)
+# ---------------------------------------------------------------------------------------------
+_QWEN_COMMON = {"attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
+                "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "use_sliding_window": False}
+HUB_CONFIGS = {
+    # name: (config.json, published parameter count or None)
+    "meta-llama/Llama-3.2-1B": ({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "pretraining_tp": 1, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+    }, 1_235_814_400),
+    "Qwen/Qwen2.5-0.5B-Instruct": ({
+        **_QWEN_COMMON, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "vocab_size": 151936, "max_position_embeddings": 32768, "max_window_layers": 21, "rms_norm_eps": 1e-06,
+        "sliding_window": 32768, "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
+    }, 494_032_768),
+    "Qwen/Qwen2.5-7B-Instruct": ({
+        **_QWEN_COMMON, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 152064, "max_position_embeddings": 32768, "max_window_layers": 28, "rms_norm_eps": 1e-06,
+        "sliding_window": 131072, "tie_word_embeddings": False, "rope_scaling": None,
+    }, 7_615_616_512),
+    "Qwen/Qwen3-8B": ({
+        **_QWEN_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+        "head_dim": 128, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+        "max_window_layers": 36, "rms_norm_eps": 1e-06, "rope_scaling": None, "sliding_window": None,
+        "tie_word_embeddings": False, "rope_theta": 1000000,
+    }, None),
+    "Qwen/Qwen3-0.6B": ({
+        **_QWEN_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+        "head_dim": 128, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+        "max_window_layers": 28, "rms_norm_eps": 1e-06, "rope_scaling": None, "sliding_window": None,
+        "tie_word_embeddings": True,
+    }, None),
+    "mistralai/Mistral-7B-Instruct-v0.3": ({
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "attention_dropout": 0.0,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32768, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    }, 7_248_023_552),
+}
+
+
+@pytest.mark.parametrize("name", list(HUB_CONFIGS))
+def test_published_configs_read_with_their_parameter_counts(name):
+    raw, params = HUB_CONFIGS[name]
+    cfg = hfc.hf_config_to_model_config(raw, name)
+    if params is not None:
+        assert cfg.num_parameters() == params
+    assert sum(math.prod(s) for s in hf_shapes(cfg).values()) == cfg.num_parameters()
+    assert hfc.hf_config_to_model_config(hfc.model_config_to_hf_config(cfg, raw)) == cfg
+    import transformers  # transformers builds the same shapes from our written config (meta device: no memory)
+
+    written = hfc.model_config_to_hf_config(cfg, raw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**{k: v for k, v in written.items() if k != "architectures"}))
+    state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    assert state == hf_shapes(cfg)
+
+
+def test_qwen_presets_match_the_published_configs():
+    from megatron_spo.training import capacity
+
+    for preset, hub in (("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct"), ("qwen3-8b", "Qwen/Qwen3-8B")):
+        model, parallel = capacity.load_preset(preset)
+        assert model == hfc.hf_config_to_model_config(HUB_CONFIGS[hub][0], hub)
+        parallel.check(model, world_size=64)
+    for preset in ("qwen2.5-32b", "qwen3-32b"):
+        model, parallel = capacity.load_preset(preset)
+        parallel.check(model, world_size=64)
+        assert round(model.num_parameters() / 1e9, 2) == {"qwen2.5-32b": 32.76, "qwen3-32b": 32.76}[preset]
+
+
+def test_mistral_v01_sliding_window_is_refused():
+    raw = {**HUB_CONFIGS["mistralai/Mistral-7B-Instruct-v0.3"][0], "sliding_window": 4096, "rope_theta": 10000.0}
+    with pytest.raises(hfc.HFCheckpointError, match="unsupported sliding_window=4096 .shorter than "
+                       "max_position_embeddings 32768"):
+        hfc.hf_config_to_model_config(raw, "mistralai/Mistral-7B-v0.1")

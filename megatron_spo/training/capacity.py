@@ -61,10 +61,17 @@ GB = 1e9
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # ---------------------------------------------------------------------------------------------
-# Presets: the published Llama 3.1 architectures (examples/models/*.yaml win when present)
+# Presets: published architectures (their HF config.json; examples/models/*.yaml win when present)
 # ---------------------------------------------------------------------------------------------
 _LLAMA31 = dict(vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                 rope_scaling=RopeScaling(), norm_epsilon=1e-5, params_dtype="bfloat16")
+_QWEN25 = dict(architecture="qwen2", vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0,
+               norm_epsilon=1e-6, params_dtype="bfloat16")
+_QWEN3 = dict(architecture="qwen3", vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+              kv_channels=128, norm_epsilon=1e-6, params_dtype="bfloat16")
+# 7-8B: TP 2 (one NVLink pair, no bubble); 32B: TP 8 inside one node (DP 8), as the 70B's TP but no PP.
+_TP2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True)
+_TP8 = ParallelConfig(tensor_model_parallel_size=8, sequence_parallel=True, use_distributed_optimizer=True)
 BUILTIN_PRESETS: dict[str, tuple[ModelConfig, ParallelConfig]] = {
     "llama3.1-8b": (
         ModelConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
@@ -79,6 +86,14 @@ BUILTIN_PRESETS: dict[str, tuple[ModelConfig, ParallelConfig]] = {
                        virtual_pipeline_model_parallel_size=4, sequence_parallel=True,
                        use_distributed_optimizer=True),
     ),
+    "qwen2.5-7b": (ModelConfig(num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28,
+                               num_query_groups=4, **_QWEN25), _TP2),
+    "qwen2.5-32b": (ModelConfig(num_layers=64, hidden_size=5120, ffn_hidden_size=27648, num_attention_heads=40,
+                                num_query_groups=8, **_QWEN25), _TP8),
+    "qwen3-8b": (ModelConfig(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
+                             num_query_groups=8, **_QWEN3), _TP2),
+    "qwen3-32b": (ModelConfig(num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64,
+                              num_query_groups=8, **_QWEN3), _TP8),
 }
 
 
@@ -137,9 +152,12 @@ class MemoryBreakdown:
 
 def stage_parameters(model: ModelConfig, tp: int, pp: int) -> int:
     """Parameters held by one GPU of the largest pipeline stage (embedding on the first, LM head on the last)."""
-    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.num_query_groups * model.head_dim
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d  # q != h where head_dim is its own (Qwen3)
     vocab = model.padded_vocab_size(tp)
-    layer = (2 * h * h + 2 * h * kv + 3 * h * f) // tp + 2 * h  # norms are replicated over TP
+    bias = q + 2 * kv if model.qkv_bias else 0
+    qk_norms = 2 * d if model.qk_layernorm else 0
+    layer = (2 * h * q + 2 * h * kv + 3 * h * f + bias) // tp + 2 * h + qk_norms  # norms are replicated over TP
     layers = math.ceil(model.num_layers / pp) * layer
     embedding = vocab * h // tp
     head = 0 if model.tie_word_embeddings else vocab * h // tp
@@ -156,13 +174,14 @@ def layer_activation_elements(model: ModelConfig, tp: int, sequence_parallel: bo
     transformers: LlamaDecoderLayer with sdpa (unfused RMSNorm and SwiGLU save more); used to check the
     accounting on CPU.
     """
-    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.num_query_groups * model.head_dim
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
     if implementation == "megatron":
         replicated = 4 * h  # fused RMSNorms: inputs and outputs (the outputs are the QKV / fc1 GEMM inputs)
-        split = h + 2 * kv + h + 2 * f + f
+        split = q + 2 * kv + q + 2 * f + f
     else:
         replicated = 6 * h  # unfused RMSNorm also keeps x * rsqrt(var) for the weight's gradient
-        split = h + 2 * kv + h + 4 * f  # q, k, v, sdpa output (= o_proj input); gate, silu, up, product
+        split = q + 2 * kv + q + 4 * f  # q, k, v, sdpa output (= o_proj input); gate, silu, up, product
     if sequence_parallel:
         return (replicated + split) / tp
     return replicated + split / tp
@@ -473,7 +492,7 @@ def validate_on_cpu() -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="llama3.1-70b", help="llama3.1-8b | llama3.1-70b (examples/models/*.yaml)")
+    parser.add_argument("--preset", default="llama3.1-70b", help=f"{' | '.join(BUILTIN_PRESETS)} (or examples/models/NAME.yaml)")
     parser.add_argument("--config", help="YAML with a `plan:` section (CapacityConfig) and optionally model/parallel")
     parser.add_argument("--tp", type=int, help="tensor parallel size (default: the preset's)")
     parser.add_argument("--pp", type=int, help="pipeline parallel size (default: the preset's)")
