@@ -277,7 +277,8 @@ class ToyCodeTaskConfig(StrictModel):
 
 
 class QuickstartModelConfig(StrictModel):
-    """A tiny HF Llama (character vocabulary) and its supervised fine-tuning on the toy task.
+    """A tiny HF model of a registered family (Llama by default; character vocabulary) and its supervised
+    fine-tuning on the toy task.
 
     Half the SFT targets carry their family's input-parsing slip (slip_fraction; toy_code.with_input_slip), so
     the reference fails on about 40% of its samples whatever the problem, for a reason RL can remove on
@@ -285,6 +286,7 @@ class QuickstartModelConfig(StrictModel):
     """
 
     task: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
+    architecture: str = Field("llama", description="model family (models/arch/): llama | qwen2 | qwen3 | mistral")
     hidden_size: int = Field(128, gt=0)
     num_layers: int = Field(3, gt=0)
     num_attention_heads: int = Field(4, gt=0)
@@ -308,6 +310,11 @@ class QuickstartModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_heads(self) -> QuickstartModelConfig:
+        from megatron_spo.models.arch import registry
+
+        if self.architecture not in registry():
+            raise ValueError(f"architecture: unknown architecture '{self.architecture}' "
+                             f"(supported: {', '.join(registry())})")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"

@@ -125,12 +125,15 @@ def test_lr_schedule_exact_values():
     assert rm.lr_at(110, cfg) == pytest.approx(1e-4)
 
 
-def test_sft_lowers_the_loss(tokenizer):
-    from transformers import LlamaForCausalLM
+@pytest.mark.parametrize("architecture, model_class", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_sft_lowers_the_loss(tokenizer, architecture, model_class):
+    from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(sft_steps=40, batch_size=8, lr=1e-2, warmup_steps=2, hidden_size=64, num_attention_heads=4)
+    cfg = tiny_config(sft_steps=40, batch_size=8, lr=1e-2, warmup_steps=2, hidden_size=64, num_attention_heads=4,
+                      architecture=architecture)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(rm.llama_config(cfg, tokenizer))
+    model = AutoModelForCausalLM.from_config(rm.reference_hf_config(cfg, tokenizer))
+    assert type(model).__name__ == model_class
     summary = rm.train_sft(model, tokenizer, rm.task_from_config(cfg), cfg, progress=False)
     assert summary["first_loss"] == pytest.approx(torch.log(torch.tensor(100.0)).item(), abs=0.3)  # uniform start
     assert summary["final_loss"] < 0.6 * summary["first_loss"]
@@ -207,3 +210,8 @@ def test_config_errors_name_the_field():
         build_config(QuickstartModelConfig, {"task": {"num_problems": 2}})
     with pytest.raises(ConfigError, match=r"sft_stepz: unknown field"):
         build_config(QuickstartModelConfig, {"sft_stepz": 3})
+
+
+def test_unknown_reference_architecture_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"architecture: unknown architecture 'gpt2' \(supported: llama, mistral, qwen2"):
+        tiny_config(architecture="gpt2")

@@ -1,7 +1,7 @@
-"""The quickstart's reference policy pi_0: a tiny HF Llama, supervised-trained on the toy code task, cached.
+"""The quickstart's reference policy pi_0: a tiny HF model (Llama by default), supervised-trained on the toy code task, cached.
 
     path = build_reference(QuickstartModelConfig())   # ~/.cache/megatron-spo/quickstart-ref-<hash>
-    model = LlamaForCausalLM.from_pretrained(path); tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path); tokenizer = AutoTokenizer.from_pretrained(path)
 
 The directory is a plain transformers checkpoint (config.json, generation_config.json, model.safetensors,
 tokenizer.json, ...) plus build_info.json (settings, SFT time, losses). It is keyed by a hash of every
@@ -69,24 +69,31 @@ def reference_dir(cfg: QuickstartModelConfig, cache_dir: str | Path | None = Non
     return root / f"quickstart-ref-{cache_key(cfg)}"
 
 
-def llama_config(cfg: QuickstartModelConfig, tokenizer):
-    from transformers import LlamaConfig
+def reference_hf_config(cfg: QuickstartModelConfig, tokenizer):
+    """The transformers config of the reference: its family's config.json (models/arch/), so the
+    quickstart can start from any registered architecture (``reference.architecture``)."""
+    from transformers import AutoConfig
 
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
+    from megatron_spo.config import ModelConfig
+    from megatron_spo.models.hf_checkpoint import model_config_to_hf_config
+
+    model_cfg = ModelConfig(
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
+        ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        vocab_size=len(tokenizer),
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.norm_epsilon,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        norm_epsilon=cfg.norm_epsilon,
     )
+    token_ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id)
+    raw = model_config_to_hf_config(model_cfg, token_ids)
+    raw.pop("architectures")
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +237,7 @@ def build_reference(
     cache_dir: the cache root (default $MEGATRON_SPO_CACHE or ~/.cache/megatron-spo); the model goes in
     <cache_dir>/quickstart-ref-<hash>. force: rebuild even when cached (the old one is replaced atomically).
     """
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     cfg = cfg or QuickstartModelConfig()
     final = reference_dir(cfg, cache_dir)
@@ -242,7 +249,7 @@ def build_reference(
         torch.manual_seed(cfg.seed)
         tokenizer = build_char_tokenizer()
         task = task_from_config(cfg)
-        model = LlamaForCausalLM(llama_config(cfg, tokenizer))
+        model = AutoModelForCausalLM.from_config(reference_hf_config(cfg, tokenizer))
         summary = train_sft(model, tokenizer, task, cfg, progress=progress)
 
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
