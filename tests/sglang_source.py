@@ -10,7 +10,8 @@ API (every object handed out is SGLang's own, loaded from its file)
 -------------------------------------------------------------------
 * :func:`sglang_available`, :func:`sglang_root`: is the source installed / where (tests skip without).
 * :func:`sglang_imports`: context in which SGLang modules are importable by name (isolation below).
-* :func:`load_module`, :func:`stubbed_modules`, :func:`compile_definitions`: the machinery.
+* :func:`load_module`, :func:`stubbed_modules`, :func:`compile_definitions`: the machinery;
+  :func:`extend_module_lists`: more decisions for a process of its own (tests/sglang_models.py).
 * :func:`generate_contract_error` (+ :func:`api_types`): the /generate JSON contract check.
 * ``SamplingParams`` (module attribute), :func:`sampling_params_module`,
   :func:`validate_sampling_params`: the tokenizer manager's construct/normalize/verify sequence.
@@ -100,6 +101,7 @@ __all__ = [
     "SGLangNotInstalled",
     "api_types",
     "compile_definitions",
+    "extend_module_lists",
     "generate_contract_error",
     "init_custom_process_group",
     "io_struct",
@@ -620,6 +622,31 @@ def _undo_sglang_patches(originals: dict[tuple[str, str], Any]) -> None:
                 delattr(module, attr)
             else:
                 setattr(module, attr, original)
+
+
+def extend_module_lists(
+    *,
+    real: tuple[str, ...] = (),
+    stubbed: dict[str, str] | None = None,
+    standins: dict[str, tuple[str, Callable[[types.ModuleType], None]]] | None = None,
+) -> None:
+    """Add decisions to ``REAL_MODULES`` / ``STUBBED_MODULES`` / ``STANDIN_MODULES`` (name -> (reason,
+    builder)) for THIS process, before it has loaded any SGLang module.
+
+    A module has one identity per process (this module's cache), so a different set of decisions needs a
+    process of its own: tests/sglang_models.py's worker builds SGLang's real model classes, which needs
+    ``sglang.srt.layers`` and ``model_loader/weight_utils.py`` real, while the model-runner WeightUpdater
+    loaded here in the test process sees weight_utils as a stub. Same precedence rules as the lists
+    above; every added stub carries its reason. Raises RuntimeError once an SGLang module is loaded."""
+    global REAL_MODULES
+    with _LOCK:
+        if _CACHE or _DEPTH:
+            raise RuntimeError("extend_module_lists: SGLang modules are already loaded in this process")
+        REAL_MODULES = REAL_MODULES + tuple(real)
+        STUBBED_MODULES.update(stubbed or {})
+        for name, (reason, builder) in (standins or {}).items():
+            STANDIN_MODULES[name] = reason
+            _STANDIN_BUILDERS[name] = builder
 
 
 def load_module(name: str) -> types.ModuleType:
