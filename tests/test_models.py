@@ -181,13 +181,22 @@ def test_hf_megatron_hf_round_trip_and_check(hf_dir, tmp_path):
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)
 
-    # check-conversion under TP=2 (spawns 2 ranks) passes; an impossible tolerance fails with exit 1
-    ok = mh.run_cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tp", "2", "--tol", "1e-4")
+    # the streaming check-conversion passes; an impossible tolerance fails with exit 1, naming the first layer
+    ok = mh.run_cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--no-progress")
     line = ok.stdout.strip().splitlines()[-1]
-    assert line.startswith("max abs logit diff ") and line.endswith("(TP=2 PP=1, tol 0.0001): OK"), line
-    assert float(line.split()[4]) < 1e-4
-    bad = mh.run_cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tol", "1e-12", check=False)
-    assert bad.returncode == 1 and bad.stdout.strip().endswith("FAIL")
+    assert line.startswith("OK: 39 tensors identical; 4 layers, worst isolated rel err "), line
+    bad = mh.run_cli("check-conversion", "--hf", str(hf_dir), "--megatron", str(meg), "--tol", "1e-12", "--no-progress",
+                     check=False)
+    assert bad.returncode == 1
+    assert bad.stdout.strip().splitlines()[-1].startswith(
+        "FAIL: first disagreement: layer model.layers.0 disagrees (error "), bad.stdout[-500:]
+
+
+def test_check_conversion_of_the_tp2_pp2_checkpoint(parallel_results, hf_dir):
+    proc = mh.run_cli("check-conversion", "--hf", str(hf_dir), "--megatron", parallel_results["ckpt_tp2pp2_dir"],
+                      "--json", "--no-progress")
+    report = json.loads(proc.stdout)
+    assert report["ok"] and all(f["error"] == 0.0 for f in report["findings"] if f["what"] == "tensor")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,13 @@ with the model, so the ratio tends to (ratio - fixed / plain) on large checkpoin
 runs each step in a fresh process instead and prints its peak anonymous memory (process-private
 RAM, sampled every 2 ms; page cache and memory-mapped files excluded) above the process's baseline,
 in units of the checkpoint's size: how many copies of the model each direction holds at once.
+
+    python tools/bench_convert.py --shape llama3.1-8b --dir /big/scratch     # any `megatron-spo plan` preset
+
+a random checkpoint of a real model's exact shape (written tensor by tensor: never the whole model in
+memory), then each step ONCE in a fresh process with its wall time and peak anonymous memory: plain
+read + write, hf->mcore, mcore->hf, and the streaming check-conversion (with its memory formula). A
+70B-shaped run is only arithmetic: ``--shape llama3.1-70b --estimate`` prints the check's formula.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when run as a script
 
 SHARD_BYTES = 200 * 2**20
 
@@ -52,6 +62,35 @@ def make_checkpoint(out: Path, hidden: int, layers: int, vocab: int, dtype: str)
     with torch.device("cpu"):
         model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(out, max_shard_size=SHARD_BYTES)
+
+
+def make_shaped_checkpoint(out: Path, preset: str) -> None:
+    """A random bf16 checkpoint of a preset's exact shape, one tensor at a time (std 0.02, norms 1)."""
+    import torch
+
+    from megatron_spo.models.hf_checkpoint import HFStreamWriter, write_hf_config
+    from megatron_spo.models.hf_map import hf_shapes
+    from megatron_spo.training.capacity import load_preset
+
+    cfg, _ = load_preset(preset)
+    gen = torch.Generator().manual_seed(0)
+    with HFStreamWriter(out, hf_shapes(cfg), torch.bfloat16, max_shard_bytes=5 * 2**30) as writer:
+        for name, shape in hf_shapes(cfg).items():
+            if name.endswith("norm.weight"):
+                t = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+            else:
+                t = 0.02 * torch.randn(shape, generator=gen)
+            writer.add(name, t.to(torch.bfloat16))
+    write_hf_config(out, cfg)
+
+
+def check_conversion(hf: Path, meg: Path) -> None:
+    from megatron_spo.models.check_conversion import run_check
+
+    report = run_check(hf, meg, progress=False)
+    print(json.dumps({"check": report.summary(), "formula": report.memory["formula"]}))
+    if not report.ok:
+        raise SystemExit(1)
 
 
 def plain_copy(src: Path, dst: Path) -> None:
@@ -104,13 +143,18 @@ def _child(step: str, src: Path, dst: Path) -> None:
 
     from megatron_spo.models.convert import hf_to_megatron, megatron_to_hf
 
-    steps = {"plain": plain_copy, "hf->mcore": hf_to_megatron, "mcore->hf": megatron_to_hf}
+    steps = {"plain": plain_copy, "hf->mcore": hf_to_megatron, "mcore->hf": megatron_to_hf,
+             "check": check_conversion}
     # Warm up on a tiny model first: imports and one-time initialisation are not the conversion's memory.
     with tempfile.TemporaryDirectory() as warm:
         make_checkpoint(Path(warm) / "hf", 64, 2, 1000, "float32")
         hf_to_megatron(Path(warm) / "hf", Path(warm) / "meg")
         megatron_to_hf(Path(warm) / "meg", Path(warm) / "back")
         plain_copy(Path(warm) / "hf", Path(warm) / "plain")
+        if step == "check":
+            from megatron_spo.models.check_conversion import run_check
+
+            run_check(Path(warm) / "hf", Path(warm) / "meg", progress=False)
     baseline = _anon_bytes()
     peak = [baseline]
     done = threading.Event()
@@ -122,25 +166,33 @@ def _child(step: str, src: Path, dst: Path) -> None:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
+    start = time.perf_counter()
     steps[step](src, dst)
+    seconds = time.perf_counter() - start
     done.set()
     thread.join()
     peak[0] = max(peak[0], _anon_bytes())
-    print(json.dumps({"peak_anon_bytes": peak[0] - baseline}))
+    print(json.dumps({"peak_anon_bytes": peak[0] - baseline, "seconds": seconds}))
 
 
-def memory_report(args, tmp: Path, hf: Path, nbytes: int) -> dict:
+def memory_report(args, tmp: Path, hf: Path, nbytes: int, check: bool = False) -> dict:
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     result = {}
-    for step, src, dst in (("plain", hf, tmp / "plain"), ("hf->mcore", hf, tmp / "meg"),
-                           ("mcore->hf", tmp / "meg", tmp / "back")):
+    steps = [("plain", hf, tmp / "plain"), ("hf->mcore", hf, tmp / "meg"), ("mcore->hf", tmp / "meg", tmp / "back")]
+    if check:
+        steps.append(("check", hf, tmp / "meg"))
+    for step, src, dst in steps:
         proc = subprocess.run([sys.executable, __file__, "--child", step, str(src), str(dst)],
-                              capture_output=True, text=True, env=env, check=True)
-        peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak_anon_bytes"]
-        result[step] = {"peak_anon_MB": round(peak / 2**20, 1), "model_copies": round(peak / nbytes, 3)}
+                              capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"{step} failed:\n{proc.stderr[-2000:]}")
+        lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+        peak = lines[-1]["peak_anon_bytes"]
+        result[step] = {"seconds": round(lines[-1]["seconds"], 1), "peak_anon_MB": round(peak / 2**20, 1),
+                        "model_copies": round(peak / nbytes, 3), **{k: v for x in lines[:-1] for k, v in x.items()}}
     return result
 
 
@@ -154,10 +206,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (plain, hf->mcore, mcore->hf)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: the system temp dir)")
     parser.add_argument("--memory", action="store_true", help="peak memory per step instead of time")
+    parser.add_argument("--shape", default=None, help="a `megatron-spo plan` preset (e.g. llama3.1-8b): random "
+                        "checkpoint of that exact shape, each step once with time and peak memory")
+    parser.add_argument("--estimate", action="store_true", help="with --shape: only print the check's memory formula")
     parser.add_argument("--child", nargs=3, metavar=("STEP", "SRC", "DST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args.child[0], Path(args.child[1]), Path(args.child[2]))
+        return
+
+    if args.shape:
+        from megatron_spo.models.check_conversion import memory_estimate
+        from megatron_spo.training.capacity import load_preset
+
+        cfg, _ = load_preset(args.shape)
+        print(json.dumps({"shape": args.shape, "check_memory": memory_estimate(cfg, 2, 64, 8192)["formula"]}))
+        if args.estimate:
+            return
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            tmp = Path(tmp)
+            start = time.perf_counter()
+            make_shaped_checkpoint(tmp / "hf", args.shape)
+            nbytes = sum(f.stat().st_size for f in (tmp / "hf").glob("*.safetensors"))
+            print(json.dumps({"generated_bytes": nbytes, "generate_seconds": round(time.perf_counter() - start, 1)}),
+                  flush=True)
+            print(json.dumps(memory_report(args, tmp, tmp / "hf", nbytes, check=True), indent=2))
         return
 
     import torch

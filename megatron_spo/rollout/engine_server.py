@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 import time
 import uuid
 from typing import Any
@@ -404,8 +405,14 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     from aiohttp import web
 
-    engine = LocalEngine(args.model, dtype=args.dtype, device=args.device, seed=args.seed, tp_size=args.tp_size,
-                         deterministic=args.enable_deterministic_inference)
+    from megatron_spo.memory import MemoryPreflightError
+
+    try:
+        engine = LocalEngine(args.model, dtype=args.dtype, device=args.device, seed=args.seed, tp_size=args.tp_size,
+                             deterministic=args.enable_deterministic_inference)
+    except MemoryPreflightError as err:
+        print(f"megatron-spo serve: error: {err}", file=sys.stderr)
+        return 2
     server = EngineServer(engine, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
                           served_model_name=args.served_model_name)
     log.info("serving %s on http://%s:%d", args.model, args.host, args.port)

@@ -90,6 +90,22 @@ class Req:
         return spans
 
 
+def _preflight_load(model_dir: str, dtype: str, device: str) -> None:
+    """The whole model in ``dtype`` (plus the process baseline) must fit in this machine's memory (CPU engines;
+    a GPU's memory is SGLang's business): refuse in one line instead of meeting the OOM killer."""
+    if not device.startswith("cpu"):
+        return
+    from megatron_spo.memory import BASELINE_BYTES, model_bytes, preflight
+    from megatron_spo.models.hf_checkpoint import HFCheckpointError, read_hf_config
+
+    try:
+        cfg = read_hf_config(model_dir)
+    except HFCheckpointError:  # a family the registry does not know: transformers may still load it
+        return
+    preflight(f"engine load of {model_dir}", BASELINE_BYTES + model_bytes(cfg, dtype),
+              hint="serve it in bfloat16 (--dtype) or on a node with more memory")
+
+
 class LocalEngine:
     """A HF causal LM on CPU (or one GPU) with SGLang's sampling semantics. Not thread-safe: one thread (the
     Scheduler's, or a test's) uses it.
@@ -106,6 +122,7 @@ class LocalEngine:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.model_path = os.path.abspath(model_dir)
         self.device = torch.device(device)
+        _preflight_load(self.model_path, dtype, device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         # transformers >= 5.24 names the KV cache argument `cache` (`past_key_values` is deprecated there)
