@@ -268,3 +268,22 @@ def test_convert_and_serve_refuse_a_load_that_does_not_fit(converted, tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(prefix), proc.stderr[-500:]
         assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_cpu_training_refuses_a_model_that_does_not_fit(converted, tmp_path):
+    import yaml
+
+    hf, _ = converted["qwen3"]
+    cfg = dict(run_dir=str(tmp_path / "run"), steps=1, algo="ppo", init={"hf": str(hf)}, nproc=2,
+               batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
+               logging={"progress": False})
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "train", str(tmp_path / "train.yaml")],
+                          capture_output=True, text=True, cwd=mh.REPO,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "MEGATRON_SPO_MEMORY_LIMIT_BYTES": str(10**9)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    # 2 processes: 2 x 1.0 GB baseline alone exceed 1 GB; nothing was started or written
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "megatron-spo train: error: CPU training of a 0.00B-parameter qwen3 on 2 process(es) needs about 2.0 GB of "
+        "memory but 1.0 GB is available (MEGATRON_SPO_MEMORY_LIMIT_BYTES); train on GPUs")
+    assert not (tmp_path / "run").exists()

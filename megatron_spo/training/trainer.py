@@ -798,14 +798,39 @@ def run(cfg_data: dict) -> int:
         trainer.close()
 
 
+def _preflight_cpu(cfg: TrainConfig, nproc: int) -> None:
+    """CPU training holds every rank's share of the policy (weights, fp32 grads, Adam's fp32 master and two
+    moments), the frozen reference and, for PPO, the value model on this one machine: refuse up front when
+    that cannot fit. (GPU memory is planned by `megatron-spo plan`.)"""
+    import torch
+
+    from megatron_spo.memory import BASELINE_BYTES, DTYPE_BYTES, preflight
+
+    if torch.cuda.is_available():
+        return
+    model = cfg.model or _model_config_from_init(cfg.init)
+    item = DTYPE_BYTES[model.params_dtype]
+    trained = item + 4 + (0 if item == 4 else 4) + 8  # weights, main grads, fp32 master (16-bit only), Adam m, v
+    per_model = model.num_parameters()
+    need = per_model * (trained + item) + (per_model * trained if cfg.algo == "ppo" else 0)
+    stages = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    replicas = max(1, nproc // stages)  # data-parallel copies on this machine
+    preflight(f"CPU training of a {per_model / 1e9:.2f}B-parameter {model.architecture} on {nproc} process(es)",
+              need * replicas + BASELINE_BYTES * nproc,
+              hint="train on GPUs (`megatron-spo plan` sizes the layout) or use a smaller model")
+
+
 def launch(cfg: TrainConfig) -> None:
     """Under torchrun / srun (WORLD_SIZE set) train as this rank; otherwise spawn cfg.nproc ranks here.
 
     The spawning parent forwards SIGTERM / SIGUSR1 / SIGINT to its ranks (which checkpoint and exit),
     so a scheduler signalling only the launcher still gets a checkpoint and leaves no orphan."""
     if os.environ.get("WORLD_SIZE") or cfg.nproc == 1:
+        if not os.environ.get("WORLD_SIZE"):
+            _preflight_cpu(cfg, 1)
         run(cfg.model_dump(mode="json"))
         return
+    _preflight_cpu(cfg, cfg.nproc)
     import signal
 
     import torch.multiprocessing as mp
@@ -838,5 +863,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6 algo=ppo")
     args = parser.parse_args(argv)
     cfg = load_config(TrainConfig, args.config, args.overrides)
-    launch(cfg)
+    from megatron_spo.memory import MemoryPreflightError
+
+    try:
+        launch(cfg)
+    except MemoryPreflightError as err:
+        print(f"megatron-spo train: error: {err}", file=sys.stderr)
+        return 2
     return 0
