@@ -79,9 +79,18 @@ def hf_model(case: str):
 
 
 def hf_push(case: str) -> list[tuple[str, torch.Tensor]]:
-    """What our push sends for this model: its HF names and tensors, no lm_head.weight when tied."""
+    """What our push sends for this model: the names and shapes of our registry's rule table for its family
+    (models/arch/; the trainer's iter_hf_tensors yields exactly these, tests/test_arch_families.py), with the
+    transformers model's tensors. They must be the transformers names less lm_head.weight when tied."""
+    from megatron_spo.models.hf_checkpoint import hf_config_to_model_config
+    from megatron_spo.models.hf_map import hf_shapes
+
     config, state = hf_model(case)
-    return [(name, t) for name, t in state.items() if not (config.tie_word_embeddings and name == "lm_head.weight")]
+    raw = {**config.to_dict(), "sliding_window": None}  # transformers' Mistral default window: not a weight matter
+    ours = hf_shapes(hf_config_to_model_config(raw, case))
+    assert set(ours) == {n for n in state if not (config.tie_word_embeddings and n == "lm_head.weight")}
+    assert all(tuple(state[n].shape) == shape for n, shape in ours.items())
+    return [(name, state[name]) for name in ours]
 
 
 @functools.cache
