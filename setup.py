@@ -16,8 +16,9 @@ setup(
         # torch is pinned by tools/bootstrap.sh through a constraints file (see FIELD-NOTES: an unpinned
         # torch pulls the CUDA build over an existing install).
         "torch>=2.6",
-        # Pinned: its CPU behaviour (shims in megatron_spo/models/cpu_shims.py) was tested against this version.
-        "megatron-core==0.16.1",
+        # The range whose CPU behaviour (shims in megatron_spo/models/cpu_shims.py) was tested: 0.17 and later
+        # ship only for Python >= 3.12, so Python 3.11 resolves 0.16.1 and a 3.12 image keeps its 0.17-0.19.
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "pydantic>=2",
         "pyyaml",

@@ -37,7 +37,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 constraints="$(mktemp)"; trap 'rm -f "$constraints"' EXIT
-"$PY" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+"$PY" tools/torch_constraint.py > "$constraints"  # the distribution's version (torch.__version__ may be 2.13.0+cu130)
 
 # 3. The package with the extras the job needs (skipped when already installed at this checkout). The import
 #    runs from / : here the checkout itself is on sys.path, and an editable install of another clone (or a

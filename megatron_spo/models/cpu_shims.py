@@ -1,7 +1,8 @@
-"""Every CPU workaround megatron-core 0.16.1 needs, in one place, applied once and only without CUDA.
+"""Every CPU workaround megatron-core 0.16.1 to 0.19.x needs, in one place, applied once and only without CUDA.
 
-megatron-core assumes a GPU in a handful of spots (see FIELD-NOTES.md, "megatron-core on CPU"). Each
-shim below names the spot it covers. On a machine with a CUDA device ``apply_cpu_shims()`` does nothing.
+megatron-core assumes a GPU in a handful of spots (see FIELD-NOTES.md, "megatron-core on CPU" and
+"megatron-core 0.17-0.19"). Each shim below names the spot it covers, and the version that brought it
+when that is not 0.16.1. On a machine with a CUDA device ``apply_cpu_shims()`` does nothing.
 
     from megatron_spo.models.cpu_shims import apply_cpu_shims
     apply_cpu_shims()   # before building models or process groups; idempotent
@@ -51,6 +52,28 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NoStream:
+    """The (absent) CUDA stream: waiting on or recording into it does nothing, as every op already ran in order."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_NO_STREAM = _NoStream()
+
+
 def cpu_shims_needed() -> bool:
     return not torch.cuda.is_available()
 
@@ -67,6 +90,10 @@ def apply_cpu_shims() -> bool:
     torch.cuda.current_device = lambda: "cpu"
     # p2p communication and async checkpoint writing synchronise the (absent) stream.
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    # 0.19: the DDP grad sync (param_and_grad_buffer.py, start_grad_sync) takes torch.cuda.current_stream()
+    # unconditionally, to wait for CUDA-graph wgrad events on it. (torch.cuda.stream(s) is already a no-op
+    # without CUDA.)
+    torch.cuda.current_stream = lambda device=None: _NO_STREAM
     # Activation recompute and the RNG tracker save/restore "CUDA" RNG state: use the CPU generator.
     get_state = functools.wraps(torch.cuda.get_rng_state)(lambda device="cuda": torch.get_rng_state())
     set_state = functools.wraps(torch.cuda.set_rng_state)(lambda new_state, device="cuda": None)
