@@ -23,9 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fleet": ("megatron_spo.rollout.fleet:main", "start N engines behind sglang-router: fleet up"),
     "estimate-q0": ("megatron_spo.data.q0:main", "Monte-Carlo Q0 per prompt from reference samples"),
     "trajectories": ("megatron_spo.data.trajectory:main", "trajectory files: import JSONL -> offline store, export, check"),
+    "offline": ("megatron_spo.data.experience:main", "experience store: import text / CodeContests / TACO, build, stats"),
     "pts": ("megatron_spo.data.pts:main", "pivotal token search: MC-annotated trajectories"),
     "eval": ("megatron_spo.eval.runner:main", "pass@1 / pass@10 of a model on a task"),
-    "train": ("megatron_spo.training.trainer:main", "train SPO / AGRO / PPO from a config"),
+    "train": ("megatron_spo.training.launch:main", "train SPO / AGRO / PPO from a config"),
     "plot": ("megatron_spo.training.metrics:plot_main", "PNG plots of a run's metrics.jsonl"),
     "plan": ("megatron_spo.training.capacity:main", "memory / weight-sync / throughput plan for a cluster"),
 }

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -330,8 +330,40 @@ class QuickstartModelConfig(StrictModel):
 # ---------------------------------------------------------------------------------------------
 # Training (megatron_spo/training/trainer.py)
 # ---------------------------------------------------------------------------------------------
-Objective = Literal["terminal", "reverse_q", "advantage", "mc"]
-LossName = Literal["squared", "cross_entropy", "sigmoid_bce"]
+def _objective(value: str) -> str:
+    from megatron_spo.algorithms.spo import OBJECTIVES
+
+    if value not in OBJECTIVES:
+        raise ValueError(f"unknown objective '{value}' (choose from {', '.join(OBJECTIVES)})")
+    return value
+
+
+def _loss_name(value: str) -> str:
+    """A regression loss of algorithms/spo.py REGRESSION_LOSSES, or a hook 'package.module:function' with
+    its signature L(pred_q, target_q, beta, eps) (imported when the trainer starts)."""
+    from megatron_spo.algorithms.spo import LOSSES
+    from megatron_spo.hooks import is_hook
+
+    if value not in LOSSES and not is_hook(value):
+        raise ValueError(f"unknown loss '{value}' (choose from {', '.join(LOSSES)}, or a hook "
+                         "'package.module:function')")
+    return value
+
+
+def _algo_name(value: str) -> str:
+    """A registered algorithm (training/algos/) or a hook 'package.module:Class'."""
+    from megatron_spo.hooks import is_hook
+
+    if not is_hook(value):
+        from megatron_spo.training.algos import algorithm_class
+
+        algorithm_class(value, field="algo")
+    return value
+
+
+Objective = Annotated[str, AfterValidator(_objective)]
+LossName = Annotated[str, AfterValidator(_loss_name)]
+AlgoName = Annotated[str, AfterValidator(_algo_name)]
 
 
 class SourceConfig(StrictModel):
@@ -461,7 +493,7 @@ class TrainConfig(StrictModel):
     run_dir: str = "runs/spo"
     seed: int = 1234
     steps: int = Field(100_000, gt=0)
-    algo: Literal["spo", "agro", "ppo"] = "spo"
+    algo: AlgoName = Field("spo", description="spo | agro | ppo (training/algos/) or 'package.module:Class'")
     beta: float = Field(1.0 / math.log(100000.0), gt=0, description="KL strength; paper 1/log(1e5)")
     model_update_interval: int = Field(10, gt=0, description="steps between weight pushes to the rollout fleet")
     init: InitConfig = Field(default_factory=InitConfig)
@@ -492,9 +524,12 @@ class TrainConfig(StrictModel):
                 raise ValueError("sources.online.path: the online source reads the rollout buffer, not a path")
             if name != "online" and src.path is None:
                 raise ValueError(f"sources.{name}.path: an offline source needs a path")
-        if self.algo == "ppo" and set(self.sources) != {"online"}:
-            raise ValueError("algo ppo is on-policy: use only the 'online' source "
-                             f"(got {', '.join(sorted(self.sources))})")
+        from megatron_spo.hooks import is_hook
+
+        if not is_hook(self.algo):  # a hook is loaded (and checked) when the trainer starts
+            from megatron_spo.training.algos import algorithm_class
+
+            algorithm_class(self.algo).check_config(self)
         if self.init.hf is None and self.init.megatron is None:
             raise ValueError("init: give init.hf (an HF model directory) or init.megatron (a converted checkpoint)")
         return self

@@ -28,7 +28,7 @@ cluster = slurm_helpers.cluster  # the module-scoped fixture: a fresh 4-node clu
 def test_sandbox_children_inherit_ignored_preemption_signals():
     """srun delivers SIGUSR1 to every process of the step: what the trainer starts inside the guard (its
     reward sandbox) ignores it and SIGTERM; the trainer's own handlers are restored after."""
-    from megatron_spo.training.checkpoint import children_ignore_preemption_signals
+    from megatron_spo.run_layout import children_ignore_preemption_signals
 
     probe = [sys.executable, "-c", "import signal; print(int(signal.getsignal(signal.SIGUSR1)), "
              "int(signal.getsignal(signal.SIGTERM)))"]

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned
 
 from megatron_spo.config import ConfigError, TrainConfig
 from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names, plot_run
-from megatron_spo.training.trainer import Trainer, _microbatch_group_size, _split_to_count
+from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, split_to_count
 
 pytestmark = pytest.mark.multiproc
 
@@ -189,8 +188,8 @@ def test_virtual_pipeline_checkpoint_resumes_exactly(trained_vpp):
 def _packing(algo, budget, trajs, **parallel):
     cfg = _vpp_cfg(Path("/nonexistent"), "/nonexistent", "x", algo, budget)
     cfg = TrainConfig.model_validate(dict(cfg, parallel=dict(cfg["parallel"], **parallel)))
-    trainer = SimpleNamespace(cfg=cfg, dp_rank=0, pad_id=0, device=None)
-    return [tuple(mb.input_ids.shape) for mb in Trainer._micro_batches(trainer, trajs)]
+    mbs = micro_batches(trajs, cfg, keep_groups=algo == "agro", pad_id=0, dp_rank=0)
+    return [tuple(mb.input_ids.shape) for mb in mbs]
 
 
 def test_virtual_pipeline_packing():
@@ -213,15 +212,15 @@ def test_virtual_pipeline_packing():
 
 def test_interleaved_schedule_helpers():
     # megatron accepts N contiguous micro-batches per virtual stage when PP <= N <= M and M % N is 0 or >= PP
-    assert [_microbatch_group_size(m, 2) for m in (2, 3, 4, 5, 6, 7)] == [2, 3, 2, 3, 2, 4]
-    assert [_microbatch_group_size(m, 4) for m in (4, 5, 7, 8, 9)] == [4, 5, 7, 4, 5]
+    assert [microbatch_group_size(m, 2) for m in (2, 3, 4, 5, 6, 7)] == [2, 3, 2, 3, 2, 4]
+    assert [microbatch_group_size(m, 4) for m in (4, 5, 7, 8, 9)] == [4, 5, 7, 4, 5]
     with pytest.raises(ValueError, match="1 micro-batches, fewer than PP=2"):
-        _microbatch_group_size(1, 2)
-    assert _split_to_count([[0, 1, 2, 3, 4]], 2, None) == [[0, 1], [2, 3, 4]]
-    assert _split_to_count([[0], [1, 2, 3]], 3, None) == [[0], [1], [2, 3]]
+        microbatch_group_size(1, 2)
+    assert split_to_count([[0, 1, 2, 3, 4]], 2, None) == [[0, 1], [2, 3, 4]]
+    assert split_to_count([[0], [1, 2, 3]], 3, None) == [[0], [1], [2, 3]]
     groups = ["a", "a", "b", "b", "b"]
-    assert _split_to_count([[0, 1, 2, 3, 4]], 2, groups) == [[0, 1], [2, 3, 4]]
-    assert _split_to_count([[0, 1, 2, 3, 4]], 3, groups) == [[0, 1], [2, 3, 4]]  # groups stay whole
+    assert split_to_count([[0, 1, 2, 3, 4]], 2, groups) == [[0, 1], [2, 3, 4]]
+    assert split_to_count([[0, 1, 2, 3, 4]], 3, groups) == [[0, 1], [2, 3, 4]]  # groups stay whole
 
 
 def test_virtual_pipeline_checkpoint_converts_to_the_final_policy(trained_vpp, tmp_path):

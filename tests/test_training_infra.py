@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_spo.training.checkpoint import CheckpointDir, CheckpointError, PreemptionHandler
+from megatron_spo.run_layout import CheckpointDir, CheckpointError, PreemptionHandler
 from megatron_spo.training.metrics import MetricsFileError, MetricsLogger, plot_main, read_metrics
 
 
@@ -95,7 +95,7 @@ def test_failed_write_leaves_previous_checkpoint_latest(tmp_path):
 def test_sigkill_during_save_never_yields_a_valid_looking_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal
-        from megatron_spo.training.checkpoint import CheckpointDir
+        from megatron_spo.run_layout import CheckpointDir
         ck = CheckpointDir({str(tmp_path)!r})
         ck.save(5, lambda d: (d / "w").write_text("ok"))
         def die(d):

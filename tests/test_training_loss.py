@@ -7,7 +7,9 @@ import torch
 
 from megatron_spo import algorithms
 from megatron_spo.data.batching import collate, split_by_token_budget
-from megatron_spo.training.loss import agro_batch_loss, metric_sums, microbatch_scale, spo_batch_loss
+from megatron_spo.training.algos.agro import agro_batch_loss
+from megatron_spo.training.algos.spo import spo_batch_loss
+from megatron_spo.training.loss import metric_sums, microbatch_scale
 
 
 @dataclass

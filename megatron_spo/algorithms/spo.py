@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +18,9 @@ from torch import Tensor
 from megatron_spo.algorithms.validation import check_token_inputs, upcast
 
 OBJECTIVES = ("terminal", "reverse_q", "advantage", "mc")
-LOSSES = ("squared", "cross_entropy", "sigmoid_bce")
 # spo_loss's metrics, each a mean over the batch's sequences except mean_token_advantage (over its tokens)
 METRIC_NAMES = ("loss", "terminal_q_abs_error", "mean_token_advantage", "mean_seq_log_ratio", "mean_q_terminal")
+# (LOSSES: the names of REGRESSION_LOSSES, below.)
 # Advantages r - Q0 can be positive, so they are not log-probabilities: no cross-entropy for them.
 UNSUPPORTED = {
     ("advantage", "cross_entropy"): "advantages r - Q0 can be positive; use sigmoid_bce or squared"
@@ -120,16 +121,36 @@ def cross_entropy_log_space(pred_logp: Tensor, target_logp: Tensor, eps: float =
     return x * F.relu(-pred_logp) - (1.0 - x) * torch.log(-torch.expm1(clipped))
 
 
-def regression_loss(pred_q: Tensor, target_q: Tensor, loss: str, beta: float, eps: float = 1e-6) -> Tensor:
-    """Elementwise L(pred, target) for Q values; cross_entropy and sigmoid_bce act on Q / beta."""
-    if loss == "squared":
-        return (pred_q - target_q) ** 2
-    if loss == "cross_entropy":
-        return cross_entropy_log_space(pred_q / beta, target_q / beta, eps)
-    if loss == "sigmoid_bce":
-        target_prob = torch.sigmoid(target_q.detach() / beta)
-        return F.binary_cross_entropy_with_logits(pred_q / beta, target_prob, reduction="none")
-    raise ValueError(f"unknown loss '{loss}' (choose from {', '.join(LOSSES)})")
+def _squared(pred_q: Tensor, target_q: Tensor, beta: float, eps: float) -> Tensor:
+    return (pred_q - target_q) ** 2
+
+
+def _cross_entropy(pred_q: Tensor, target_q: Tensor, beta: float, eps: float) -> Tensor:
+    return cross_entropy_log_space(pred_q / beta, target_q / beta, eps)
+
+
+def _sigmoid_bce(pred_q: Tensor, target_q: Tensor, beta: float, eps: float) -> Tensor:
+    target_prob = torch.sigmoid(target_q.detach() / beta)
+    return F.binary_cross_entropy_with_logits(pred_q / beta, target_prob, reduction="none")
+
+
+# THE list of regression losses: name -> elementwise L(pred_q, target_q, beta, eps). A new variant is one entry
+# here (config choices and the trainer derive from it); a user's own is a callable of the same signature.
+REGRESSION_LOSSES: dict[str, Callable[[Tensor, Tensor, float, float], Tensor]] = {
+    "squared": _squared,
+    "cross_entropy": _cross_entropy,  # on log-probabilities Q / beta
+    "sigmoid_bce": _sigmoid_bce,  # on logits Q / beta
+}
+LOSSES = tuple(REGRESSION_LOSSES)
+
+
+def regression_loss(pred_q: Tensor, target_q: Tensor, loss: str | Callable, beta: float, eps: float = 1e-6) -> Tensor:
+    """Elementwise L(pred, target) for Q values: a REGRESSION_LOSSES name or a callable of that signature."""
+    if callable(loss):
+        return loss(pred_q, target_q, beta, eps)
+    if loss not in REGRESSION_LOSSES:
+        raise ValueError(f"unknown loss '{loss}' (choose from {', '.join(LOSSES)})")
+    return REGRESSION_LOSSES[loss](pred_q, target_q, beta, eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +171,7 @@ def spo_loss(
     *,
     beta: float,
     objective: str,
-    loss: str,
+    loss: str | Callable,
     mc_positions: Tensor | None = None,
     mc_success: Tensor | None = None,
     mc_q: Tensor | None = None,
@@ -168,15 +189,15 @@ def spo_loss(
       mc         sum_k L(Q_{t_k}, Q target_k) at annotated positions: mc_positions [B, K] (token index into
                  T, -1 = padding) with either mc_success [B, K] (success probabilities, rewards in {0, -1})
                  or mc_q [B, K] (Q targets in reward units).
-    loss: squared | cross_entropy | sigmoid_bce.
+    loss: a REGRESSION_LOSSES name (squared | cross_entropy | sigmoid_bce) or a callable L(pred_q, target_q, beta, eps).
     weights: optional [B] sequence weights (e.g. exact probabilities); default uniform.
     per_token_mean: for reverse_q / mc, average instead of sum the per-position terms of a sequence.
     """
     where = "spo_loss"
     if objective not in OBJECTIVES:
         raise ValueError(f"{where}: unknown objective '{objective}' (choose from {', '.join(OBJECTIVES)})")
-    if loss not in LOSSES:
-        raise ValueError(f"{where}: unknown loss '{loss}' (choose from {', '.join(LOSSES)})")
+    if not callable(loss) and loss not in REGRESSION_LOSSES:
+        raise ValueError(f"{where}: unknown loss '{loss}' (choose from {', '.join(REGRESSION_LOSSES)})")
     if (objective, loss) in UNSUPPORTED:
         raise ValueError(
             f"{where}: objective '{objective}' with loss '{loss}' is not supported "

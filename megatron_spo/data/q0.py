@@ -511,7 +511,7 @@ def reward_pool_from_args(args: argparse.Namespace, problems: Sequence[Any], *, 
     from megatron_spo.config import SandboxConfig
     from megatron_spo.rewards.reward import RewardPool
     from megatron_spo.rewards.sandbox import SandboxPool
-    from megatron_spo.training.checkpoint import children_ignore_preemption_signals
+    from megatron_spo.run_layout import children_ignore_preemption_signals
 
     code = any(getattr(p, "kind", "code") == "code" for p in problems)
     sandbox = None

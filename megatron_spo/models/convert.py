@@ -204,7 +204,7 @@ def _is_dist_checkpoint(path: Path) -> bool:
 
 
 def _latest_step(checkpoints: Path) -> Path | None:
-    from megatron_spo.training.checkpoint import CheckpointDir
+    from megatron_spo.run_layout import CheckpointDir
 
     found = CheckpointDir(checkpoints).latest()
     return found[1] if found else None
@@ -214,7 +214,7 @@ def find_megatron_source(path: str | Path) -> MegatronSource:
     """A convert output, a trainer step directory, a trainer checkpoints directory or a run directory
     (the last two: the latest complete step). One-line error for anything else."""
     from megatron_spo.models.megatron_checkpoint import read_megatron_config
-    from megatron_spo.training.checkpoint import COMPLETE
+    from megatron_spo.run_layout import COMPLETE
 
     path = Path(path)
     if not path.is_dir():

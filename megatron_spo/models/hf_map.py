@@ -291,6 +291,19 @@ def iter_hf_tensors(
                 dist.send(t.detach().contiguous(), dst=dst_rank)
 
 
+def gather_hf_tensors(model_chunks, cfg: ModelConfig, consume: Callable | None = None, *, dst_rank: int = 0):
+    """Collective, THE way to hand the policy's HF tensors to someone: every rank runs the gather
+    (iter_hf_tensors); on ``dst_rank`` ``consume(iterator)`` (a weight push, an HF export) uses them, and its
+    result is returned. Whatever ``consume`` leaves unread, by returning early or raising, is drained here so
+    the other ranks' collectives complete. Ranks other than dst_rank pass consume=None and get None."""
+    tensors = iter_hf_tensors(model_chunks, cfg, dst_rank=dst_rank)
+    try:
+        return consume(tensors) if consume is not None else None
+    finally:
+        for _ in tensors:
+            pass
+
+
 def _param_value(param: torch.nn.Parameter, grads: bool) -> Tensor:
     if not grads:
         return param.detach()

@@ -1,199 +1,111 @@
-"""Atomic checkpoint directories and preemption signals.
+"""The trainer's checkpoints: what a step saves (models, optimizers, RNG, sampler, model description) and how a
+run resumes from the latest complete one. The directory layout and its atomicity: run_layout.py.
 
-Layout under a run's checkpoint root:
-
-    iter_0000020/            a complete checkpoint: its COMPLETE marker is written last
-    iter_0000030.partial/    being written (or left by a crash): never loaded, removed on the next save
-    latest                   text "iter_0000030", replaced atomically after the directory is complete
-
-A crash at any point leaves either the previous checkpoint as `latest` or the new one fully written:
-the rename of the partial directory and the replace of `latest` are the only commit points.
-All ranks call save/load collectively; only rank 0 touches the directory structure.
+    save(trainer) -> step dir        resume(trainer)        (both collective)
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import signal
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_spo.fsutil import fsync_path, fsync_tree, write_text_atomic
-
-COMPLETE = "COMPLETE"
-LATEST = "latest"
+from megatron_spo.run_layout import rng_state, set_rng_state
 
 
-class CheckpointError(RuntimeError):
-    pass
+def sharded_state_dict(trainer, is_loading: bool = False) -> dict:
+    """Model and optimizer state of policy (and value) as one sharded dict. For loading, the
+    optimizer first creates its state tensors (is_loading) so the template has something to fill.
+
+    Every virtual-stage chunk stores its tensors under the same key prefix ("policy.model0."): a
+    chunk's layers are slices of one [num_layers, ...] tensor per key, which the chunks of all
+    pipeline ranks cover together (megatron-LM shares one prefix across chunks the same way)."""
+    sd = {}
+    for name, chunks, opt in (("policy", trainer.policy, trainer.optimizer), ("value", trainer.value, trainer.value_optimizer)):
+        if chunks is None:
+            continue
+        model_sd = {f"model{i}": c.module.sharded_state_dict(prefix=_ckpt_prefix(name))
+                    for i, c in enumerate(chunks)}
+        sd[f"{name}_model"] = model_sd
+        sd[f"{name}_optimizer"] = opt.sharded_state_dict(model_sd, is_loading=is_loading)
+    return sd
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def save(trainer) -> Path:
+    """Collective: a complete checkpoint of the step (models, optimizers, RNG, sampler) under the run's
+    checkpoint directory; returns its path."""
+    from megatron_spo.models.megatron_checkpoint import save_sharded_state_dict
 
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    def write(d: Path) -> None:
+        (d / "dist").mkdir(exist_ok=True) if trainer.rank == 0 else None
         dist.barrier()
+        # megatron's torch_dist format, written by this process (no forked writer next to the rollout
+        # thread), every file fsync'd before the checkpoint is marked complete
+        save_sharded_state_dict(sharded_state_dict(trainer), d / "dist")
+        torch.save(rng_state(), d / f"rng_rank{trainer.rank:05d}.pt")
+        if trainer.rank == 0:
+            state = {"step": trainer.step, "policy_version": trainer.policy_version,
+                     "sampler": trainer.sampler.state_dict()}
+            (d / "trainer_state.json").write_text(json.dumps(state))
+            write_model_description(trainer, d)
+
+    return trainer.ckpt.save(trainer.step, write, {"world_size": trainer.world, "algo": trainer.cfg.algo})
 
 
-def step_dir_name(step: int) -> str:
-    return f"iter_{step:07d}"
+def write_model_description(trainer, d: Path) -> None:
+    """What `megatron-spo convert megatron-to-hf` needs besides the weights: the model config, and the
+    init model's config.json and tokenizer files (a checkpoint directory converts on its own)."""
+    from megatron_spo.models.convert import SOURCE_HF_CONFIG
+    from megatron_spo.models.hf_checkpoint import copy_tokenizer_files
+    from megatron_spo.models.megatron_checkpoint import write_megatron_config
+
+    write_megatron_config(d, trainer.model_cfg)
+    init = trainer.cfg.init.hf or trainer.cfg.init.megatron
+    for name in ("config.json", SOURCE_HF_CONFIG) if init else ():  # an HF dir, or a converted one
+        if (Path(init) / name).is_file():
+            (d / SOURCE_HF_CONFIG).write_text((Path(init) / name).read_text())
+            copy_tokenizer_files(init, d)
+            break
 
 
-class CheckpointDir:
-    """Manages complete / partial checkpoint directories under `root`."""
+def resume(trainer) -> None:
+    """Collective: load the latest complete checkpoint, if any, into the trainer (models, optimizers, RNG,
+    step, policy version, sampler)."""
+    from megatron.core import dist_checkpointing
 
-    def __init__(self, root: str | Path, keep_last: int = 2):
-        if keep_last < 1:
-            raise CheckpointError(f"checkpoint keep_last must be >= 1, got {keep_last}")
-        self.root = Path(root)
-        self.keep_last = keep_last
-
-    def complete_steps(self) -> list[int]:
-        steps = []
-        if self.root.is_dir():
-            for p in self.root.iterdir():
-                if p.is_dir() and p.name.startswith("iter_") and p.name[5:].isdigit() and (p / COMPLETE).is_file():
-                    steps.append(int(p.name[5:]))
-        return sorted(steps)
-
-    def latest(self) -> tuple[int, Path] | None:
-        """The newest complete checkpoint, or None. A `latest` pointing at an incomplete dir is ignored."""
-        pointer = self.root / LATEST
-        if pointer.is_file():
-            name = pointer.read_text().strip()
-            path = self.root / name
-            if (path / COMPLETE).is_file():
-                return int(name[5:]), path
-        steps = self.complete_steps()
-        return (steps[-1], self.root / step_dir_name(steps[-1])) if steps else None
-
-    def metadata(self, path: Path) -> dict:
-        try:
-            return json.loads((path / COMPLETE).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{path / COMPLETE}: unreadable checkpoint marker ({err})") from None
-
-    def save(self, step: int, write: Callable[[Path], None], meta: dict | None = None) -> Path:
-        """Collective: every rank calls write(partial_dir); rank 0 then commits. Returns the final path."""
-        final = self.root / step_dir_name(step)
-        partial = self.root / (step_dir_name(step) + ".partial")
-        if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir()
-        _barrier()
-        write(partial)
-        fsync_tree(partial)  # each rank flushes what it wrote (and the folders) before rank 0 marks it complete
-        _barrier()
-        if _rank() == 0:
-            marker = {"step": step, "time": time.time(), **(meta or {})}
-            write_text_atomic(partial / COMPLETE, json.dumps(marker, indent=1))
-            if final.exists():  # re-saving a step after a resume: replace it
-                stale = final.with_name(final.name + ".stale")
-                if stale.exists():
-                    shutil.rmtree(stale)
-                os.replace(final, stale)
-                os.replace(partial, final)
-                shutil.rmtree(stale)
-            else:
-                os.replace(partial, final)
-            fsync_path(self.root)
-            write_text_atomic(self.root / LATEST, final.name)
-            self._prune(keep=step)
-        _barrier()
-        return final
-
-    def _prune(self, keep: int) -> None:
-        steps = [s for s in self.complete_steps() if s != keep]
-        for s in steps[: max(0, len(steps) - (self.keep_last - 1))]:
-            shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
-        for p in self.root.glob("iter_*.partial"):
-            if p.name != step_dir_name(keep) + ".partial":
-                shutil.rmtree(p, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG state (per rank: each rank draws its own dropout / sampling streams)
-# ---------------------------------------------------------------------------------------------
-def rng_state() -> dict:
-    import random
-
-    import numpy as np
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Preemption: SLURM sends SIGTERM (time limit / scancel) or a configured --signal (USR1) first.
-# ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def children_ignore_preemption_signals():
-    """Processes started inside inherit SIG_IGN for SIGUSR1 and SIGTERM.
-
-    SLURM delivers a signal forwarded by srun (or scancel) to every process of the job step, not only to the
-    trainer; the reward sandbox must outlive it, because the trainer finishes its step, scoring rollouts,
-    before it checkpoints and exits; the offline tools (estimate-q0, eval, pts) save what is scored before
-    they exit. (Main thread only: a signal disposition cannot be set elsewhere.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    found = trainer.ckpt.latest() if trainer.rank == 0 else None
+    payload = [None if found is None else (found[0], str(found[1]))]
+    dist.broadcast_object_list(payload, src=0)
+    if payload[0] is None:
         return
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    step, path = payload[0]
+    path = Path(path)
+    sharded = sharded_state_dict(trainer, is_loading=True)
+    state = dist_checkpointing.load(sharded, str(path / "dist"))
+    for name, chunks, opt in (("policy", trainer.policy, trainer.optimizer), ("value", trainer.value, trainer.value_optimizer)):
+        if chunks is None:
+            continue
+        for i, c in enumerate(chunks):
+            c.module.load_state_dict(_strip_prefix(state[f"{name}_model"][f"model{i}"], _ckpt_prefix(name)))
+        opt.load_state_dict(state[f"{name}_optimizer"])
+    rng_file = path / f"rng_rank{trainer.rank:05d}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    trainer.step = trainer_state["step"]
+    trainer.policy_version = trainer_state["policy_version"]
+    if trainer.rank == 0:
+        trainer.sampler.load_state_dict(trainer_state["sampler"])
+    if trainer.rank == 0:
+        print(f"[megatron-spo] resumed from {path} at step {trainer.step}", flush=True)
 
 
-class PreemptionHandler:
-    """Records that a checkpoint-and-exit was requested; the train loop polls `requested()` each step.
+def _ckpt_prefix(name: str) -> str:
+    """Checkpoint key prefix of model `name` ("policy", "value"), shared by its virtual-stage chunks."""
+    return f"{name}.model0."
 
-    `requested()` is collective when torch.distributed is initialised (a MAX all-reduce), so all ranks
-    stop at the same step even if the signal reached only some of them.
-    """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)):
-        self.received: int | None = None
-        self._previous = {}
-        for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = signum
-
-    def requested(self, group=None) -> bool:
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+def _strip_prefix(sd: dict, prefix: str) -> dict:
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in sd.items()}

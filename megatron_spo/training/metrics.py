@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -275,3 +276,35 @@ def plot_main(argv: list[str]) -> int:
     for f in files:
         print(f)
     return 0
+
+
+def progress_line(enabled: bool, total: int, start: int):
+    """A rich progress bar (rank 0): returns update(step, metrics); update(None, None) closes it."""
+    if not enabled:
+        return lambda step, metrics: None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                   transient=False, disable=not sys.stdout.isatty() and not os.environ.get("MEGATRON_SPO_PROGRESS"))
+    task = bar.add_task("train", total=total, completed=start, info="")
+    bar.start()
+
+    def update(step, metrics):
+        if step is None:
+            bar.stop()
+            return
+        info = f"loss {metrics.get('loss', math.nan):.4f} reward {metrics.get('reward', math.nan):+.3f}"
+        if "kl" in metrics:  # SPO / AGRO: mean sequence log(pi / pi_0) on online samples
+            info += f" kl {metrics['kl']:.3f}"
+        elif "mean_seq_log_ratio" in metrics:  # offline data only: not a KL estimate
+            info += f" log_ratio {metrics['mean_seq_log_ratio']:.3f}"
+        if "approx_kl_old_new" in metrics:  # PPO: against the policy that sampled
+            info += f" kl(old) {metrics['approx_kl_old_new']:.4f} clip {metrics.get('clip_fraction', 0.0):.2f}"
+        if "entropy" in metrics:  # nats per response token
+            info += f" entropy {metrics['entropy']:.3f}"
+        bar.update(task, completed=step, info=info)
+        if not bar.live.is_started or bar.disable:
+            print(f"step {step}/{total} {info}", flush=True)
+
+    return update

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from megatron_spo.config import ConfigError, TrainConfig
-from megatron_spo.training.checkpoint import children_ignore_preemption_signals
+from megatron_spo.run_layout import children_ignore_preemption_signals
 
 log = logging.getLogger("megatron_spo.online")
 
@@ -161,9 +161,7 @@ class OnlineSource:
         version gating gives them no work until a later push reaches them; the metrics count them."""
         from megatron_spo.rollout.weight_sync import WeightSyncError
 
-        if self.broadcaster is None:
-            for _ in named_tensors:  # nothing to push to (router only): still drain the collective gather
-                pass
+        if self.broadcaster is None:  # nothing to push to (router only); the gather's owner drains it
             self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
             return {}
         if not self._fleet_seen_healthy:
@@ -172,7 +170,7 @@ class OnlineSource:
             wait_healthy(self.broadcaster.engine_urls, FLEET_STARTUP_TIMEOUT_S)
             self._fleet_seen_healthy = True
         try:
-            metrics = self.broadcaster.push(named_tensors, version=str(version)).metrics()  # drains the gather
+            metrics = self.broadcaster.push(named_tensors, version=str(version)).metrics()
             self.last_sync_error = None
         except WeightSyncError as err:
             log.error("%s", err)

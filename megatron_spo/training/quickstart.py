@@ -24,11 +24,13 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 
 from megatron_spo.config import (
+    AlgoName,
+    LossName,
+    Objective,
     QuickstartModelConfig,
     RolloutConfig,
     SandboxConfig,
@@ -49,8 +51,8 @@ class QuickstartTrainConfig(StrictModel):
     prompts_per_step: int = Field(4, gt=0)
     samples_per_prompt: int = Field(8, gt=1)
     online_fraction: float = Field(0.5, ge=0, le=1, description="the rest of each SPO batch is offline data")
-    objective: Literal["terminal", "reverse_q", "advantage", "mc"] = "terminal"
-    loss: Literal["squared", "cross_entropy", "sigmoid_bce"] = "squared"
+    objective: Objective = "terminal"
+    loss: LossName = "squared"
     model_update_interval: int = Field(10, gt=0, description="SPO: 10 (paper); PPO always uses 1")
     temperature_range: tuple[float, float] = (0.7, 1.0)
     max_new_tokens: int = Field(96, gt=0)
@@ -62,7 +64,7 @@ class QuickstartTrainConfig(StrictModel):
 
 class QuickstartConfig(StrictModel):
     out_dir: str = "outputs/quickstart"
-    algo: Literal["spo", "agro", "ppo"] = "spo"
+    algo: AlgoName = "spo"
     seed: int = 0
     reference: QuickstartModelConfig = Field(default_factory=QuickstartModelConfig)
     cache_dir: str | None = Field(None, description="reference model cache (default ~/.cache/megatron-spo)")
@@ -92,21 +94,26 @@ def _console():
 def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Path, endpoints,
                  q0_path: Path, offline_path: Path | None) -> TrainConfig:
     """The trainer's config for this quickstart run (written to RUN_DIR/config.yaml by the trainer)."""
+    from megatron_spo.training.algos import algorithm_class
+
     t = cfg.train
+    algo = algorithm_class(cfg.algo)
     n_seq = t.prompts_per_step * t.samples_per_prompt
-    if cfg.algo == "spo" and offline_path is not None and t.online_fraction < 1:
+    # offline data for algorithms that can learn from it (on-policy ones cannot; group-wise ones need whole
+    # prompt groups, which the online source delivers)
+    if not (algo.on_policy or algo.keeps_prompt_groups) and offline_path is not None and t.online_fraction < 1:
         sources = {"online": {"weight": t.online_fraction, "objective": t.objective, "loss": t.loss},
                    "offline": {"weight": 1 - t.online_fraction, "path": str(offline_path),
                                "objective": t.objective, "loss": t.loss}}
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
         sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss}}
     rollout = RolloutConfig(samples_per_prompt=t.samples_per_prompt, max_new_tokens=t.max_new_tokens,
-                            temperature_range=(1.0, 1.0) if cfg.algo == "ppo" else t.temperature_range, top_p=1.0,
+                            temperature_range=(1.0, 1.0) if algo.on_policy else t.temperature_range, top_p=1.0,
                             max_inflight_requests=2 * cfg.engines, buffer_groups=4 * t.prompts_per_step,
                             max_staleness=2 * t.model_update_interval, stale_policy="drop", seed=cfg.seed)
     data = {
         "run_dir": str(out / "train"), "seed": cfg.seed, "steps": t.steps, "algo": cfg.algo, "beta": t.beta,
-        "model_update_interval": 1 if cfg.algo == "ppo" else t.model_update_interval,
+        "model_update_interval": 1 if algo.on_policy else t.model_update_interval,
         "init": {"hf": str(ref), "megatron": str(megatron_init)},
         "parallel": {"tensor_model_parallel_size": t.tensor_model_parallel_size,
                      "pipeline_model_parallel_size": t.pipeline_model_parallel_size},
@@ -219,9 +226,9 @@ def run(cfg: QuickstartConfig) -> dict:
     from megatron_spo.rewards.sandbox import SandboxPool
     from megatron_spo.rollout.client import EngineClient
     from megatron_spo.rollout.fleet import Fleet
+    from megatron_spo.training.launch import launch
     from megatron_spo.training.metrics import plot_run
     from megatron_spo.training.reference_model import build_reference, task_from_config
-    from megatron_spo.training.trainer import launch
 
     console = _console()
     out = Path(cfg.out_dir) / cfg.algo

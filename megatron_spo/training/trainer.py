@@ -16,12 +16,9 @@ Each step:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -30,17 +27,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_spo.config import ConfigError, LogprobsConfig, TrainConfig, dump_config, load_config
+from megatron_spo.config import ConfigError, LogprobsConfig, TrainConfig, dump_config
 from megatron_spo.data.batching import (
-    OfflineCursor,
     TrainBatch,
-    collate,
-    source_counts,
-    split_by_token_budget,
 )
+from megatron_spo.run_layout import CheckpointDir, PreemptionHandler
+from megatron_spo.training import checkpoint
 from megatron_spo.training import loss as losses
-from megatron_spo.training.checkpoint import CheckpointDir, PreemptionHandler, rng_state, set_rng_state
-from megatron_spo.training.metrics import MetricsLogger
+from megatron_spo.training.algos import StepInputs
+from megatron_spo.training.metrics import MetricsLogger, progress_line
+from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, pad_rows, shard
+from megatron_spo.training.sources import build_sampler
 
 IGNORE_INDEX = -100  # targets the fused log-prob op skips: prompt and padding positions (outside loss_mask)
 
@@ -49,51 +46,19 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
-# ---------------------------------------------------------------------------------------------
-# Data sources (rank 0 only)
-# ---------------------------------------------------------------------------------------------
-class OfflineSource:
-    """Trajectories from a JSONL file or an offline store, drawn in resumable shuffled epochs."""
+def make_algorithm(cfg: TrainConfig):
+    """The configured algorithm object: a registered one, or a hook 'package.module:Class' loaded now (its
+    config check runs here; registered ones were checked when the config was built)."""
+    from megatron_spo.hooks import is_hook
+    from megatron_spo.training.algos import algorithm_class
 
-    def __init__(self, name: str, path: str, seed: int):
-        from megatron_spo.data.trajectory import load_trajectories
-
-        self.name = name
-        self.records = load_trajectories(path)
-        for r in self.records:
-            r.source = name  # the source name selects the loss, whatever the file said
-        self.cursor = OfflineCursor(len(self.records), seed=seed)
-
-    def take(self, k: int, timeout_s: float | None = None) -> list:
-        return [self.records[i] for i in self.cursor.take(k)]
-
-    def state_dict(self) -> dict:
-        return self.cursor.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.cursor.load_state_dict(state)
-
-
-class BatchSampler:
-    """Mixes sources by weight into one global batch of trajectories."""
-
-    def __init__(self, sources: dict, weights: dict[str, float]):
-        self.sources, self.weights = sources, weights
-
-    def next(self, n: int) -> list:
-        out = []
-        for name, k in source_counts(self.weights, n).items():
-            if k:
-                out.extend(self.sources[name].take(k))
-        return out
-
-    def state_dict(self) -> dict:
-        return {name: s.state_dict() for name, s in self.sources.items() if hasattr(s, "state_dict")}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name, s in self.sources.items():
-            if name in state and hasattr(s, "load_state_dict"):
-                s.load_state_dict(state[name])
+    try:
+        cls = algorithm_class(cfg.algo)
+        if is_hook(cfg.algo):
+            cls.check_config(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return cls(cfg)
 
 
 def check_logprobs(cfg: LogprobsConfig) -> None:
@@ -127,6 +92,7 @@ class Trainer:
 
         self.cfg = cfg
         check_logprobs(cfg.logprobs)
+        self.algorithm = make_algorithm(cfg)
         # first of all: a SLURM warning signal during the (long) model build must not kill the rank
         self.preemption = PreemptionHandler()
         self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
@@ -144,7 +110,7 @@ class Trainer:
         self._load_initial_weights()
         self.policy, self.optimizer = self._wrap_and_optimizer(self.policy, cfg.optimizer.lr)
         self.value = self.value_optimizer = None
-        if cfg.algo == "ppo":
+        if self.algorithm.uses_value_model:
             value = self._schedule_ready(builders.build_value_model(self.model_cfg, cfg.parallel))
             self._load_initial_weights(value, keep_own=("value_head.",))  # the trunk from the init model
             self.value, self.value_optimizer = self._wrap_and_optimizer(value, cfg.optimizer.value_lr or cfg.optimizer.lr)
@@ -156,17 +122,7 @@ class Trainer:
         self.sampler = None
         self.online = None
         if self.rank == 0:
-            sources = {}
-            for name, src in cfg.sources.items():
-                if name == "online":
-                    if online_source is None:
-                        from megatron_spo.training.online import OnlineSource
-
-                        online_source = OnlineSource.from_config(cfg)
-                    self.online = sources[name] = online_source
-                else:
-                    sources[name] = OfflineSource(name, src.path, seed=cfg.seed)
-            self.sampler = BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()})
+            self.sampler, self.online = build_sampler(cfg, online_source)
         self.pad_id = 0
         self._resume()
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0,
@@ -255,45 +211,6 @@ class Trainer:
         dist.broadcast_object_list(payload, src=0)
         return payload[0], time.perf_counter() - t0
 
-    def _shard(self, trajs: list) -> list:
-        """This data-parallel rank's trajectories: whole prompt groups, round-robin."""
-        groups: dict = {}
-        for t in trajs:
-            groups.setdefault(t.prompt_id, []).append(t)
-        mine = [g for i, g in enumerate(groups.values()) if i % self.dp_size == self.dp_rank]
-        if not mine:
-            raise ConfigError(f"batch: {len(groups)} prompt groups cannot feed {self.dp_size} data-parallel ranks; "
-                              "raise batch.sequences_per_step")
-        return [t for g in mine for t in g]
-
-    def _micro_batches(self, trajs: list) -> list[TrainBatch]:
-        lengths = [len(t.prompt_tokens) + len(t.response_tokens) - 1 for t in trajs]
-        too_long = [i for i, n in enumerate(lengths) if n + 1 > self.cfg.batch.max_seq_length]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(f"batch: trajectory of prompt {trajs[i].prompt_id!r} has {lengths[i] + 1} tokens, "
-                             f"over batch.max_seq_length {self.cfg.batch.max_seq_length}")
-        keep = [t.prompt_id for t in trajs] if self.cfg.algo in ("agro",) else None
-        pp = self.cfg.parallel.pipeline_model_parallel_size
-        virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
-        width = max(lengths) if virtual else None  # one shape per step with virtual stages (_schedule_ready)
-        parts = split_by_token_budget([width] * len(lengths) if virtual else lengths,
-                                      self.cfg.batch.max_tokens_per_micro_batch, keep_groups=keep)
-        if virtual and len(parts) < pp:
-            # megatron's interleaved schedule needs at least PP micro-batches per step
-            parts = _split_to_count(parts, pp, keep)
-            if len(parts) < pp:
-                unit = "prompt groups" if keep else "sequences"
-                raise ConfigError(f"batch: the interleaved pipeline schedule (parallel.virtual_pipeline_model_"
-                                  f"parallel_size) needs at least {pp} micro-batches per step, but data-parallel "
-                                  f"rank {self.dp_rank} has only {len(parts)} {unit}; raise batch.sequences_per_step")
-        # sequence parallelism splits the sequence over TP ranks: widths must be a multiple of TP
-        multiple = self.cfg.parallel.tensor_model_parallel_size if self.cfg.parallel.sequence_parallel else 1
-        mbs = [collate([trajs[i] for i in rows], self.pad_id,
-                       length=-(-(width or max(lengths[i] for i in rows)) // multiple) * multiple)
-               for rows in parts]
-        return [mb.to(self.device) if self.device is not None else mb for mb in mbs]
-
     def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
                         return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B, L] log-probs of targets, [B, L] entropies or None) from final hidden states [B, L, H] via the
@@ -335,8 +252,8 @@ class Trainer:
             index, mb = next(data_iterator)
             input_ids, position_ids = mb.input_ids, mb.position_ids
             if virtual:  # every micro-batch has the step's shape: pad rows (sliced off the output below)
-                input_ids = _pad_rows(input_ids, mbs_size, self.pad_id)
-                position_ids = _pad_rows(position_ids, mbs_size, 0)
+                input_ids = pad_rows(input_ids, mbs_size, self.pad_id)
+                position_ids = pad_rows(position_ids, mbs_size, 0)
             if output == "logp":
                 with output_hidden_states(model):
                     out = model(input_ids, position_ids, None)
@@ -363,7 +280,7 @@ class Trainer:
         data = iter(list(enumerate(mbs)))
         if virtual:  # interleaved schedule: every virtual stage reads the micro-batches on its own
             data = [iter(list(enumerate(mbs))) for _ in chunks]
-            group = _microbatch_group_size(len(mbs), self.cfg.parallel.pipeline_model_parallel_size)
+            group = microbatch_group_size(len(mbs), self.cfg.parallel.pipeline_model_parallel_size)
             for chunk in chunks:
                 chunk.config.microbatch_group_size_per_vp_stage = group
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
@@ -386,41 +303,18 @@ class Trainer:
         self.step += 1
         t_step = time.perf_counter()
         trajs, t_wait = self._global_batch()
-        mbs = self._micro_batches(self._shard(trajs))
+        mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
+                            keep_groups=self.algorithm.keeps_prompt_groups, device=self.device)
 
         t_fb = time.perf_counter()
-        ref = self._collect(self._run(self.reference, mbs, forward_only=True, output="logp", loss_fn=None), len(mbs))
+        ref = self.forward("reference", mbs, "logp")
         lr = self.lr_at(self.step, cfg.optimizer.lr)
-        metrics_store, value_grad_norm = [], None
-        if cfg.algo == "ppo":
-            old_values = self._collect(self._run(self.value, mbs, forward_only=True, output="values", loss_fn=None),
-                                       len(mbs))
-            adv_ret = [None] * len(mbs)
-            if self.is_last_stage:
-                adv_ret = [losses.ppo_advantages(mb, ref[i], old_values[i], beta=cfg.beta, gamma=cfg.ppo.gamma,
-                                                 lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
-                           for i, mb in enumerate(mbs)]
-            store, grad_norm = self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
-                                              lambda i, mb, logp: losses.ppo_batch_loss(
-                                                  mb, logp, adv_ret[i][0], clip_eps=cfg.ppo.clip_eps))
-            metrics_store += store
-            vlr = self.lr_at(self.step, cfg.optimizer.value_lr or cfg.optimizer.lr)
-            store, value_grad_norm = self._optimize(self.value, self.value_optimizer, mbs, vlr, "values",
-                                            lambda i, mb, v: losses.value_batch_loss(
-                                                mb, v, old_values[i], adv_ret[i][1],
-                                                clip_eps=cfg.ppo.value_clip_eps))
-            metrics_store += store
-        elif cfg.algo == "agro":
-            store, grad_norm = self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
-                                              lambda i, mb, logp: losses.agro_batch_loss(
-                                                mb, logp, ref[i], beta=cfg.beta, on_policy=cfg.agro.on_policy))
-            metrics_store += store
-        else:
-            objectives = {name: (s.objective, s.loss) for name, s in cfg.sources.items()}
-            store, grad_norm = self._optimize(self.policy, self.optimizer, mbs, lr, "logp",
-                                              lambda i, mb, logp: losses.spo_batch_loss(
-                                                mb, logp, ref[i], beta=cfg.beta, objectives=objectives))
-            metrics_store += store
+        rates = {"policy": lr, "value": self.lr_at(self.step, cfg.optimizer.value_lr or cfg.optimizer.lr)}
+        update = self.algorithm.update(StepInputs(
+            cfg=cfg, step=self.step, micro_batches=mbs, ref=ref, lr=rates.__getitem__,
+            optimize=lambda model, output, loss_fn: self.optimize(model, mbs, rates[model], output, loss_fn),
+            forward=lambda model, output: self.forward(model, mbs, output), is_last_stage=self.is_last_stage))
+        metrics_store, grad_norm = update.reports, update.grad_norm
         t_fb = time.perf_counter() - t_fb
 
         t_sync = 0.0
@@ -444,8 +338,7 @@ class Trainer:
             metrics["staleness"] = self.policy_version - sum(versions) / len(versions)
             metrics["staleness/max"] = float(self.policy_version - min(versions))
             metrics["reward/online"] = sum(t.reward for t in online) / len(online)
-        if value_grad_norm is not None:
-            metrics["grad_norm/value"] = value_grad_norm
+        metrics.update(update.metrics)
         metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
         if "mean_seq_log_ratio/online" in metrics:
             # the k1 estimate of KL(pi || pi_0) is this mean on samples from pi itself: online trajectories only
@@ -460,8 +353,16 @@ class Trainer:
                                    "the policy is collapsing (lower the LR, raise beta, or sample at T=1)")
         return metrics
 
-    def _optimize(self, chunks, optimizer, mbs, lr: float, output: str, loss_fn) -> tuple[list, float]:
-        """One optimizer step over the micro-batches: (the loss function's reports, grad norm)."""
+    def forward(self, model: str, mbs: list[TrainBatch], output: str) -> list:
+        """No-grad outputs of "reference" / "policy" / "value" per micro-batch (output 'logp' | 'values'), on
+        the last pipeline stage (Nones elsewhere: the loss runs on the last stage only)."""
+        chunks = {"reference": self.reference, "policy": self.policy, "value": self.value}[model]
+        return self._collect(self._run(chunks, mbs, forward_only=True, output=output, loss_fn=None), len(mbs))
+
+    def optimize(self, model: str, mbs: list[TrainBatch], lr: float, output: str, loss_fn) -> tuple[list, float]:
+        """One optimizer step of "policy" or "value" over the micro-batches: (the loss function's reports,
+        grad norm). loss_fn(index, micro_batch, output) -> (scalar loss, metrics)."""
+        chunks, optimizer = {"policy": (self.policy, self.optimizer), "value": (self.value, self.value_optimizer)}[model]
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -498,19 +399,15 @@ class Trainer:
         is then paused and serves nothing, so waiting for the next scheduled push would starve the run. After
         the last attempt the run stops with the reason. Engines that missed a push the others took stay out of
         service until the next push reaches them (weight_sync.py)."""
-        from megatron_spo.models.hf_map import iter_hf_tensors
+        from megatron_spo.models.hf_map import gather_hf_tensors
 
         t0 = time.perf_counter()
         self.policy_version += int(new_version)
         online = self.rank == 0 and hasattr(self.online, "push_weights")
         attempts = self.cfg.rollout.weight_sync_attempts
         for attempt in range(1, attempts + 1):
-            tensors = iter_hf_tensors(self.policy, self.model_cfg)
-            if online:
-                self._sync_metrics = self.online.push_weights(self.policy_version, tensors) or {}
-            else:
-                for _ in tensors:  # every rank takes part in the gather
-                    pass
+            push = partial(self.online.push_weights, self.policy_version) if online else None
+            self._sync_metrics = gather_hf_tensors(self.policy, self.model_cfg, push) or {}
             missed = [online and self._sync_metrics.get("weight_sync/engines_updated", 1.0) == 0
                       and (getattr(self.online, "last_sync_error", None) or "no engine took it")]
             dist.broadcast_object_list(missed, src=0)
@@ -532,117 +429,42 @@ class Trainer:
         import shutil
 
         from megatron_spo.models.hf_checkpoint import HFWriter, copy_tokenizer_files, write_hf_config
-        from megatron_spo.models.hf_map import iter_hf_tensors
+        from megatron_spo.models.hf_map import gather_hf_tensors
 
         out = Path(out_dir)
         tmp = out.with_name(out.name + ".partial")
-        tensors = iter_hf_tensors(self.policy, self.model_cfg)
-        if self.rank != 0:
-            for _ in tensors:  # every rank takes part in the gather
-                pass
-            dist.barrier()
-            return out
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        with HFWriter(tmp) as writer:
-            for name, tensor in tensors:
-                writer.add(name, tensor)
-        extra = {}
-        if self.cfg.init.hf and (Path(self.cfg.init.hf) / "config.json").is_file():
-            extra = json.loads((Path(self.cfg.init.hf) / "config.json").read_text())
-            copy_tokenizer_files(self.cfg.init.hf, tmp)
-        write_hf_config(tmp, self.model_cfg, extra)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+
+        def write(tensors) -> None:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            with HFWriter(tmp) as writer:
+                for name, tensor in tensors:
+                    writer.add(name, tensor)
+            extra = {}
+            if self.cfg.init.hf and (Path(self.cfg.init.hf) / "config.json").is_file():
+                extra = json.loads((Path(self.cfg.init.hf) / "config.json").read_text())
+                copy_tokenizer_files(self.cfg.init.hf, tmp)
+            write_hf_config(tmp, self.model_cfg, extra)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+
+        gather_hf_tensors(self.policy, self.model_cfg, write if self.rank == 0 else None)
         dist.barrier()
         return out
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    def _sharded_state_dict(self, is_loading: bool = False) -> dict:
-        """Model and optimizer state of policy (and value) as one sharded dict. For loading, the
-        optimizer first creates its state tensors (is_loading) so the template has something to fill.
-
-        Every virtual-stage chunk stores its tensors under the same key prefix ("policy.model0."): a
-        chunk's layers are slices of one [num_layers, ...] tensor per key, which the chunks of all
-        pipeline ranks cover together (megatron-LM shares one prefix across chunks the same way)."""
-        sd = {}
-        for name, chunks, opt in (("policy", self.policy, self.optimizer), ("value", self.value, self.value_optimizer)):
-            if chunks is None:
-                continue
-            model_sd = {f"model{i}": c.module.sharded_state_dict(prefix=_ckpt_prefix(name))
-                        for i, c in enumerate(chunks)}
-            sd[f"{name}_model"] = model_sd
-            sd[f"{name}_optimizer"] = opt.sharded_state_dict(model_sd, is_loading=is_loading)
-        return sd
-
+    # -- checkpoints (training/checkpoint.py) -------------------------------------------------
     def save_checkpoint(self) -> Path:
-        from megatron_spo.models.megatron_checkpoint import save_sharded_state_dict
-
-        def write(d: Path) -> None:
-            (d / "dist").mkdir(exist_ok=True) if self.rank == 0 else None
-            dist.barrier()
-            # megatron's torch_dist format, written by this process (no forked writer next to the rollout
-            # thread), every file fsync'd before the checkpoint is marked complete
-            save_sharded_state_dict(self._sharded_state_dict(), d / "dist")
-            torch.save(rng_state(), d / f"rng_rank{self.rank:05d}.pt")
-            if self.rank == 0:
-                state = {"step": self.step, "policy_version": self.policy_version,
-                         "sampler": self.sampler.state_dict()}
-                (d / "trainer_state.json").write_text(json.dumps(state))
-                self._write_model_description(d)
-
-        return self.ckpt.save(self.step, write, {"world_size": self.world, "algo": self.cfg.algo})
-
-    def _write_model_description(self, d: Path) -> None:
-        """What `megatron-spo convert megatron-to-hf` needs besides the weights: the model config, and the
-        init model's config.json and tokenizer files (a checkpoint directory converts on its own)."""
-        from megatron_spo.models.convert import SOURCE_HF_CONFIG
-        from megatron_spo.models.hf_checkpoint import copy_tokenizer_files
-        from megatron_spo.models.megatron_checkpoint import write_megatron_config
-
-        write_megatron_config(d, self.model_cfg)
-        init = self.cfg.init.hf or self.cfg.init.megatron
-        for name in ("config.json", SOURCE_HF_CONFIG) if init else ():  # an HF dir, or a converted one
-            if (Path(init) / name).is_file():
-                (d / SOURCE_HF_CONFIG).write_text((Path(init) / name).read_text())
-                copy_tokenizer_files(init, d)
-                break
+        return checkpoint.save(self)
 
     def _resume(self) -> None:
-        from megatron.core import dist_checkpointing
-
-        found = self.ckpt.latest() if self.rank == 0 else None
-        payload = [None if found is None else (found[0], str(found[1]))]
-        dist.broadcast_object_list(payload, src=0)
-        if payload[0] is None:
-            return
-        step, path = payload[0]
-        path = Path(path)
-        sharded = self._sharded_state_dict(is_loading=True)
-        state = dist_checkpointing.load(sharded, str(path / "dist"))
-        for name, chunks, opt in (("policy", self.policy, self.optimizer), ("value", self.value, self.value_optimizer)):
-            if chunks is None:
-                continue
-            for i, c in enumerate(chunks):
-                c.module.load_state_dict(_strip_prefix(state[f"{name}_model"][f"model{i}"], _ckpt_prefix(name)))
-            opt.load_state_dict(state[f"{name}_optimizer"])
-        rng_file = path / f"rng_rank{self.rank:05d}.pt"
-        if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=False))
-        trainer_state = json.loads((path / "trainer_state.json").read_text())
-        self.step = trainer_state["step"]
-        self.policy_version = trainer_state["policy_version"]
-        if self.rank == 0:
-            self.sampler.load_state_dict(trainer_state["sampler"])
-        if self.rank == 0:
-            print(f"[megatron-spo] resumed from {path} at step {self.step}", flush=True)
+        checkpoint.resume(self)
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> int:
         """Run to cfg.steps (or until preempted). Returns the last completed step."""
         cfg = self.cfg
-        progress = _progress(self.rank == 0 and cfg.logging.progress, cfg.steps, self.step)
+        progress = progress_line(self.rank == 0 and cfg.logging.progress, cfg.steps, self.step)
         online = self.rank == 0 and hasattr(self.online, "push_weights")
         flags = [online]
         dist.broadcast_object_list(flags, src=0)
@@ -692,57 +514,6 @@ def _is_last(model) -> bool:
     return bool(model.post_process)
 
 
-def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    """[b, L] -> [rows, L], the new rows filled with value."""
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_full((rows - t.shape[0], t.shape[1]), value)])
-
-
-def _split_to_count(parts: list[list[int]], n: int, groups: list | None) -> list[list[int]]:
-    """Halve the largest micro-batches (at prompt-group boundaries when groups is given) until there are
-    n, keeping the order; fewer come back when no micro-batch holds two units any more."""
-    parts = [list(p) for p in parts]
-
-    def units(part):
-        out: list[list[int]] = []
-        for i in part:
-            if groups is not None and out and groups[out[-1][-1]] == groups[i]:
-                out[-1].append(i)
-            else:
-                out.append([i])
-        return out
-
-    while len(parts) < n:
-        splittable = [(len(p), -i) for i, p in enumerate(parts) if len(units(p)) > 1]
-        if not splittable:
-            break
-        i = -max(splittable)[1]
-        u = units(parts[i])
-        half = len(u) // 2
-        parts[i:i + 1] = [[j for x in u[:half] for j in x], [j for x in u[half:] for j in x]]
-    return parts
-
-
-def _microbatch_group_size(num_microbatches: int, pp: int) -> int:
-    """Contiguous micro-batches per virtual stage in megatron's interleaved schedule: the smallest N >= PP
-    with M % N == 0 or M % N >= PP, which megatron accepts (its default N = PP needs M % PP == 0, and the
-    token-budget packing gives any M). Needs M >= PP."""
-    for n in range(pp, num_microbatches + 1):
-        if num_microbatches % n == 0 or num_microbatches % n >= pp:
-            return n
-    raise ValueError(f"interleaved pipeline: {num_microbatches} micro-batches, fewer than PP={pp}")
-
-
-def _ckpt_prefix(name: str) -> str:
-    """Checkpoint key prefix of model `name` ("policy", "value"), shared by its virtual-stage chunks."""
-    return f"{name}.model0."
-
-
-def _strip_prefix(sd: dict, prefix: str) -> dict:
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in sd.items()}
-
-
 def _model_config_from_init(init):
     if init.megatron:
         from megatron_spo.models.megatron_checkpoint import read_megatron_config
@@ -751,123 +522,3 @@ def _model_config_from_init(init):
     from megatron_spo.models.hf_checkpoint import read_hf_config
 
     return read_hf_config(init.hf)
-
-
-def _progress(enabled: bool, total: int, start: int):
-    """A rich progress bar (rank 0): returns update(step, metrics); update(None, None) closes it."""
-    if not enabled:
-        return lambda step, metrics: None
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                   transient=False, disable=not sys.stdout.isatty() and not os.environ.get("MEGATRON_SPO_PROGRESS"))
-    task = bar.add_task("train", total=total, completed=start, info="")
-    bar.start()
-
-    def update(step, metrics):
-        if step is None:
-            bar.stop()
-            return
-        info = f"loss {metrics.get('loss', math.nan):.4f} reward {metrics.get('reward', math.nan):+.3f}"
-        if "kl" in metrics:  # SPO / AGRO: mean sequence log(pi / pi_0) on online samples
-            info += f" kl {metrics['kl']:.3f}"
-        elif "mean_seq_log_ratio" in metrics:  # offline data only: not a KL estimate
-            info += f" log_ratio {metrics['mean_seq_log_ratio']:.3f}"
-        if "approx_kl_old_new" in metrics:  # PPO: against the policy that sampled
-            info += f" kl(old) {metrics['approx_kl_old_new']:.4f} clip {metrics.get('clip_fraction', 0.0):.2f}"
-        if "entropy" in metrics:  # nats per response token
-            info += f" entropy {metrics['entropy']:.3f}"
-        bar.update(task, completed=step, info=info)
-        if not bar.live.is_started or bar.disable:
-            print(f"step {step}/{total} {info}", flush=True)
-
-    return update
-
-
-# ---------------------------------------------------------------------------------------------
-# Entry points
-# ---------------------------------------------------------------------------------------------
-def run(cfg_data: dict) -> int:
-    """Train in this process (one rank of a torchrun / srun / spawn launch)."""
-    cfg = TrainConfig.model_validate(cfg_data)
-    trainer = Trainer(cfg)
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
-
-
-def _preflight_cpu(cfg: TrainConfig, nproc: int) -> None:
-    """CPU training holds every rank's share of the policy (weights, fp32 grads, Adam's fp32 master and two
-    moments), the frozen reference and, for PPO, the value model on this one machine: refuse up front when
-    that cannot fit. (GPU memory is planned by `megatron-spo plan`.)"""
-    import torch
-
-    from megatron_spo.memory import BASELINE_BYTES, DTYPE_BYTES, preflight
-
-    if torch.cuda.is_available():
-        return
-    model = cfg.model or _model_config_from_init(cfg.init)
-    item = DTYPE_BYTES[model.params_dtype]
-    trained = item + 4 + (0 if item == 4 else 4) + 8  # weights, main grads, fp32 master (16-bit only), Adam m, v
-    per_model = model.num_parameters()
-    need = per_model * (trained + item) + (per_model * trained if cfg.algo == "ppo" else 0)
-    stages = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
-    replicas = max(1, nproc // stages)  # data-parallel copies on this machine
-    preflight(f"CPU training of a {per_model / 1e9:.2f}B-parameter {model.architecture} on {nproc} process(es)",
-              need * replicas + BASELINE_BYTES * nproc,
-              hint="train on GPUs (`megatron-spo plan` sizes the layout) or use a smaller model")
-
-
-def launch(cfg: TrainConfig) -> None:
-    """Under torchrun / srun (WORLD_SIZE set) train as this rank; otherwise spawn cfg.nproc ranks here.
-
-    The spawning parent forwards SIGTERM / SIGUSR1 / SIGINT to its ranks (which checkpoint and exit),
-    so a scheduler signalling only the launcher still gets a checkpoint and leaves no orphan."""
-    if os.environ.get("WORLD_SIZE") or cfg.nproc == 1:
-        if not os.environ.get("WORLD_SIZE"):
-            _preflight_cpu(cfg, 1)
-        run(cfg.model_dump(mode="json"))
-        return
-    _preflight_cpu(cfg, cfg.nproc)
-    import signal
-
-    import torch.multiprocessing as mp
-
-    from megatron_spo.models.parallel import _spawn_entry, free_port
-
-    ctx = mp.start_processes(_spawn_entry, args=(cfg.nproc, free_port(), run, (cfg.model_dump(mode="json"),)),
-                             nprocs=cfg.nproc, join=False, start_method="spawn")
-
-    def forward(signum, frame):
-        for p in ctx.processes:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGINT if signum == signal.SIGINT else signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    try:
-        while not ctx.join(timeout=1.0):
-            pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-spo train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="YAML config (see examples/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6 algo=ppo")
-    args = parser.parse_args(argv)
-    cfg = load_config(TrainConfig, args.config, args.overrides)
-    from megatron_spo.memory import MemoryPreflightError
-
-    try:
-        launch(cfg)
-    except MemoryPreflightError as err:
-        print(f"megatron-spo train: error: {err}", file=sys.stderr)
-        return 2
-    return 0

@@ -1,0 +1,62 @@
+"""What an RL algorithm is to the trainer: what it needs, how it updates the models, what it reports.
+
+    class MyAlgorithm(Algorithm):
+        name = "my_algo"
+        def update(self, step: StepInputs) -> Update:
+            return Update(*step.optimize("policy", "logp", lambda i, mb, logp: my_loss(mb, logp, step.ref[i])))
+
+The trainer calls ``update`` once per step with the step's micro-batches, the reference log-probs and two
+verbs: ``optimize(model, output, loss_fn)`` (one optimizer step of "policy" or "value" through megatron's
+schedule; loss_fn(index, micro_batch, output) -> (scalar loss, metrics)) and ``forward(model, output)``
+(no-grad outputs per micro-batch on the last pipeline stage). Metrics follow training/loss.py's
+convention (a float is a mean over sequences, a (mean, weight) pair a weighted mean).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class StepInputs:
+    """One training step as an algorithm sees it."""
+
+    cfg: Any  # TrainConfig
+    step: int
+    micro_batches: list  # [TrainBatch]
+    ref: list  # per micro-batch: reference log-probs [B, L] (last pipeline stage; None elsewhere)
+    lr: Callable[[str], float]  # lr("policy") / lr("value"): this step's learning rate of that model
+    optimize: Callable[..., tuple[list, float]]  # (model, output, loss_fn) -> (loss_fn's reports, grad norm)
+    forward: Callable[..., list]  # (model, output) -> per micro-batch outputs (last stage; None elsewhere)
+    is_last_stage: bool
+
+
+@dataclass
+class Update:
+    reports: list  # what the loss functions reported per micro-batch (reduced by the trainer)
+    grad_norm: float
+    metrics: dict[str, float] = field(default_factory=dict)  # extra step metrics (e.g. grad_norm/value)
+
+
+class Algorithm:
+    """Base class: override ``update``; declare what the trainer must provide with the class flags."""
+
+    name: ClassVar[str]
+    uses_value_model: ClassVar[bool] = False  # build, checkpoint and optimise a value model (PPO)
+    keeps_prompt_groups: ClassVar[bool] = False  # micro-batches hold whole prompt groups (leave-one-out)
+    on_policy: ClassVar[bool] = False  # only the online source; sampled at T = 1; weights pushed every step
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse a TrainConfig this algorithm cannot run (ValueError naming the field)."""
+        if cls.on_policy and set(cfg.sources) != {"online"}:
+            raise ValueError(f"algo {cls.name} is on-policy: use only the 'online' source "
+                             f"(got {', '.join(sorted(cfg.sources))})")
+
+    def update(self, step: StepInputs) -> Update:
+        raise NotImplementedError

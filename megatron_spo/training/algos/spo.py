@@ -1,0 +1,86 @@
+"""SPO (MATH.md section 2): per data source its own objective and regression loss, no value model."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from torch import Tensor
+
+from megatron_spo import algorithms
+from megatron_spo.data.batching import TrainBatch
+from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
+
+
+def _rows(batch: TrainBatch, rows: list[int], *tensors: Tensor | None) -> list[Tensor | None]:
+    import torch
+
+    idx = torch.tensor(rows, dtype=torch.long, device=batch.loss_mask.device)
+    return [None if t is None else t.index_select(0, idx) for t in tensors]
+
+
+def by_source(batch: TrainBatch) -> dict[str, list[int]]:
+    """Row indices of the batch per data source, sources sorted by name."""
+    rows: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(batch.source):
+        rows[s].append(i)
+    return dict(sorted(rows.items()))
+
+
+def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: float,
+                   objectives: dict[str, tuple[str, object]]) -> tuple[Tensor, dict[str, float]]:
+    """Mean over sequences of spo_loss, each source with its own (objective, loss).
+
+    objectives: source name -> (objective, loss), e.g. {"online": ("terminal", "cross_entropy"),
+    "mc": ("mc", "cross_entropy")}; a loss may be a callable (a config hook). A source in the batch with no
+    entry is an error naming it.
+    """
+    total = logp.new_zeros(())
+    metrics: dict[str, float | tuple[float, int]] = {}
+    n = batch.num_sequences
+    sources = by_source(batch)
+    for source, rows in sources.items():
+        if source not in objectives:
+            raise ValueError(f"spo: the batch has trajectories of source '{source}' but the config names no "
+                             f"objective for it (configured: {', '.join(sorted(objectives))})")
+        objective, loss_name = objectives[source]
+        lp, rlp, mask, reward, q0, mc_pos, mc_succ = _rows(
+            batch, rows, logp, ref_logp, batch.loss_mask, batch.reward, batch.q0, batch.mc_positions,
+            batch.mc_success)
+        kw = {}
+        if objective == "mc":
+            kw = dict(mc_positions=mc_pos, mc_success=mc_succ)
+        loss, m = algorithms.spo_loss(lp, rlp, mask, reward, q0, beta=beta, objective=objective,
+                                      loss=loss_name, **kw)
+        total = total + loss * (len(rows) / n)
+        weights = {k: len(rows) for k in m}
+        weights["mean_token_advantage"] = int(mask.sum())  # a mean over response tokens
+        for k, v in m.items():
+            metrics[f"{k}/{source}"] = (v, weights[k])
+    for k in algorithms.spo.METRIC_NAMES:  # over sources, with the same weights
+        parts = [metrics[f"{k}/{source}"] for source in sources]
+        weight = sum(w for _, w in parts)
+        metrics[k] = (sum(v * w for v, w in parts) / max(weight, 1), weight)
+    metrics["loss"] = float(total.detach())
+    return total, metrics
+
+
+def resolve_loss(name: str, field: str):
+    """A REGRESSION_LOSSES name as is, or a config hook 'package.module:function' loaded and checked."""
+    from megatron_spo.hooks import is_hook, load_hook
+
+    return load_hook(name, field=field) if is_hook(name) else name
+
+
+class SPO(Algorithm):
+    name = "spo"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.objectives = {name: (s.objective, resolve_loss(s.loss, f"sources.{name}.loss"))
+                           for name, s in cfg.sources.items()}
+
+    def update(self, step: StepInputs) -> Update:
+        beta, objectives = self.cfg.beta, self.objectives
+        reports, grad_norm = step.optimize("policy", "logp", lambda i, mb, logp: spo_batch_loss(
+            mb, logp, step.ref[i], beta=beta, objectives=objectives))
+        return Update(reports, grad_norm)

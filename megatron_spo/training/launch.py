@@ -1,0 +1,104 @@
+"""`megatron-spo train`: launching trainer ranks, forwarding signals, and refusing what cannot fit.
+
+    megatron-spo train CONFIG.yaml [key.path=value ...]
+
+Under torchrun / srun (WORLD_SIZE set) this process trains as its rank; otherwise it spawns cfg.nproc ranks
+here and forwards SIGTERM / SIGUSR1 / SIGINT to them (they checkpoint and exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_spo.config import TrainConfig, load_config
+from megatron_spo.training.trainer import Trainer, _model_config_from_init
+
+
+def run(cfg_data: dict) -> int:
+    """Train in this process (one rank of a torchrun / srun / spawn launch)."""
+    cfg = TrainConfig.model_validate(cfg_data)
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def _preflight_cpu(cfg: TrainConfig, nproc: int) -> None:
+    """CPU training holds every rank's share of the policy (weights, fp32 grads, Adam's fp32 master and two
+    moments), the frozen reference and, for PPO, the value model on this one machine: refuse up front when
+    that cannot fit. (GPU memory is planned by `megatron-spo plan`.)"""
+    import torch
+
+    from megatron_spo.hooks import is_hook
+    from megatron_spo.memory import BASELINE_BYTES, DTYPE_BYTES, preflight
+    from megatron_spo.training.algos import algorithm_class
+
+    if torch.cuda.is_available():
+        return
+    model = cfg.model or _model_config_from_init(cfg.init)
+    item = DTYPE_BYTES[model.params_dtype]
+    trained = item + 4 + (0 if item == 4 else 4) + 8  # weights, main grads, fp32 master (16-bit only), Adam m, v
+    per_model = model.num_parameters()
+    value_model = not is_hook(cfg.algo) and algorithm_class(cfg.algo).uses_value_model
+    need = per_model * (trained + item) + (per_model * trained if value_model else 0)
+    stages = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    replicas = max(1, nproc // stages)  # data-parallel copies on this machine
+    preflight(f"CPU training of a {per_model / 1e9:.2f}B-parameter {model.architecture} on {nproc} process(es)",
+              need * replicas + BASELINE_BYTES * nproc,
+              hint="train on GPUs (`megatron-spo plan` sizes the layout) or use a smaller model")
+
+
+def launch(cfg: TrainConfig) -> None:
+    """Under torchrun / srun (WORLD_SIZE set) train as this rank; otherwise spawn cfg.nproc ranks here.
+
+    The spawning parent forwards SIGTERM / SIGUSR1 / SIGINT to its ranks (which checkpoint and exit),
+    so a scheduler signalling only the launcher still gets a checkpoint and leaves no orphan."""
+    if os.environ.get("WORLD_SIZE") or cfg.nproc == 1:
+        if not os.environ.get("WORLD_SIZE"):
+            _preflight_cpu(cfg, 1)
+        run(cfg.model_dump(mode="json"))
+        return
+    _preflight_cpu(cfg, cfg.nproc)
+    import signal
+
+    import torch.multiprocessing as mp
+
+    from megatron_spo.models.parallel import _spawn_entry, free_port
+
+    ctx = mp.start_processes(_spawn_entry, args=(cfg.nproc, free_port(), run, (cfg.model_dump(mode="json"),)),
+                             nprocs=cfg.nproc, join=False, start_method="spawn")
+
+    def forward(signum, frame):
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGINT if signum == signal.SIGINT else signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        while not ctx.join(timeout=1.0):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-spo train", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML config (see examples/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6 algo=ppo")
+    args = parser.parse_args(argv)
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    from megatron_spo.memory import MemoryPreflightError
+
+    try:
+        launch(cfg)
+    except MemoryPreflightError as err:
+        print(f"megatron-spo train: error: {err}", file=sys.stderr)
+        return 2
+    return 0

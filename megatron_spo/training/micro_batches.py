@@ -1,0 +1,101 @@
+"""A training step's trajectories -> this data-parallel rank's micro-batches, cut by a padded-token budget.
+
+    mine = shard(trajectories, dp_rank, dp_size)        # whole prompt groups, round-robin
+    mbs = micro_batches(mine, cfg, keep_groups=..., pad_id=0, dp_rank=r, device=None)
+
+Pipeline schedules put constraints on the cut (one shape per step with virtual stages, at least PP
+micro-batches for the interleaved schedule, widths a multiple of TP under sequence parallelism): they live
+here, next to the packing, not in the trainer loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_spo.config import ConfigError, TrainConfig
+from megatron_spo.data.batching import TrainBatch, collate, split_by_token_budget
+
+
+def shard(trajs: list, dp_rank: int, dp_size: int) -> list:
+    """This data-parallel rank's trajectories: whole prompt groups, round-robin."""
+    groups: dict = {}
+    for t in trajs:
+        groups.setdefault(t.prompt_id, []).append(t)
+    mine = [g for i, g in enumerate(groups.values()) if i % dp_size == dp_rank]
+    if not mine:
+        raise ConfigError(f"batch: {len(groups)} prompt groups cannot feed {dp_size} data-parallel ranks; "
+                          "raise batch.sequences_per_step")
+    return [t for g in mine for t in g]
+
+
+def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: int, dp_rank: int,
+                  device=None) -> list[TrainBatch]:
+    """keep_groups: a prompt group never straddles two micro-batches (group-wise algorithms)."""
+    lengths = [len(t.prompt_tokens) + len(t.response_tokens) - 1 for t in trajs]
+    too_long = [i for i, n in enumerate(lengths) if n + 1 > cfg.batch.max_seq_length]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(f"batch: trajectory of prompt {trajs[i].prompt_id!r} has {lengths[i] + 1} tokens, "
+                         f"over batch.max_seq_length {cfg.batch.max_seq_length}")
+    keep = [t.prompt_id for t in trajs] if keep_groups else None
+    pp = cfg.parallel.pipeline_model_parallel_size
+    virtual = bool(cfg.parallel.virtual_pipeline_model_parallel_size)
+    width = max(lengths) if virtual else None  # one shape per step with virtual stages (trainer._schedule_ready)
+    parts = split_by_token_budget([width] * len(lengths) if virtual else lengths,
+                                  cfg.batch.max_tokens_per_micro_batch, keep_groups=keep)
+    if virtual and len(parts) < pp:
+        # megatron's interleaved schedule needs at least PP micro-batches per step
+        parts = split_to_count(parts, pp, keep)
+        if len(parts) < pp:
+            unit = "prompt groups" if keep else "sequences"
+            raise ConfigError(f"batch: the interleaved pipeline schedule (parallel.virtual_pipeline_model_"
+                              f"parallel_size) needs at least {pp} micro-batches per step, but data-parallel "
+                              f"rank {dp_rank} has only {len(parts)} {unit}; raise batch.sequences_per_step")
+    # sequence parallelism splits the sequence over TP ranks: widths must be a multiple of TP
+    multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+    mbs = [collate([trajs[i] for i in rows], pad_id,
+                   length=-(-(width or max(lengths[i] for i in rows)) // multiple) * multiple)
+           for rows in parts]
+    return [mb.to(device) if device is not None else mb for mb in mbs]
+
+
+def pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    """[b, L] -> [rows, L], the new rows filled with value."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0], t.shape[1]), value)])
+
+
+def split_to_count(parts: list[list[int]], n: int, groups: list | None) -> list[list[int]]:
+    """Halve the largest micro-batches (at prompt-group boundaries when groups is given) until there are
+    n, keeping the order; fewer come back when no micro-batch holds two units any more."""
+    parts = [list(p) for p in parts]
+
+    def units(part):
+        out: list[list[int]] = []
+        for i in part:
+            if groups is not None and out and groups[out[-1][-1]] == groups[i]:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+
+    while len(parts) < n:
+        splittable = [(len(p), -i) for i, p in enumerate(parts) if len(units(p)) > 1]
+        if not splittable:
+            break
+        i = -max(splittable)[1]
+        u = units(parts[i])
+        half = len(u) // 2
+        parts[i:i + 1] = [[j for x in u[:half] for j in x], [j for x in u[half:] for j in x]]
+    return parts
+
+
+def microbatch_group_size(num_microbatches: int, pp: int) -> int:
+    """Contiguous micro-batches per virtual stage in megatron's interleaved schedule: the smallest N >= PP
+    with M % N == 0 or M % N >= PP, which megatron accepts (its default N = PP needs M % PP == 0, and the
+    token-budget packing gives any M). Needs M >= PP."""
+    for n in range(pp, num_microbatches + 1):
+        if num_microbatches % n == 0 or num_microbatches % n >= pp:
+            return n
+    raise ValueError(f"interleaved pipeline: {num_microbatches} micro-batches, fewer than PP={pp}")

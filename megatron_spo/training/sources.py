@@ -1,0 +1,70 @@
+"""Where a training batch comes from (rank 0 only): offline stores and the online rollout buffer, mixed by weight.
+
+    sampler, online = build_sampler(cfg, online_source)   # online: the 'online' source or None
+    trajectories = sampler.next(n)                        # resumable: sampler.state_dict() / load_state_dict()
+"""
+
+from __future__ import annotations
+
+from megatron_spo.config import TrainConfig
+from megatron_spo.data.batching import OfflineCursor, source_counts
+
+
+class OfflineSource:
+    """Trajectories from a JSONL file or an offline store, drawn in resumable shuffled epochs."""
+
+    def __init__(self, name: str, path: str, seed: int):
+        from megatron_spo.data.trajectory import load_trajectories
+
+        self.name = name
+        self.records = load_trajectories(path)
+        for r in self.records:
+            r.source = name  # the source name selects the loss, whatever the file said
+        self.cursor = OfflineCursor(len(self.records), seed=seed)
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        return [self.records[i] for i in self.cursor.take(k)]
+
+    def state_dict(self) -> dict:
+        return self.cursor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor.load_state_dict(state)
+
+
+class BatchSampler:
+    """Mixes sources by weight into one global batch of trajectories."""
+
+    def __init__(self, sources: dict, weights: dict[str, float]):
+        self.sources, self.weights = sources, weights
+
+    def next(self, n: int) -> list:
+        out = []
+        for name, k in source_counts(self.weights, n).items():
+            if k:
+                out.extend(self.sources[name].take(k))
+        return out
+
+    def state_dict(self) -> dict:
+        return {name: s.state_dict() for name, s in self.sources.items() if hasattr(s, "state_dict")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, s in self.sources.items():
+            if name in state and hasattr(s, "load_state_dict"):
+                s.load_state_dict(state[name])
+
+
+def build_sampler(cfg: TrainConfig, online_source=None):
+    """(BatchSampler over cfg.sources, the online source or None). online_source: the 'online' source to use
+    (default: OnlineSource.from_config(cfg), the rollout manager over cfg.fleet)."""
+    sources, online = {}, None
+    for name, src in cfg.sources.items():
+        if name == "online":
+            if online_source is None:
+                from megatron_spo.training.online import OnlineSource
+
+                online_source = OnlineSource.from_config(cfg)
+            online = sources[name] = online_source
+        else:
+            sources[name] = OfflineSource(name, src.path, seed=cfg.seed)
+    return BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()}), online
