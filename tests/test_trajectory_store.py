@@ -220,3 +220,33 @@ def test_cli_import_export_check(tmp_path, capsys):
     assert as_dicts(read_jsonl(tmp_path / "out.jsonl")[0]) == records
     assert main(["trajectories", "check", str(tmp_path / "s")]) == 0
     assert "9 valid records" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Invalid UTF-8 in a trajectory JSONL (issue 19)
+# ---------------------------------------------------------------------------------------------
+def test_a_line_of_invalid_utf8_is_a_record_error_and_skipping_keeps_every_good_record(tmp_path, capsys):
+    from megatron_spo.cli import main as cli
+
+    records = make_records(4)
+    lines = [json.dumps(r).encode() + b"\n" for r in records]
+    bad = b'{"prompt_id": "caf\xe9", "prompt_tokens": [1]}\n'  # latin-1, not UTF-8
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(lines[0] + lines[1] + bad + lines[2] + lines[3])
+    expected = f"{path}:3: not valid UTF-8 (byte offset 18: invalid continuation byte)"
+    with pytest.raises(RecordError) as err:
+        read_jsonl(path)
+    assert str(err.value) == expected
+    loaded, report = read_jsonl(path, skip_invalid=True)
+    assert as_dicts(loaded) == records and (report.read, report.skipped) == (4, 1)
+    assert report.errors == [expected]
+
+    assert cli(["trajectories", "check", str(path)]) == 1
+    assert capsys.readouterr().err == f"megatron-spo trajectories: {expected}\n"
+    assert cli(["trajectories", "import", str(path), str(tmp_path / "s")]) == 1
+    assert capsys.readouterr().err == f"megatron-spo trajectories: {expected}\n"
+    assert not (tmp_path / "s" / "index.json").exists()
+    assert cli(["trajectories", "import", str(path), str(tmp_path / "s"), "--skip-invalid"]) == 0
+    out = capsys.readouterr()
+    assert "imported 4 records" in out.out and f"  {expected}\n" in out.err
+    assert as_dicts(OfflineStore(tmp_path / "s").trajectories()) == records

@@ -12,8 +12,9 @@ One record per sampled response (a JSONL line, or a row of the offline store):
     q0                  float | None   Monte-Carlo soft value of the prompt under the reference policy
     mc_targets          [{t, success_prob}] | None   t: 0-based response position, success_prob in [0, 1]
 
-Bad records raise RecordError naming file, line and field; with ``skip_invalid`` they are skipped, counted
-and reported (a warning per file and the ImportReport), never dropped silently.
+Bad records raise RecordError naming file, line and field (a line that is not valid UTF-8 or JSON too);
+with ``skip_invalid`` they are skipped, counted and reported (a warning per file and the ImportReport),
+never dropped silently.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,29 +161,53 @@ def validate_record(obj: Any, where: str) -> Trajectory:
 # ---------------------------------------------------------------------------------------------
 # JSONL
 # ---------------------------------------------------------------------------------------------
-def read_jsonl(path: str | Path, *, skip_invalid: bool = False) -> tuple[list[Trajectory], ImportReport]:
-    """All records of a JSONL file (blank lines are allowed and carry nothing)."""
-    records, report = [], ImportReport()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+def iter_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(where, value) per non-blank line of a JSONL file, where = 'file:line' and value the parsed JSON, or a
+    RecordError for a line that is not valid UTF-8 or not valid JSON (the lines after it still read)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
-                try:
-                    obj = json.loads(line)
-                except ValueError as err:
-                    raise RecordError(where, None, f"not valid JSON ({err})") from None
-                records.append(validate_record(obj, where))
-                report.read += 1
-            except RecordError as err:
-                if not skip_invalid:
-                    raise
-                report.skipped += 1
-                report.errors.append(str(err))
-    if report.skipped:
-        logger.warning("%s: skipped %d invalid record(s), kept %d; first: %s", path, report.skipped, report.read,
-                       report.errors[0])
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield where, RecordError(where, None, f"not valid UTF-8 (byte offset {err.start}: {err.reason})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except ValueError as err:
+                yield where, RecordError(where, None, f"not valid JSON ({err})")
+
+
+def iter_records_jsonl(path: str | Path, *, skip_invalid: bool = False,
+                       report: ImportReport | None = None) -> Iterator[Trajectory]:
+    """The records of a JSONL file, streamed; bad lines raise RecordError, or with ``skip_invalid`` are
+    counted in ``report`` (when given) and skipped."""
+    report = ImportReport() if report is None else report
+    skipped, read = report.skipped, report.read
+    for where, obj in iter_jsonl(path):
+        try:
+            if isinstance(obj, RecordError):
+                raise obj
+            record = validate_record(obj, where)
+        except RecordError as err:
+            if not skip_invalid:
+                raise
+            report.skipped += 1
+            report.errors.append(str(err))
+            continue
+        report.read += 1
+        yield record
+    if report.skipped > skipped:
+        logger.warning("%s: skipped %d invalid record(s), kept %d; first: %s", path, report.skipped - skipped,
+                       report.read - read, report.errors[-(report.skipped - skipped)])
+
+
+def read_jsonl(path: str | Path, *, skip_invalid: bool = False) -> tuple[list[Trajectory], ImportReport]:
+    """All records of a JSONL file (blank lines are allowed and carry nothing)."""
+    report = ImportReport()
+    records = list(iter_records_jsonl(path, skip_invalid=skip_invalid, report=report))
     return records, report
 
 
