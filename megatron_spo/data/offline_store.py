@@ -13,7 +13,14 @@ Layout of a store folder:
         behaviour_logprobs.npy float64 + behaviour_offsets.npy + has_behaviour.npy uint8,
         reward.npy float64, policy_version.npy int64, q0.npy float64 (NaN = absent),
         mc_t.npy int64 + mc_p.npy float64 + mc_offsets.npy + has_mc.npy uint8,
-        strings.json      {"prompt_id": [...], "source": [...]}
+        provenance_id.npy int32 (row -> strings.json "provenance" entry, -1 = none),
+        temperature.npy, top_p.npy, created.npy float64 (NaN = unknown)          [version 2 shards]
+        strings.json      {"prompt_id": [...], "source": [...],
+                           "provenance": [{kind, model?, run_id?, origin?}, ...]}  [version 2 shards]
+
+Version 1 (before provenance) shards have neither the provenance columns nor the "provenance" strings;
+they still read (provenance None) and may share a store with version 2 shards: an append to a version 1
+store writes version 2 shards and lists them in a version 2 index.
 
 Writes are atomic: a shard is written into a temporary folder, fsynced, renamed, and only then listed in a
 new index.json (itself written to a temporary file and renamed). A shard that is not in the index (an
@@ -27,9 +34,11 @@ prompt_id / source with ``store.prompt_id(row)``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import uuid
@@ -40,26 +49,35 @@ import numpy as np
 
 from megatron_spo.data.trajectory import (
     LOGPROB_SLACK,
+    PROVENANCE_NUMBERS,
+    PROVENANCE_STRINGS,
     ImportReport,
+    Provenance,
     RecordError,
     Trajectory,
+    validate_provenance,
     validate_record,
 )
 from megatron_spo.fsutil import fsync_path, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-FORMAT, VERSION = "megatron-spo-offline-store", 1
+FORMAT, VERSION = "megatron-spo-offline-store", 2
+READABLE_VERSIONS = (1, 2)
 INDEX = "index.json"
 STRINGS = "strings.json"
 # column -> dtype; "<name>_offsets" columns index the variable-length ones
-COLUMNS = {
+COLUMNS_V1 = {
     "prompt_tokens": np.int32, "prompt_offsets": np.int64,
     "response_tokens": np.int32, "response_offsets": np.int64,
     "behaviour_logprobs": np.float64, "behaviour_offsets": np.int64, "has_behaviour": np.uint8,
     "reward": np.float64, "policy_version": np.int64, "q0": np.float64,
     "mc_t": np.int64, "mc_p": np.float64, "mc_offsets": np.int64, "has_mc": np.uint8,
 }
+PROVENANCE_COLUMNS = {"provenance_id": np.int32, "temperature": np.float64, "top_p": np.float64,
+                      "created": np.float64}
+COLUMNS = {**COLUMNS_V1, **PROVENANCE_COLUMNS}
+SHARD_FILES = {1: {f"{c}.npy" for c in COLUMNS_V1} | {STRINGS}, 2: {f"{c}.npy" for c in COLUMNS} | {STRINGS}}
 RAGGED = {"prompt_tokens": "prompt_offsets", "response_tokens": "response_offsets",
           "behaviour_logprobs": "behaviour_offsets", "mc_t": "mc_offsets", "mc_p": "mc_offsets"}
 PER_ROW = ("has_behaviour", "reward", "policy_version", "q0", "has_mc")
@@ -85,7 +103,8 @@ def _write_json_atomic(path: Path, obj) -> None:
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-def _columns(records: list[Trajectory]) -> dict[str, np.ndarray]:
+def _columns(records: list[Trajectory]) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """The shard's columns, and its provenance table (distinct {kind, model, run_id, origin})."""
     def ragged(lists: list[list]) -> tuple[np.ndarray, np.ndarray]:
         offsets = np.zeros(len(lists) + 1, dtype=np.int64)
         np.cumsum([len(x) for x in lists], out=offsets[1:])
@@ -104,10 +123,20 @@ def _columns(records: list[Trajectory]) -> dict[str, np.ndarray]:
     cols["mc_t"], cols["mc_offsets"] = ragged([[m["t"] for m in x] for x in mc])
     cols["mc_p"], _ = ragged([[m["success_prob"] for m in x] for x in mc])
     cols["has_mc"] = np.array([r.mc_targets is not None for r in records])
+    table: dict[tuple, int] = {}
+    ids = []
+    for r in records:
+        p = r.provenance
+        ids.append(-1 if p is None else table.setdefault(tuple(getattr(p, k) for k in PROVENANCE_STRINGS), len(table)))
+    cols["provenance_id"] = np.array(ids)
+    for name in PROVENANCE_NUMBERS:
+        cols[name] = np.array([np.nan if r.provenance is None or getattr(r.provenance, name) is None
+                               else getattr(r.provenance, name) for r in records], dtype=np.float64)
     for name in ("prompt_tokens", "response_tokens"):
         if cols[name].size and cols[name].max() > np.iinfo(np.int32).max:
             raise ValueError(f"offline store: a token id in '{name}' does not fit int32")
-    return {name: cols[name].astype(dtype, copy=False) for name, dtype in COLUMNS.items()}
+    provenance = [{k: v for k, v in zip(PROVENANCE_STRINGS, key) if v is not None} for key in table]
+    return {name: cols[name].astype(dtype, copy=False) for name, dtype in COLUMNS.items()}, provenance
 
 
 class OfflineStoreWriter:
@@ -141,13 +170,15 @@ class OfflineStoreWriter:
         tmp = self.path / f".{name}.{uuid.uuid4().hex}.tmp"
         tmp.mkdir()
         files = {}
-        for col, array in _columns(self.buffer).items():
+        columns, provenance = _columns(self.buffer)
+        for col, array in columns.items():
             with open(tmp / f"{col}.npy", "wb") as f:
                 np.save(f, array, allow_pickle=False)
                 f.flush()
                 os.fsync(f.fileno())
         with open(tmp / STRINGS, "w", encoding="utf-8") as f:
-            json.dump({"prompt_id": [r.prompt_id for r in self.buffer], "source": [r.source for r in self.buffer]}, f)
+            json.dump({"prompt_id": [r.prompt_id for r in self.buffer], "source": [r.source for r in self.buffer],
+                       "provenance": provenance}, f)
             f.flush()
             os.fsync(f.fileno())
         for file in sorted(os.listdir(tmp)):
@@ -155,6 +186,7 @@ class OfflineStoreWriter:
         fsync_path(tmp)
         os.rename(tmp, self.path / name)
         fsync_path(self.path)
+        self.index["version"] = VERSION  # a version 1 store with a version 2 shard reads only with this code
         self.index["shards"].append({"name": name, "rows": len(self.buffer), "files": files})
         _write_json_atomic(self.path / INDEX, self.index)
         self.written += len(self.buffer)
@@ -193,15 +225,16 @@ def _read_index(path: Path) -> dict:
         raise RecordError(where, None, f"not valid JSON ({err})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise RecordError(where, "format", f"not a megatron-spo offline store index (format {FORMAT!r} expected)")
-    if index.get("version") != VERSION:
-        raise RecordError(where, "version", f"version {index.get('version')!r} is not supported (expected {VERSION})")
+    if index.get("version") not in READABLE_VERSIONS:
+        raise RecordError(where, "version", f"version {index.get('version')!r} is not supported (this code reads "
+                          f"{', '.join(map(str, READABLE_VERSIONS))})")
     if not isinstance(index.get("shards"), list):
         raise RecordError(where, "shards", "must be a list")
     return index
 
 
 class _Shard:
-    """One verified shard: memory-mapped columns and its strings."""
+    """One verified shard: memory-mapped columns, its strings and provenance table (version 1 shards: none)."""
 
     def __init__(self, root: Path, entry: dict):
         self.name = str(entry.get("name"))
@@ -210,8 +243,9 @@ class _Shard:
         files = entry.get("files")
         if not isinstance(self.rows, int) or not isinstance(files, dict):
             raise RecordError(str(root / INDEX), "shards", f"entry {self.name!r} lacks rows / files")
-        expected = {f"{c}.npy" for c in COLUMNS} | {STRINGS}
-        if set(files) != expected:
+        self.version = next((v for v, expected in SHARD_FILES.items() if set(files) == expected), None)
+        if self.version is None:
+            expected = SHARD_FILES[VERSION]
             missing = sorted(expected - set(files)) or sorted(set(files) - expected)
             raise RecordError(where, missing[0], "the index lists a different set of files")
         for file, digest in sorted(files.items()):
@@ -219,16 +253,32 @@ class _Shard:
                 raise RecordError(where, file, "missing (half-written or deleted shard)")
             if _sha256(root / self.name / file) != digest:
                 raise RecordError(where, file, "checksum mismatch (half-written or corrupted shard)")
-        self.cols = {c: np.load(root / self.name / f"{c}.npy", mmap_mode="r", allow_pickle=False) for c in COLUMNS}
-        strings = json.loads((root / self.name / STRINGS).read_text())
-        self.prompt_ids, self.sources = strings["prompt_id"], strings["source"]
+        names = COLUMNS if self.version >= 2 else COLUMNS_V1
+        self.cols = {c: np.load(root / self.name / f"{c}.npy", mmap_mode="r", allow_pickle=False) for c in names}
+        try:
+            strings = json.loads((root / self.name / STRINGS).read_text(encoding="utf-8"))
+            self.prompt_ids, self.sources = strings["prompt_id"], strings["source"]
+            table = strings["provenance"] if self.version >= 2 else []
+        except (ValueError, KeyError, TypeError) as err:
+            raise RecordError(where, STRINGS, f"not the strings of a version {self.version} shard ({err!r})") from None
+        if not isinstance(table, list):
+            raise RecordError(where, STRINGS, "'provenance' must be a list")
+        self.provenance_table = [validate_provenance(e, where, f"{STRINGS} provenance {i}")
+                                 for i, e in enumerate(table)]
+        if any(p.temperature is not None or p.top_p is not None or p.created is not None
+               for p in self.provenance_table):
+            raise RecordError(where, STRINGS, "provenance entries hold only kind, model, run_id, origin")
+        if self.version < 2:  # no provenance: every row reads as None
+            self.cols["provenance_id"] = np.full(self.rows, -1, dtype=np.int32)
+            for name in PROVENANCE_NUMBERS:
+                self.cols[name] = np.full(self.rows, np.nan)
         self._check_shapes(where)
 
     def _check_shapes(self, where: str) -> None:
         for c, dtype in COLUMNS.items():
             if self.cols[c].dtype != dtype or self.cols[c].ndim != 1:
                 raise RecordError(where, f"{c}.npy", f"expected a 1-d {np.dtype(dtype)} array")
-        for c in PER_ROW:
+        for c in (*PER_ROW, *PROVENANCE_COLUMNS):
             if len(self.cols[c]) != self.rows:
                 raise RecordError(where, f"{c}.npy", f"has {len(self.cols[c])} rows, the index says {self.rows}")
         if len(self.prompt_ids) != self.rows or len(self.sources) != self.rows:
@@ -237,6 +287,53 @@ class _Shard:
             off = self.cols[offsets]
             if len(off) != self.rows + 1 or off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != len(self.cols[values]):
                 raise RecordError(where, f"{offsets}.npy", f"offsets do not index {values}.npy")
+
+    def provenance(self, row: int) -> Provenance | None:
+        k = int(self.cols["provenance_id"][row])
+        if k < 0:
+            return None
+        numbers = {n: None if np.isnan(v := float(self.cols[n][row])) else v for n in PROVENANCE_NUMBERS}
+        return dataclasses.replace(self.provenance_table[k], **numbers)
+
+    def records(self, rows: Iterable[int] | None = None) -> Iterator[Trajectory]:
+        """The shard's records (``rows``, or all), converted column-wise: far faster than record() per row."""
+        c = self.cols
+        lists = {name: np.asarray(c[name]).tolist() for name in RAGGED}
+        off = {name: np.asarray(c[name]).tolist() for name in set(RAGGED.values())}
+        per_row = {name: np.asarray(c[name]).tolist() for name in (*PER_ROW, *PROVENANCE_COLUMNS)}
+        table = self.provenance_table
+
+        def cut(name: str, r: int) -> list:
+            o = off[RAGGED[name]]
+            return lists[name][o[r] : o[r + 1]]
+
+        ids, temperature, top_p, created = (per_row[n] for n in ("provenance_id", *PROVENANCE_NUMBERS))
+        cache: dict[tuple, Provenance] = {}  # Provenance is frozen: rows with equal values share one
+
+        def known(x: float) -> float | None:
+            return None if math.isnan(x) else x
+
+        for r in range(self.rows) if rows is None else rows:
+            q0, k = per_row["q0"][r], ids[r]
+            provenance = None
+            if k >= 0:
+                key = (k, known(temperature[r]), known(top_p[r]), known(created[r]))
+                provenance = cache.get(key)
+                if provenance is None:
+                    if len(cache) > 4096:
+                        cache.clear()
+                    provenance = cache[key] = dataclasses.replace(table[k], temperature=key[1], top_p=key[2],
+                                                                  created=key[3])
+            yield Trajectory(
+                prompt_id=self.prompt_ids[r], prompt_tokens=cut("prompt_tokens", r),
+                response_tokens=cut("response_tokens", r), reward=per_row["reward"][r], source=self.sources[r],
+                policy_version=per_row["policy_version"][r],
+                behaviour_logprobs=cut("behaviour_logprobs", r) if per_row["has_behaviour"][r] else None,
+                q0=None if math.isnan(q0) else q0,
+                mc_targets=[{"t": t, "success_prob": p} for t, p in zip(cut("mc_t", r), cut("mc_p", r))]
+                if per_row["has_mc"][r] else None,
+                provenance=provenance,
+            )
 
     def slice(self, name: str, row: int) -> np.ndarray:
         off = self.cols[RAGGED[name]]
@@ -272,7 +369,65 @@ class _Shard:
         resp_len_per_mc = np.repeat(lengths["response_tokens"], np.diff(c["mc_offsets"]))
         flag(per_row("mc_t", (c["mc_t"] < 0) | (c["mc_t"] >= resp_len_per_mc)), "mc_targets", "t outside the response")
         flag(per_row("mc_p", ~((c["mc_p"] >= 0) & (c["mc_p"] <= 1))), "mc_targets", "success_prob not in [0, 1]")
+        pid = c["provenance_id"]
+        flag((pid < -1) | (pid >= len(self.provenance_table)), "provenance", "provenance_id is not an entry of "
+             f"the shard's table ({len(self.provenance_table)} entries)")
+        known = {n: ~np.isnan(c[n]) for n in PROVENANCE_NUMBERS}
+        flag((pid == -1) & (known["temperature"] | known["top_p"] | known["created"]), "provenance",
+             "values without a provenance entry")
+        with np.errstate(invalid="ignore"):
+            flag(known["temperature"] & ~(np.isfinite(c["temperature"]) & (c["temperature"] >= 0)), "provenance",
+                 "temperature not a finite number >= 0")
+            flag(known["top_p"] & ~((c["top_p"] > 0) & (c["top_p"] <= 1)), "provenance", "top_p not in (0, 1]")
+            flag(known["created"] & ~(np.isfinite(c["created"]) & (c["created"] >= 0)), "provenance",
+                 "created not Unix seconds >= 0")
         return sorted(set(bad))
+
+
+def _open_shards(path: Path, skip_invalid: bool, report: ImportReport) -> Iterator[tuple[_Shard, np.ndarray]]:
+    """Each verified shard of a store with its valid rows, one at a time; bad shards and rows raise
+    RecordError, or with ``skip_invalid`` are counted and reported in ``report``."""
+    index = _read_index(path)
+    listed = {str(e.get("name")) for e in index["shards"] if isinstance(e, dict)}
+    for entry in sorted(p.name for p in path.iterdir() if p.is_dir()):
+        if entry not in listed:
+            logger.warning("%s: ignoring folder '%s' not listed in %s (an interrupted write)", path, entry, INDEX)
+    for entry in index["shards"]:
+        try:
+            shard = _Shard(path, entry if isinstance(entry, dict) else {})
+        except RecordError as err:
+            if not skip_invalid:
+                raise
+            n = entry.get("rows", 0) if isinstance(entry, dict) else 0
+            report.skipped += n if isinstance(n, int) else 0
+            report.errors.append(f"{err} ({n} rows skipped)")
+            continue
+        invalid = {}
+        for row, field, why in shard.invalid_rows():
+            invalid.setdefault(row, (field, why))
+        if invalid and not skip_invalid:
+            row, (field, why) = min(invalid.items())
+            raise RecordError(f"{path / shard.name} row {row}", field, why)
+        for row, (field, why) in sorted(invalid.items()):
+            report.skipped += 1
+            report.errors.append(f"{path / shard.name} row {row}: field '{field}': {why}")
+        valid = np.ones(shard.rows, dtype=bool)
+        valid[list(invalid)] = False
+        report.read += int(valid.sum())
+        yield shard, np.flatnonzero(valid)
+
+
+def iter_records(path: str | Path, *, skip_invalid: bool = False,
+                 report: ImportReport | None = None) -> Iterator[Trajectory]:
+    """The records of a store, streamed one shard at a time (memory: one shard, whatever the store's size).
+    Each shard is verified before any of its rows is yielded; ``report`` (when given) counts what was read."""
+    path, report = Path(path), ImportReport() if report is None else report
+    skipped, read, errors = report.skipped, report.read, len(report.errors)
+    for shard, rows in _open_shards(path, skip_invalid, report):
+        yield from shard.records(rows.tolist())
+    if report.skipped > skipped:
+        logger.warning("%s: skipped %d invalid row(s), kept %d; first: %s", path, report.skipped - skipped,
+                       report.read - read, report.errors[errors])
 
 
 class OfflineStore:
@@ -280,38 +435,13 @@ class OfflineStore:
 
     def __init__(self, path: str | Path, *, skip_invalid: bool = False):
         self.path = Path(path)
-        index = _read_index(self.path)
         self.report = ImportReport()
         self.shards: list[_Shard] = []
-        listed = {str(e.get("name")) for e in index["shards"] if isinstance(e, dict)}
-        for entry in sorted(p.name for p in self.path.iterdir() if p.is_dir()):
-            if entry not in listed:
-                logger.warning("%s: ignoring folder '%s' not listed in %s (an interrupted write)", self.path, entry, INDEX)
         rows = []
-        for entry in index["shards"]:
-            try:
-                shard = _Shard(self.path, entry if isinstance(entry, dict) else {})
-            except RecordError as err:
-                if not skip_invalid:
-                    raise
-                n = entry.get("rows", 0) if isinstance(entry, dict) else 0
-                self.report.skipped += n if isinstance(n, int) else 0
-                self.report.errors.append(f"{err} ({n} rows skipped)")
-                continue
-            invalid = {}
-            for row, field, why in shard.invalid_rows():
-                invalid.setdefault(row, (field, why))
-            if invalid and not skip_invalid:
-                row, (field, why) = min(invalid.items())
-                raise RecordError(f"{self.path / shard.name} row {row}", field, why)
-            for row, (field, why) in sorted(invalid.items()):
-                self.report.skipped += 1
-                self.report.errors.append(f"{self.path / shard.name} row {row}: field '{field}': {why}")
-            k = len(self.shards)
+        for k, (shard, valid) in enumerate(_open_shards(self.path, skip_invalid, self.report)):
             self.shards.append(shard)
-            rows += [(k, r) for r in range(shard.rows) if r not in invalid]
-        self.report.read = len(rows)
-        self._rows = np.array(rows, dtype=np.int64).reshape(-1, 2)
+            rows.append(np.stack([np.full(len(valid), k, dtype=np.int64), valid.astype(np.int64)], axis=1))
+        self._rows = np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.int64)
         if self.report.skipped:
             logger.warning("%s: skipped %d invalid row(s), kept %d; first: %s", self.path, self.report.skipped,
                            self.report.read, self.report.errors[0])
@@ -339,11 +469,14 @@ class OfflineStore:
             response_tokens=shard.slice("response_tokens", r).tolist(), reward=float(c["reward"][r]),
             source=shard.sources[r], policy_version=int(c["policy_version"][r]),
             behaviour_logprobs=shard.slice("behaviour_logprobs", r).tolist() if c["has_behaviour"][r] else None,
-            q0=None if np.isnan(q0) else q0, mc_targets=mc,
+            q0=None if np.isnan(q0) else q0, mc_targets=mc, provenance=shard.provenance(r),
         )
 
     def trajectories(self) -> list[Trajectory]:
-        return [self.record(i) for i in range(len(self))]
+        out = []
+        for k, shard in enumerate(self.shards):
+            out += shard.records(self._rows[self._rows[:, 0] == k, 1].tolist())
+        return out
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         """Row ``i`` as the loaders see it: variable-length arrays and 0-d per-row values."""

@@ -11,6 +11,8 @@ One record per sampled response (a JSONL line, or a row of the offline store):
     behaviour_logprobs  [float] | None one log-prob <= 0 per response token (the sampler's)
     q0                  float | None   Monte-Carlo soft value of the prompt under the reference policy
     mc_targets          [{t, success_prob}] | None   t: 0-based response position, success_prob in [0, 1]
+    provenance          {kind, model?, run_id?, temperature?, top_p?, created?, origin?} | None
+                        where the trajectory came from (see Provenance); None in records written before it
 
 Bad records raise RecordError naming file, line and field (a line that is not valid UTF-8 or JSON too);
 with ``skip_invalid`` they are skipped, counted and reported (a warning per file and the ImportReport),
@@ -23,6 +25,7 @@ import json
 import logging
 import math
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,9 +36,48 @@ from megatron_spo.fsutil import write_lines_atomic
 logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("prompt_id", "prompt_tokens", "response_tokens", "reward", "source", "policy_version")
-OPTIONAL_FIELDS = ("behaviour_logprobs", "q0", "mc_targets")
+OPTIONAL_FIELDS = ("behaviour_logprobs", "q0", "mc_targets", "provenance")
 FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
 LOGPROB_SLACK = 1e-4  # samplers report log-probs a hair above 0 in low precision
+
+# Where a trajectory came from (Provenance.kind):
+PROVENANCE_KINDS = (
+    "reference",       # samples of the reference policy pi_0 (estimate-q0 --trajectories-out)
+    "online",          # rollouts of a training run (run_id, policy_version say which run and weights)
+    "pts",             # pivotal-token-search trajectories with Monte-Carlo targets
+    "human",           # human-written solutions of a dataset (CodeContests, TACO, a task's own solutions)
+    "other-model",     # samples of another model (model says which), imported as text
+    "offline-import",  # imported trajectories whose producer is not known more precisely
+)
+PROVENANCE_STRINGS = ("kind", "model", "run_id", "origin")
+PROVENANCE_NUMBERS = ("temperature", "top_p", "created")
+PROVENANCE_FIELDS = PROVENANCE_STRINGS + PROVENANCE_NUMBERS
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where one trajectory came from.
+
+    kind         one of PROVENANCE_KINDS
+    model        the producing model (an HF name or checkpoint path), when known
+    run_id       the training run (or import) that produced it, when known; the record's policy_version
+                 says which weights of that run
+    temperature  sampling temperature (>= 0), top_p sampling top-p (in (0, 1]), when known
+    created      when the trajectory was produced (Unix seconds, UTC); for an import that cannot know,
+                 when it was imported
+    origin       a free label of the input it came from (a dataset name, a file)
+    """
+
+    kind: str
+    model: str | None = None
+    run_id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    created: float | None = None
+    origin: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass
@@ -49,10 +91,14 @@ class Trajectory:
     behaviour_logprobs: list[float] | None = None
     q0: float | None = None
     mc_targets: list[dict] | None = None
+    provenance: Provenance | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form; absent optional fields are omitted."""
-        return {k: v for k, v in asdict(self).items() if k in REQUIRED_FIELDS or v is not None}
+        out = {k: v for k, v in asdict(self).items() if k in REQUIRED_FIELDS or v is not None}
+        if self.provenance is not None:
+            out["provenance"] = self.provenance.to_dict()
+        return out
 
 
 class RecordError(ValueError):
@@ -103,6 +149,33 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def validate_provenance(obj: Any, where: str, field_name: str = "provenance") -> Provenance:
+    """A Provenance from its JSON form, or RecordError naming ``where`` and ``field_name``."""
+    if isinstance(obj, Provenance):
+        obj = obj.to_dict()
+    if not isinstance(obj, dict):
+        raise RecordError(where, field_name, f"must be an object {{kind, ...}}, got {_show(obj)}")
+    unknown = sorted(set(obj) - set(PROVENANCE_FIELDS))
+    if unknown:
+        raise RecordError(where, field_name, f"unknown key '{unknown[0]}' (known: {', '.join(PROVENANCE_FIELDS)})")
+    if obj.get("kind") not in PROVENANCE_KINDS:
+        raise RecordError(where, field_name, f"kind must be one of {', '.join(PROVENANCE_KINDS)}, "
+                          f"got {_show(obj.get('kind'))}")
+    for key in ("model", "run_id", "origin"):
+        value = obj.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise RecordError(where, field_name, f"{key} must be a non-empty string, got {_show(value)}")
+    checks = {"temperature": (lambda v: v >= 0, "a finite number >= 0"),
+              "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+              "created": (lambda v: v >= 0, "Unix seconds >= 0")}
+    for key, (ok, what) in checks.items():
+        value = obj.get(key)
+        if value is not None and not (_is_number(value) and ok(value)):
+            raise RecordError(where, field_name, f"{key} must be {what}, got {_show(value)}")
+    return Provenance(kind=obj["kind"], **{k: obj.get(k) for k in ("model", "run_id", "origin")},
+                      **{k: None if obj.get(k) is None else float(obj[k]) for k in PROVENANCE_NUMBERS})
+
+
 def validate_record(obj: Any, where: str) -> Trajectory:
     """A Trajectory from a parsed JSON object, or RecordError naming ``where`` and the field."""
     if not isinstance(obj, dict):
@@ -149,12 +222,16 @@ def validate_record(obj: Any, where: str) -> Trajectory:
             p = item["success_prob"]
             if not _is_number(p) or not 0.0 <= p <= 1.0:
                 raise RecordError(where, "mc_targets", f"item {i}: success_prob = {p!r} is not in [0, 1]")
+    provenance = obj.get("provenance")
+    if provenance is not None:
+        provenance = validate_provenance(provenance, where)
     return Trajectory(
         prompt_id=prompt_id, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
         reward=float(obj["reward"]), source=obj["source"], policy_version=obj["policy_version"],
         behaviour_logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
         q0=float(q0) if q0 is not None else None,
         mc_targets=[{"t": m["t"], "success_prob": float(m["success_prob"])} for m in mc] if mc is not None else None,
+        provenance=provenance,
     )
 
 
@@ -253,6 +330,15 @@ def main(argv: list[str]) -> int:
     imp.add_argument("inputs", nargs="+")
     imp.add_argument("store")
     imp.add_argument("--rows-per-shard", type=int, default=65536)
+    g = imp.add_argument_group("provenance", "given to every record that has none (records keep their own); "
+                               "created = the time of the import")
+    g.add_argument("--kind", choices=PROVENANCE_KINDS, default=None,
+                   help="e.g. reference for estimate-q0 --trajectories-out, pts for pts output")
+    g.add_argument("--model", default=None, help="the producing model")
+    g.add_argument("--run-id", default=None, help="the producing run")
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--origin", default=None, help="a label of the input (default: the file name)")
     exp = sub.add_parser("export", help="offline store -> JSONL")
     exp.add_argument("store")
     exp.add_argument("output")
@@ -265,9 +351,21 @@ def main(argv: list[str]) -> int:
     report = ImportReport()
     try:
         if args.op == "import":
+            stamp = None
+            if args.kind is not None:
+                stamp = {"kind": args.kind, "model": args.model, "run_id": args.run_id,
+                         "temperature": args.temperature, "top_p": args.top_p, "created": time.time()}
+            elif any(v is not None for v in (args.model, args.run_id, args.temperature, args.top_p, args.origin)):
+                parser.error("--model / --run-id / --temperature / --top-p / --origin describe a --kind: give it")
             records = []
             for path in args.inputs:
                 loaded, rep = read_jsonl(path, skip_invalid=args.skip_invalid)
+                if stamp is not None:
+                    given = validate_provenance({**stamp, "origin": args.origin or Path(path).name},
+                                                "the command line")
+                    for rec in loaded:
+                        if rec.provenance is None:
+                            rec.provenance = given
                 records += loaded
                 report.add(rep)
             write_store(records, args.store, rows_per_shard=args.rows_per_shard)
