@@ -366,6 +366,17 @@ LossName = Annotated[str, AfterValidator(_loss_name)]
 AlgoName = Annotated[str, AfterValidator(_algo_name)]
 
 
+def _task_kind(value: str) -> str:
+    from megatron_spo.data.tasks import TASK_KINDS
+
+    if value not in TASK_KINDS:
+        raise ValueError(f"unknown task kind '{value}' (choose from {', '.join(TASK_KINDS)})")
+    return value
+
+
+TaskKindName = Annotated[str, AfterValidator(_task_kind)]
+
+
 class SourceConfig(StrictModel):
     """One data source of the training batch. The source named 'online' is the rollout buffer; any other
     source reads trajectories from `path` (a JSONL file or an offline-store directory)."""
@@ -457,7 +468,9 @@ class InitConfig(StrictModel):
 class TaskConfig(StrictModel):
     """The prompts of the online source, and their Q0 estimates."""
 
-    kind: Literal["toy", "codecontests", "taco", "math"] = "codecontests"
+    kind: TaskKindName = "codecontests"
+    reward: str | None = Field(None, description="a custom reward hook 'package.module:function' (problem, "
+                               "completion_text) -> float, used for every problem instead of the kind's own")
     paths: list[str] = Field(default_factory=list, description="parquet / jsonl files (not for 'toy')")
     dedup_against: list[str] = Field(default_factory=list, description="TACO test files to remove from training")
     toy: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)

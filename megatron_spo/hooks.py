@@ -10,7 +10,9 @@ imported as installed, or from the current directory / PYTHONPATH, like `python 
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sys
 
 from megatron_spo.config import ConfigError
 
@@ -27,6 +29,8 @@ def load_hook(path: str, *, field: str, want: str = "callable"):
     if not is_hook(path):
         raise ConfigError(f"{field}: '{path}' is not a hook of the form 'package.module:name'")
     module_name, attr = path.split(":", 1)
+    if os.getcwd() not in sys.path:  # a console script does not put the working directory first, as -m does
+        sys.path.append(os.getcwd())
     try:
         obj = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or the module itself failing at import: both are the user's to fix

@@ -32,8 +32,6 @@ from megatron_spo.fsutil import write_lines_atomic
 from megatron_spo.rollout.manager import Prompt
 from megatron_spo.rollout.protocol import Completion, SamplingParams
 
-TASKS = ("toy", "codecontests", "taco", "math", "jsonl")
-
 
 # ---------------------------------------------------------------------------------------------
 # Problems and prompts
@@ -82,25 +80,15 @@ def read_problems_jsonl(path: str | Path) -> list:
 
 
 def load_problems(task: str, data: str | None = None, *, split: str = "all", toy_seed: int = 0) -> list:
-    """Problems of a task: the generated toy task (split train | heldout | all), or a file (glob) of
-    CodeContests / TACO / MATH in their published schemas, or a problems JSONL (read_problems_jsonl)."""
-    if task == "toy":
-        from megatron_spo.data.toy_code import make_task
+    """Problems of a task kind (data/tasks.py TASK_KINDS): the generated toy task (split train | heldout | all),
+    or a file (glob) of CodeContests / TACO / MATH in their published schemas, or a problems JSONL."""
+    from megatron_spo.data.tasks import TASK_KINDS
 
-        toy = make_task(seed=toy_seed)
-        splits = {"train": toy.train, "heldout": toy.heldout, "all": toy.problems}
-        if split not in splits:
-            raise ValueError(f"--split must be one of {sorted(splits)} for the toy task, got '{split}'")
-        return list(splits[split])
-    if task not in TASKS:
-        raise ValueError(f"--task must be one of {', '.join(TASKS)}, got '{task}'")
-    if not data:
+    if task not in TASK_KINDS:
+        raise ValueError(f"--task must be one of {', '.join(TASK_KINDS)}, got '{task}'")
+    if task != "toy" and not data:
         raise ValueError(f"--task {task} needs --data PATH")
-    from megatron_spo.data import tasks
-
-    loaders = {"codecontests": tasks.load_codecontests, "taco": tasks.load_taco, "math": tasks.load_math,
-               "jsonl": read_problems_jsonl}
-    return list(loaders[task](data))
+    return TASK_KINDS[task].load(data, split, toy_seed)
 
 
 def prompt_text(problem: Any, tokenizer: Any = None, prompt_format: str = "auto") -> str:
@@ -418,7 +406,9 @@ class _TrajectorySink:
 def add_task_args(parser: argparse.ArgumentParser, *, default_split: str) -> None:
     parser.add_argument("--engine-url", "--router-url", dest="engine_url", default=None,
                         help="an engine or the router, e.g. http://127.0.0.1:30000")
-    parser.add_argument("--task", default=None, choices=TASKS)
+    from megatron_spo.data.tasks import TASK_KINDS
+
+    parser.add_argument("--task", default=None, choices=list(TASK_KINDS))
     parser.add_argument("--data", default=None, help="task file(s) (glob); not for --task toy")
     parser.add_argument("--split", default=default_split, help="toy task split: train | heldout | all")
     parser.add_argument("--toy-seed", type=int, default=0, help="seed of the generated toy task")
@@ -513,12 +503,21 @@ def reward_pool_from_args(args: argparse.Namespace, problems: Sequence[Any], *, 
     from megatron_spo.rewards.sandbox import SandboxPool
     from megatron_spo.run_layout import children_ignore_preemption_signals
 
-    code = any(getattr(p, "kind", "code") == "code" for p in problems)
+    code = needs_sandbox(problems)
     sandbox = None
     if code:
         with children_ignore_preemption_signals():  # a stop signal for the tool must not kill its scorer
             sandbox = SandboxPool(SandboxConfig(slots=args.sandbox_slots, isolation=args.isolation))
     return RewardPool(sandbox, hidden=hidden)
+
+
+def needs_sandbox(problems: Sequence[Any], custom_reward: Any = None) -> bool:
+    """Whether scoring these problems runs programs (a custom reward, or only math problems, never does)."""
+    from megatron_spo.rewards.reward import REWARD_KINDS
+
+    if custom_reward is not None:
+        return False
+    return any(REWARD_KINDS[getattr(p, "kind", "code")].sandbox for p in problems)
 
 
 def close_reward_pool(pool: Any) -> None:

@@ -248,3 +248,48 @@ def build_prompt(problem: Problem, tokenizer: Any = None, *, system: str | None 
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     head = f"{system}\n\n" if system else ""
     return f"{head}Problem:\n{user}\n\nSolution:\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# THE list of task kinds: config choices (task.kind, --task) and the tools derive from it
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TaskKind:
+    """A kind of task: how its problems load, and which reward scores them (rewards/reward.py REWARD_KINDS,
+    by each problem's ``kind``). A new kind = one entry here (+ its loader and tests)."""
+
+    name: str
+    load: Any  # (data paths or None, split, toy seed) -> list of problems
+    summary: str
+
+
+def _load_toy(data, split: str, seed: int) -> list:
+    from megatron_spo.data.toy_code import make_task
+
+    toy = make_task(seed=seed)
+    splits = {"train": toy.train, "heldout": toy.heldout, "all": toy.problems}
+    if split not in splits:
+        raise ValueError(f"--split must be one of {sorted(splits)} for the toy task, got '{split}'")
+    return list(splits[split])
+
+
+def _from_files(loader):
+    def load(data, split: str, seed: int) -> list:
+        return list(loader(data))
+
+    return load
+
+
+def _load_jsonl(data, split: str, seed: int) -> list:
+    from megatron_spo.data.q0 import read_problems_jsonl
+
+    return read_problems_jsonl(data)
+
+
+TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
+    TaskKind("toy", _load_toy, "the generated toy code task (no files)"),
+    TaskKind("codecontests", _from_files(load_codecontests), "CodeContests rows (parquet / jsonl)"),
+    TaskKind("taco", _from_files(load_taco), "TACO rows (parquet / jsonl)"),
+    TaskKind("math", _from_files(load_math), "MATH rows (answer in \\boxed{})"),
+    TaskKind("jsonl", _load_jsonl, "problems JSONL: {id, prompt, tests, hidden_tests?, kind?, answer?}"),
+)}

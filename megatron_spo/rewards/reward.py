@@ -51,21 +51,48 @@ def _resolve(outer: Future, inner: Future) -> None:
         pass
 
 
-class RewardPool:
-    """Scores completions: programs in the sandbox pool, math answers with sympy. Thread- and asyncio-safe.
+@dataclass(frozen=True)
+class RewardKind:
+    """How the problems of one ``kind`` are scored; ``sandbox``: it runs programs (needs a SandboxPool)."""
 
-    hidden=True also runs the problem's hidden tests (evaluation); rewards use only ``tests``.
-    """
+    name: str
+    sandbox: bool
+
+
+# THE list of reward kinds, by a problem's ``kind``; a user's own reward is a hook (task.reward) instead.
+REWARD_KINDS: dict[str, RewardKind] = {k.name: k for k in (RewardKind("code", True), RewardKind("math", False))}
+
+
+class RewardPool:
+    """Scores completions: programs in the sandbox pool, math answers with sympy, or every problem with a
+    custom reward (``custom(problem, completion_text) -> float``, a config hook; run in a worker thread).
+    Thread- and asyncio-safe. hidden=True also runs the problem's hidden tests (evaluation); rewards use only
+    ``tests``."""
 
     def __init__(self, sandbox: SandboxPool | None = None, *, judge: SympyJudge | None = None,
-                 hidden: bool = False):
+                 hidden: bool = False, custom=None):
         self.sandbox = sandbox
         self.judge = judge or SympyJudge()
         self.hidden = hidden
+        self.custom = custom
+
+    def _custom(self, problem: Any, completion_text: str) -> RewardResult:
+        value = self.custom(problem, completion_text)
+        if isinstance(value, RewardResult):
+            return value
+        try:
+            reward = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"custom reward returned {type(value).__name__} for problem {problem.id}, "
+                            "expected a float") from None
+        return RewardResult(reward, reward >= PASS_REWARD, {"custom": True})
 
     def submit(self, problem: Any, completion_text: str) -> Future:
         """Future[RewardResult]. A code completion without a program fails without running anything."""
         future: Future = Future()
+        if self.custom is not None:
+            future.set_result(self._custom(problem, completion_text))
+            return future
         if getattr(problem, "kind", "code") == "math":
             future.set_result(self._math(problem, completion_text))
             return future
@@ -86,6 +113,8 @@ class RewardPool:
         return self.submit(problem, completion_text).result()
 
     async def score(self, problem: Any, completion_text: str) -> RewardResult:
+        if self.custom is not None:  # user code may block: keep it off the event loop
+            return await asyncio.to_thread(self._custom, problem, completion_text)
         if getattr(problem, "kind", "code") == "math":  # sympy may take seconds: keep it off the event loop
             return await asyncio.to_thread(self._math, problem, completion_text)
         return await asyncio.wrap_future(self.submit(problem, completion_text))

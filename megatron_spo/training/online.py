@@ -74,7 +74,8 @@ class OnlineSource:
     def from_config(cls, cfg: TrainConfig) -> OnlineSource:
         from transformers import AutoTokenizer
 
-        from megatron_spo.data.q0 import make_prompts, problems_from_task_config
+        from megatron_spo.data.q0 import make_prompts, needs_sandbox, problems_from_task_config
+        from megatron_spo.hooks import load_hook
         from megatron_spo.rewards.reward import RewardPool
         from megatron_spo.rewards.sandbox import SandboxPool
         from megatron_spo.rollout.manager import RolloutManager
@@ -89,8 +90,10 @@ class OnlineSource:
         if cfg.init.hf is None:
             raise ConfigError("init.hf: the online source needs the HF directory for the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(cfg.init.hf)
+        custom = load_hook(cfg.task.reward, field="task.reward") if cfg.task.reward else None
+        problems = problems_from_task_config(cfg.task)
         prompts = []
-        for prompt in make_prompts(problems_from_task_config(cfg.task), tokenizer):
+        for prompt in make_prompts(problems, tokenizer):
             if len(prompt.tokens) > cfg.task.max_prompt_tokens:
                 log.warning("task: prompt %s has %d tokens > task.max_prompt_tokens, skipped",
                             prompt.prompt_id, len(prompt.tokens))
@@ -98,9 +101,11 @@ class OnlineSource:
             prompts.append(prompt)
         if not prompts:
             raise ConfigError("task: no usable prompts")
-        with children_ignore_preemption_signals():
-            sandbox = SandboxPool(cfg.sandbox)
-        rewards = RewardPool(sandbox)
+        sandbox = None
+        if needs_sandbox(problems, custom):  # a custom reward, or math only, runs no programs
+            with children_ignore_preemption_signals():
+                sandbox = SandboxPool(cfg.sandbox)
+        rewards = RewardPool(sandbox, custom=custom)
 
         async def reward_fn(problem, text: str) -> float:
             return (await rewards.score(problem, text)).reward
@@ -123,7 +128,7 @@ class OnlineSource:
 
             q0 = {pid: est.q0 for pid, est in read_q0(cfg.task.q0_path).items()}
         source = cls(manager, q0=q0,
-                     on_close=[rewards.close, sandbox.close] + ([broadcaster.close] if broadcaster else []))
+                     on_close=[rewards.close] + [c.close for c in (sandbox, broadcaster) if c is not None])
         source.broadcaster = broadcaster
         return source
 
