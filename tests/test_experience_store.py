@@ -1,4 +1,5 @@
-"""The experience store: provenance on records and in the store (old stores still read)."""
+"""The experience store: provenance on records and in the store (old stores still read), and
+`offline build | stats` (exact filter / dedup / cap counts on a constructed case, streaming, atomic output)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,24 @@ import pytest
 
 from megatron_spo.cli import main as cli
 from megatron_spo.data import offline_store
+from megatron_spo.data.experience import (
+    BuildOptions,
+    HashSet64,
+    ProvenanceFilter,
+    build_store,
+    normalise_text,
+    select_records,
+    store_stats,
+)
 from megatron_spo.data.offline_store import OfflineStore, OfflineStoreWriter, iter_records, write_store
-from megatron_spo.data.trajectory import Provenance, RecordError, load_trajectories, read_jsonl, write_jsonl
+from megatron_spo.data.trajectory import (
+    Provenance,
+    RecordError,
+    Trajectory,
+    load_trajectories,
+    read_jsonl,
+    write_jsonl,
+)
 
 PROVENANCES = [
     None,
@@ -144,7 +161,7 @@ def write_v1_store(records: list[dict], path, rows_per_shard: int) -> None:
                                                  "shards": shards}))
 
 
-def test_a_store_written_before_provenance_still_reads_and_takes_appends(tmp_path):
+def test_a_store_written_before_provenance_still_reads_and_takes_appends(tmp_path, capsys):
     old = [{k: v for k, v in r.items() if k != "provenance"} for r in make_records(11)]
     write_v1_store(old, tmp_path / "s", rows_per_shard=4)
     store = OfflineStore(tmp_path / "s")
@@ -164,6 +181,10 @@ def test_a_store_written_before_provenance_still_reads_and_takes_appends(tmp_pat
     assert as_dicts(store.trajectories()) == old + new
     assert as_dicts(iter_records(tmp_path / "s")) == old + new
 
+    assert cli(["offline", "stats", str(tmp_path / "s"), "--json"]) == 0
+    counts = {row["kind"]: row["rows"] for row in json.loads(capsys.readouterr().out)}
+    assert counts == {"unknown": 11 + 2, "online": 1, "human": 1, "other-model": 1, "reference": 1}
+
 
 def test_a_store_row_with_a_bad_provenance_is_named(tmp_path):
     write_store(make_records(5), tmp_path / "s", rows_per_shard=5)
@@ -179,3 +200,130 @@ def test_a_store_row_with_a_bad_provenance_is_named(tmp_path):
         OfflineStore(tmp_path / "s")
     store = OfflineStore(tmp_path / "s", skip_invalid=True)
     assert len(store) == 3 and store.report.errors[1].endswith("row 1: field 'provenance': top_p not in (0, 1]")
+
+
+# ---------------------------------------------------------------------------------------------
+# offline build / stats
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok():
+    from megatron_spo.data.char_tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def rec(tok, prompt, text, reward, kind, *, tokens=None, **prov) -> Trajectory:
+    return Trajectory(prompt_id=prompt, prompt_tokens=[1, 9], reward=reward, source="offline", policy_version=0,
+                      response_tokens=tokens or tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+                      provenance=None if kind is None else Provenance(kind=kind, **prov))
+
+
+def constructed(tok) -> list[Trajectory]:
+    """Prompts a and b. Expected fates (verdict pass, dedup with text, cap human=2):"""
+    A = "print(1)\n"
+    return [
+        rec(tok, "a", A, 0.0, "human"),                                        # 0 kept
+        rec(tok, "a", A, 0.0, "online", run_id="r1"),                          # 1 duplicate (same tokens)
+        rec(tok, "a", "print(1)   \n\n", 0.0, "reference"),                    # 2 duplicate by normalised text only
+        rec(tok, "a", "print(2)\n", -1.0, "online", run_id="r1"),              # 3 verdict: fails
+        rec(tok, "b", A, 0.0, "online", run_id="r2"),                          # 4 kept (another prompt)
+        rec(tok, "a", "x=1\nprint(x)\n", 0.0, "human"),                        # 5 kept (human 2 of 2)
+        rec(tok, "b", "print(3)\n", 0.0, "human"),                             # 6 capped (human 3 > 2)
+        rec(tok, "b", "print(3)\n", 0.0, "other-model", model="m70b"),         # 7 kept: its copy was capped, not kept
+        rec(tok, "b", "print(3)\n", 0.0, None),                                # 8 duplicate of 7 (unknown kind)
+        rec(tok, 1, "print(4)\n", 0.0, None),                                  # 9 kept (unknown kind)
+        rec(tok, "1", "print(4)\n", -1.0, None),                               # 10 verdict: fails
+        rec(tok, "1", "print(4)\n", 0.0, "pts"),                               # 11 duplicate: prompt ids 1 == "1"
+    ]
+
+
+def test_build_filters_dedups_and_caps_exactly(tok):
+    records = constructed(tok)
+    decode = lambda batch: tok.batch_decode(batch, skip_special_tokens=True)  # noqa: E731
+    for batch in (3, 4096):  # batch boundaries do not change the result
+        opts = BuildOptions(cap={"human": 2}, decode=decode, batch=batch)
+        kept = list(select_records(iter(constructed(tok)), opts))
+        assert [records.index(next(r for r in records if r.to_dict() == k.to_dict())) for k in kept] == [0, 4, 5, 7, 9]
+
+    from megatron_spo.data.experience import BuildStats
+
+    stats = BuildStats()
+    kept = list(select_records(iter(records), BuildOptions(cap={"human": 2}, decode=decode), stats))
+    c = stats.kinds
+    assert (c["human"].read, c["human"].written, c["human"].capped, c["human"].duplicates) == (3, 2, 1, 0)
+    assert (c["online"].read, c["online"].verdict_dropped, c["online"].duplicates, c["online"].written) == (3, 1, 1, 1)
+    assert (c["reference"].duplicates, c["other-model"].written, c["pts"].duplicates) == (1, 1, 1)
+    assert (c["unknown"].read, c["unknown"].verdict_dropped, c["unknown"].duplicates, c["unknown"].written) == (3, 1, 1, 1)
+    t = stats.total()
+    assert (t.read, t.verdict_dropped, t.duplicates, t.capped, t.written) == (12, 2, 4, 1, 5)
+    assert stats.keys == 10  # two keys (tokens, text) per kept record
+
+    # without a tokenizer only token ids count: record 2 (same text, other whitespace) is kept
+    kept = list(select_records(iter(constructed(tok)), BuildOptions(cap={"human": 2})))
+    assert len(kept) == 6 and kept[1].provenance.kind == "reference"
+    # verdict fail keeps the two failing ones; all + no dedup keeps everything but the capped human
+    assert len(list(select_records(iter(constructed(tok)), BuildOptions(verdict="fail")))) == 2
+    assert len(list(select_records(iter(constructed(tok)), BuildOptions(verdict="all", dedup=False,
+                                                                         cap={"human": 2})))) == 11
+    # per prompt and kind
+    kept = list(select_records(iter(constructed(tok)), BuildOptions(cap_per_prompt=1, decode=decode)))
+    assert [(str(r.prompt_id), r.provenance and r.provenance.kind) for r in kept] == [
+        ("a", "human"), ("b", "online"), ("b", "human"), ("1", None)]  # 7 is now a copy of the kept 6
+    # by provenance
+    only = ProvenanceFilter(kinds={"online"}, run_ids={"r2"})
+    assert [r.prompt_id for r in select_records(iter(constructed(tok)), BuildOptions(select=only))] == ["b"]
+
+
+def test_normalised_text():
+    assert normalise_text("\r\n  x = 1  \r\n\r\n\tprint(x)\t\n\n") == "x = 1\n\tprint(x)"
+    assert normalise_text("a\n b") != normalise_text("a\nb")  # indentation is kept
+
+
+def test_hash_set_matches_a_python_set():
+    rng = np.random.default_rng(0)
+    hs, ref = HashSet64(), set()
+    for _ in range(40):
+        batch = rng.integers(0, 5000, size=int(rng.integers(1, 300)), dtype=np.uint64)
+        assert hs.contains(batch).tolist() == [int(k) in ref for k in batch]
+        hs.add(batch.tolist())
+        ref.update(int(k) for k in batch)
+    assert len(hs) == len(ref) and len(hs.runs) <= 12
+
+
+def test_cli_build_and_stats(tmp_path, tok, capsys):
+    records = constructed(tok)
+    write_store(records[:6], tmp_path / "run1", rows_per_shard=4)
+    write_jsonl(records[6:], tmp_path / "more.jsonl")
+    tok.save_pretrained(str(tmp_path / "tok"))
+    args = ["offline", "build", str(tmp_path / "run1"), str(tmp_path / "more.jsonl"), "--out", str(tmp_path / "out"),
+            "--cap", "human=2", "--tokenizer", str(tmp_path / "tok"), "--rows-per-shard", "2"]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert "wrote 5 records" in out
+    assert out.splitlines()[-2].split() == ["total", "12", "0.833", "2", "0", "4", "1", "5", "1.000"]
+    built = OfflineStore(tmp_path / "out")
+    assert [s.rows for s in built.shards] == [2, 2, 1]
+    assert as_dicts(built.trajectories()) == as_dicts([records[i] for i in (0, 4, 5, 7, 9)])
+    assert cli(args) == 1  # never overwrites a store
+    assert "exists" in capsys.readouterr().err
+
+    assert cli(["offline", "stats", str(tmp_path / "run1"), str(tmp_path / "more.jsonl"), "--json"]) == 0
+    rows = {r["kind"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["online"] == {"kind": "online", "rows": 3, "prompts": 2, "pass": 2, "solved_prompts": 2}
+    assert rows["unknown"] == {"kind": "unknown", "rows": 3, "prompts": 2, "pass": 2, "solved_prompts": 2}
+    assert cli(["offline", "stats", str(tmp_path / "out"), "--by", "kind,run_id"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:4] == ["kind", "run_id", "rows", "prompts"]
+    assert table[2].split() == ["online", "r2", "1", "1", "1", "1.000", "1", "10.0"]
+
+
+def test_build_input_error_leaves_no_output(tmp_path, tok, capsys):
+    write_jsonl(constructed(tok), tmp_path / "a.jsonl")
+    (tmp_path / "b.jsonl").write_text((tmp_path / "a.jsonl").read_text() + "{not json\n")
+    assert cli(["offline", "build", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--out",
+                str(tmp_path / "out"), "--rows-per-shard", "1"]) == 1
+    assert capsys.readouterr().err.startswith(f"megatron-spo offline build: {tmp_path / 'b.jsonl'}:13: not valid JSON")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl"]  # no output, no temporary folder
+    stats = build_store([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "out", skip_invalid=True)
+    assert stats.report.skipped == 1 and stats.total().written == 6  # b is all duplicates of a
+    assert store_stats([tmp_path / "out"])[("human",)].rows == 3
