@@ -76,7 +76,7 @@ def test_megatron_ddp_grad_sync_runs_on_cpu():
         import torch
         import torch.distributed as dist
         from megatron_spo.models.cpu_shims import apply_cpu_shims
-        from megatron_spo.models.parallel import free_port
+        from megatron_spo.net import free_port
         assert apply_cpu_shims()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)

@@ -97,7 +97,8 @@ def test_custom_reward_scores_the_online_rollouts(tmp_path, monkeypatch):
     assert fenced_code(None, "print(1)") == -1.0 and fenced_code(None, "```\na\n``` ```\nb\n```") == -1.0
 
     monkeypatch.chdir(REPO)
-    from megatron_spo.models.parallel import free_port, spawn_local
+    from megatron_spo.models.parallel import spawn_local
+    from megatron_spo.net import free_port
 
     model = rh.make_tiny_llama(str(tmp_path / "engine_model"))
     port = free_port()

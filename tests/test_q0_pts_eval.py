@@ -25,10 +25,10 @@ from megatron_spo.data.pts import BisectionSearch, PivotalToken, bisect_oracle, 
 from megatron_spo.data.q0 import estimate_q0, make_prompts, read_problems_jsonl, read_q0  # noqa: E402
 from megatron_spo.data.trajectory import read_jsonl, validate_record  # noqa: E402
 from megatron_spo.eval.runner import evaluate  # noqa: E402
+from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rewards.reward import RewardResult  # noqa: E402
 from megatron_spo.rollout.manager import Prompt  # noqa: E402
 from megatron_spo.rollout.protocol import Completion, SamplingParams  # noqa: E402
-from megatron_spo.rollout.weight_sync import free_port  # noqa: E402
 
 BETA = 0.25
 

@@ -26,13 +26,14 @@ import sglang_source as sgl  # noqa: E402
 from rollout_helpers import ServerThread, engine_env, make_tiny_llama, perturbed_state_dict  # noqa: E402
 
 from megatron_spo.config import RolloutConfig, ToolSamplingConfig  # noqa: E402
+from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout import client as client_module  # noqa: E402
 from megatron_spo.rollout import weight_sync  # noqa: E402
 from megatron_spo.rollout.local_engine import LocalEngine, Req  # noqa: E402
 from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
 from megatron_spo.rollout.protocol import SAMPLING_EPS, TOP_K_ALL, ProtocolError, SamplingParams  # noqa: E402
 from megatron_spo.rollout.rwlock import RWLock  # noqa: E402
-from megatron_spo.rollout.weight_sync import Bucket, WeightBroadcaster, free_port, iter_buckets  # noqa: E402
+from megatron_spo.rollout.weight_sync import Bucket, WeightBroadcaster, iter_buckets
 
 if not sgl.sglang_available():
     pytest.skip("sglang is not installed (bash tools/bootstrap.sh test installs it with --no-deps)",

@@ -42,7 +42,7 @@ def test_sandbox_children_inherit_ignored_preemption_signals():
 
 
 def test_first_weight_push_waits_for_engines_and_names_the_missing_one():
-    from megatron_spo.rollout.weight_sync import free_port
+    from megatron_spo.net import free_port
     from megatron_spo.training.online import wait_healthy
 
     url = f"http://127.0.0.1:{free_port()}"

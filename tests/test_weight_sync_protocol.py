@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import ServerThread, make_tiny_llama, perturbed_state_dict  # noqa: E402
 
 from megatron_spo.config import RolloutConfig  # noqa: E402
+from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout.client import post_json  # noqa: E402
 from megatron_spo.rollout.local_engine import (  # noqa: E402
     FLUSH_REFUSED,
@@ -34,7 +35,7 @@ from megatron_spo.rollout.local_engine import (  # noqa: E402
     LocalEngine,
 )
 from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
-from megatron_spo.rollout.weight_sync import WeightBroadcaster, WeightSyncError, free_port  # noqa: E402
+from megatron_spo.rollout.weight_sync import WeightBroadcaster, WeightSyncError
 
 LONG = {"max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}
 

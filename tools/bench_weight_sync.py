@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout.weight_sync import (  # noqa: E402
-    free_port,
     init_custom_process_group,
     iter_buckets,
     receive_broadcast,

@@ -81,7 +81,8 @@ def _atomic_dir(out: Path):
 @contextmanager
 def _single_process_world():
     """A world of one process (gloo/NCCL) with TP = PP = 1, torn down afterwards."""
-    from megatron_spo.models.parallel import destroy_parallel, free_port, init_parallel
+    from megatron_spo.models.parallel import destroy_parallel, init_parallel
+    from megatron_spo.net import free_port
 
     keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}

@@ -261,7 +261,7 @@ class HFWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        path = self.dir / f"shard-{len(self._shards):05d}.tmp"
+        path = _shard_tmp_path(self.dir, len(self._shards))
         save_file(self._pending, path, metadata={"format": "pt"})
         fsync_path(path)
         self._shards.append(list(self._pending))
@@ -269,15 +269,7 @@ class HFWriter:
 
     def close(self) -> None:
         self._flush()
-        n = len(self._shards)
-        weight_map = {}
-        for i, names in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (self.dir / f"shard-{i:05d}.tmp").rename(self.dir / final)
-            weight_map.update({name: final for name in names})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        fsync_path(self.dir / INDEX_NAME)
+        _finalise_shards(self.dir, self._shards, self.total_bytes)
 
     def __enter__(self) -> HFWriter:
         return self
@@ -325,7 +317,7 @@ class HFStreamWriter:
         self._file = None
 
     def _tmp_path(self, shard: int) -> Path:
-        return self.dir / f"shard-{shard:05d}.tmp"
+        return _shard_tmp_path(self.dir, shard)
 
     def _open_shard(self, shard: int) -> None:
         header: dict = {"__metadata__": {"format": "pt"}}
@@ -369,15 +361,7 @@ class HFStreamWriter:
                 f"HFStreamWriter: closed after {self._next} of {len(self._order)} tensors "
                 f"(next: '{self._order[self._next]}')"
             )
-        n = len(self._shards)
-        weight_map = {}
-        for i, names in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            self._tmp_path(i).rename(self.dir / final)
-            weight_map.update({name: final for name in names})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        fsync_path(self.dir / INDEX_NAME)
+        _finalise_shards(self.dir, self._shards, self.total_bytes)
 
     def __enter__(self) -> HFStreamWriter:
         return self
@@ -388,6 +372,24 @@ class HFStreamWriter:
             self._file = None
         if exc_type is None:
             self.close()
+
+
+def _shard_tmp_path(out_dir: Path, shard: int) -> Path:
+    return out_dir / f"shard-{shard:05d}.tmp"
+
+
+def _finalise_shards(out_dir: Path, shards: list[list[str]], total_bytes: int) -> None:
+    """Both writers' last step: the fsync'd temporary shards renamed to model-0000i-of-0000n.safetensors, then
+    the index written (last, so a crash before it leaves no index pointing at missing files)."""
+    n = len(shards)
+    weight_map = {}
+    for i, names in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        _shard_tmp_path(out_dir, i).rename(out_dir / final)
+        weight_map.update({name: final for name in names})
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    fsync_path(out_dir / INDEX_NAME)
 
 
 def _contiguous_blocks(tensor: torch.Tensor):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_spo.models.cpu_shims import apply_cpu_shims
+from megatron_spo.net import free_port
 
 
 def _env_int(name: str, default: int) -> int:
@@ -105,12 +105,6 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:

@@ -4,7 +4,6 @@ Imports nothing of the project but megatron_spo.extras; the Triton kernels load 
 """
 
 from megatron_spo.ops.reference import token_logprobs_reference
-from megatron_spo.ops.spo_quantities import SPOTokenQuantities, spo_token_quantities
 from megatron_spo.ops.token_logprobs import (
     FP8UnavailableError,
     default_block_shape,
@@ -14,10 +13,8 @@ from megatron_spo.ops.token_logprobs import (
 
 __all__ = [
     "FP8UnavailableError",
-    "SPOTokenQuantities",
     "default_block_shape",
     "fp8_available",
-    "spo_token_quantities",
     "token_logprobs",
     "token_logprobs_reference",
 ]

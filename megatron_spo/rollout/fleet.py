@@ -27,8 +27,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from megatron_spo.net import free_port
 from megatron_spo.rollout.client import get_json, post_json
-from megatron_spo.rollout.weight_sync import free_port
 
 log = logging.getLogger("megatron_spo.fleet")
 

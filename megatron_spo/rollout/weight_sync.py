@@ -30,7 +30,6 @@ import concurrent.futures
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ from datetime import timedelta
 
 import torch
 
+from megatron_spo.net import free_port
 from megatron_spo.rollout.client import get_json, post_json
 from megatron_spo.rollout.protocol import (
     InitWeightsUpdateGroupRequest,
@@ -159,12 +159,6 @@ class _RenamedKeys(torch.distributed.Store):
     def set_timeout(self, timeout):
         self.wait_limit = timeout
         self.inner.set_timeout(timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -------------------------------------------------------------------------------------------------

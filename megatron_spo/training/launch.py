@@ -66,7 +66,8 @@ def launch(cfg: TrainConfig) -> None:
 
     import torch.multiprocessing as mp
 
-    from megatron_spo.models.parallel import _spawn_entry, free_port
+    from megatron_spo.models.parallel import _spawn_entry
+    from megatron_spo.net import free_port
 
     ctx = mp.start_processes(_spawn_entry, args=(cfg.nproc, free_port(), run, (cfg.model_dump(mode="json"),)),
                              nprocs=cfg.nproc, join=False, start_method="spawn")
