@@ -437,6 +437,18 @@ class PPOConfig(StrictModel):
     whiten_advantages: bool = True
 
 
+class GRPOConfig(StrictModel):
+    """GRPO (training/algos/grpo.py): TRL's GRPOTrainer defaults where it has them."""
+
+    clip_eps: float = Field(0.2, gt=0, description="lower clip of the importance ratio: 1 - clip_eps")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip 1 + clip_eps_high (DAPO); default clip_eps")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL(pi || pi_0) penalty; TRL's default beta is 0.0")
+    scale_rewards: bool = Field(True, description="divide group-centred rewards by the group std")
+    aggregation: Literal["sequence_mean", "token_mean"] = Field(
+        "token_mean", description="token_mean: over all response tokens of the batch (DAPO / TRL); "
+        "sequence_mean: per sequence, then over sequences (the GRPO paper)")
+
+
 class AGROConfig(StrictModel):
     on_policy: bool = False
 
@@ -506,7 +518,7 @@ class TrainConfig(StrictModel):
     run_dir: str = "runs/spo"
     seed: int = 1234
     steps: int = Field(100_000, gt=0)
-    algo: AlgoName = Field("spo", description="spo | agro | ppo (training/algos/) or 'package.module:Class'")
+    algo: AlgoName = Field("spo", description="spo | agro | ppo | grpo (training/algos/) or 'package.module:Class'")
     beta: float = Field(1.0 / math.log(100000.0), gt=0, description="KL strength; paper 1/log(1e5)")
     model_update_interval: int = Field(10, gt=0, description="steps between weight pushes to the rollout fleet")
     init: InitConfig = Field(default_factory=InitConfig)
@@ -518,6 +530,7 @@ class TrainConfig(StrictModel):
     sources: dict[str, SourceConfig] = Field(default_factory=lambda: {"online": SourceConfig()})
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     agro: AGROConfig = Field(default_factory=AGROConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)

@@ -274,7 +274,7 @@ def test_cpu_training_refuses_a_model_that_does_not_fit(converted, tmp_path):
     import yaml
 
     hf, _ = converted["qwen3"]
-    cfg = dict(run_dir=str(tmp_path / "run"), steps=1, algo="ppo", init={"hf": str(hf)}, nproc=2,
+    cfg = dict(run_dir=str(tmp_path / "run"), steps=1, algo="ppo", init={"hf": str(hf)}, nproc=2, rollout={"temperature_range": [1.0, 1.0], "top_p": 1.0},
                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
                logging={"progress": False})
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))

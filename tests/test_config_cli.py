@@ -137,7 +137,7 @@ def test_train_config_refuses_bad_combinations(tmp_path):
         load_config(TrainConfig, None, ["init.hf=x", "sources.offline.path=a.jsonl",
                                         "sources.offline.objective=advantage", "sources.offline.loss=cross_entropy"])
     with pytest.raises(ConfigError, match="algo ppo is on-policy: use only the 'online' source"):
-        load_config(TrainConfig, None, ["init.hf=x", "algo=ppo", "sources.offline.path=a.jsonl"])
+        load_config(TrainConfig, None, ["init.hf=x", "algo=ppo", "sources.offline.path=a.jsonl", "rollout.temperature_range=[1,1]", "rollout.top_p=1"])
     with pytest.raises(ConfigError, match="an offline source needs a path"):
         load_config(TrainConfig, None, ["init.hf=x", "sources.mine.weight=1"])
     with pytest.raises(ConfigError, match="give init.hf"):

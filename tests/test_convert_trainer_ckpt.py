@@ -42,7 +42,7 @@ def run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("trainer_ckpt")
     hf = _tiny_hf(root / "init_hf")
     run_dir = root / "run"
-    cfg = dict(run_dir=str(run_dir), steps=STEPS, algo="ppo", beta=0.5, init={"hf": str(hf)},
+    cfg = dict(run_dir=str(run_dir), steps=STEPS, algo="ppo", beta=0.5, init={"hf": str(hf)}, rollout={"temperature_range": [1.0, 1.0], "top_p": 1.0},
                parallel={"pipeline_model_parallel_size": 2},
                optimizer={"lr": 1e-2, "warmup_steps": 0},
                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},

@@ -35,12 +35,12 @@ def test_registries_are_the_config_choices():
     from megatron_spo.data.tasks import TASK_KINDS
     from megatron_spo.training.algos import names
 
-    assert names() == ["agro", "ppo", "spo"]
+    assert names() == ["agro", "grpo", "ppo", "spo"]
     assert LOSSES == tuple(REGRESSION_LOSSES) == ("squared", "cross_entropy", "sigmoid_bce")
     assert list(TASK_KINDS) == ["toy", "codecontests", "taco", "math", "jsonl"]
     base = dict(init={"hf": "x"})
-    with pytest.raises(ValueError, match=r"algo\n.*unknown algorithm 'grpo' \(choose from agro, ppo, spo, or a hook"):
-        TrainConfig.model_validate({**base, "algo": "grpo"})
+    with pytest.raises(ValueError, match=r"algo\n.*unknown algorithm 'trpo' \(choose from agro, grpo, ppo, spo, or a hook"):
+        TrainConfig.model_validate({**base, "algo": "trpo"})
     with pytest.raises(ValueError, match=r"unknown loss 'huber' \(choose from squared, cross_entropy, sigmoid_bce, "
                                          r"or a hook 'package.module:function'\)"):
         TrainConfig.model_validate({**base, "sources": {"online": {"loss": "huber"}}})

@@ -18,7 +18,7 @@ from megatron_spo.training.micro_batches import micro_batches, microbatch_group_
 
 pytestmark = pytest.mark.multiproc
 
-ALGOS = ("spo", "agro", "ppo")
+ALGOS = ("spo", "agro", "ppo", "grpo")
 LAYOUTS = (("single", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2))
 
 
@@ -28,8 +28,10 @@ def _cfg(tmp_path, hf, name, algo="spo", tp=1, pp=1, steps=2, **kw):
                optimizer={"lr": 1e-3, "warmup_steps": 2},
                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
                model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False})
-    if algo == "agro":  # whole prompt groups (4 sequences) per micro-batch
+    if algo in ("agro", "grpo"):  # whole prompt groups (4 sequences) per micro-batch
         cfg["batch"] = dict(cfg["batch"], max_tokens_per_micro_batch=64)
+    if algo in ("ppo", "grpo"):  # importance ratios: the behaviour log-probs are of T = 1, top-p 1 sampling
+        cfg["rollout"] = {"temperature_range": [1.0, 1.0], "top_p": 1.0}
     cfg.update(kw)
     return cfg
 
@@ -105,6 +107,9 @@ def test_every_logged_metric_is_plotted_and_kl_comes_from_online_samples(trained
         for r in records:
             if algo == "ppo":
                 assert "kl" not in r and "approx_kl_old_new" in r
+            elif algo == "grpo":
+                assert "approx_kl_old_new" in r and "clip_fraction" in r
+                assert r["kl"] == r["mean_seq_log_ratio/online"] == pytest.approx(r["mean_seq_log_ratio"], rel=1e-9)
             else:
                 assert r["kl"] == r["mean_seq_log_ratio/online"] == pytest.approx(r["mean_seq_log_ratio"], rel=1e-9)
     written = {p.name for p in plot_run(trained / "single-spo", tmp_path)}

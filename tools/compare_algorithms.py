@@ -1,6 +1,6 @@
-"""SPO vs PPO vs AGRO on the quickstart task: pass@1 / pass@10 before and after, and wall time.
+"""SPO vs PPO vs AGRO vs GRPO on the quickstart task: pass@1 / pass@10 before and after, and wall time.
 
-    python tools/compare_algorithms.py [key.path=value ...]     # overrides apply to all three runs
+    python tools/compare_algorithms.py [key.path=value ...]     # overrides apply to every run
 
 The SPO paper's Figure 1 in miniature: SPO pushes weights every 10 steps, PPO every step (its
 importance weights need near-on-policy data), which is where SPO's wall-clock advantage comes from.
@@ -17,7 +17,9 @@ def main(argv: list[str]) -> int:
     from rich.table import Table
 
     results = {}
-    for algo in ("spo", "ppo", "agro"):
+    from megatron_spo.training.algos import names
+
+    for algo in names():  # every registered algorithm
         cfg = build_config(QuickstartConfig, apply_overrides({}, [*argv, f"algo={algo}"]), "compare_algorithms")
         results[algo] = run(cfg)
     table = Table(title="quickstart task, held-out problems: reference -> trained (95% CI of the difference)")

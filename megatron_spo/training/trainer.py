@@ -313,7 +313,8 @@ class Trainer:
         update = self.algorithm.update(StepInputs(
             cfg=cfg, step=self.step, micro_batches=mbs, ref=ref, lr=rates.__getitem__,
             optimize=lambda model, output, loss_fn: self.optimize(model, mbs, rates[model], output, loss_fn),
-            forward=lambda model, output: self.forward(model, mbs, output), is_last_stage=self.is_last_stage))
+            forward=lambda model, output: self.forward(model, mbs, output), is_last_stage=self.is_last_stage,
+            global_sequences=len(trajs), global_response_tokens=sum(len(t.response_tokens) for t in trajs)))
         metrics_store, grad_norm = update.reports, update.grad_norm
         t_fb = time.perf_counter() - t_fb
 

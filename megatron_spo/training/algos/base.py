@@ -31,6 +31,8 @@ class StepInputs:
     optimize: Callable[..., tuple[list, float]]  # (model, output, loss_fn) -> (loss_fn's reports, grad norm)
     forward: Callable[..., list]  # (model, output) -> per micro-batch outputs (last stage; None elsewhere)
     is_last_stage: bool
+    global_sequences: int = 0  # sequences of the whole step (all data-parallel ranks)
+    global_response_tokens: int = 0  # their response tokens (token-mean losses normalise by this)
 
 
 @dataclass
@@ -46,7 +48,9 @@ class Algorithm:
     name: ClassVar[str]
     uses_value_model: ClassVar[bool] = False  # build, checkpoint and optimise a value model (PPO)
     keeps_prompt_groups: ClassVar[bool] = False  # micro-batches hold whole prompt groups (leave-one-out)
-    on_policy: ClassVar[bool] = False  # only the online source; sampled at T = 1; weights pushed every step
+    on_policy: ClassVar[bool] = False  # only the online source; weights pushed every step
+    # importance ratios against the engines' log-probs: those must be of the distribution that sampled
+    uses_behaviour_logprobs: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -57,6 +61,12 @@ class Algorithm:
         if cls.on_policy and set(cfg.sources) != {"online"}:
             raise ValueError(f"algo {cls.name} is on-policy: use only the 'online' source "
                              f"(got {', '.join(sorted(cfg.sources))})")
+        r = cfg.rollout
+        if cls.uses_behaviour_logprobs and (tuple(r.temperature_range) != (1.0, 1.0) or r.top_p != 1.0):
+            raise ValueError(f"rollout.temperature_range: algo {cls.name} takes importance ratios against the "
+                             f"engines' log-probs, which are of the distribution that sampled: set "
+                             f"rollout.temperature_range [1.0, 1.0] and rollout.top_p 1.0 (got "
+                             f"{list(r.temperature_range)}, top_p {r.top_p})")
 
     def update(self, step: StepInputs) -> Update:
         raise NotImplementedError

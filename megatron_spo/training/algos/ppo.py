@@ -43,6 +43,7 @@ class PPO(Algorithm):
     name = "ppo"
     uses_value_model = True
     on_policy = True
+    uses_behaviour_logprobs = True
 
     def update(self, step: StepInputs) -> Update:
         cfg = self.cfg

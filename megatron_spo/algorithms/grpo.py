@@ -1,0 +1,77 @@
+"""GRPO (DeepSeekMath, Shao et al. 2024): group-normalised advantages, clipped importance ratio, optional KL.
+
+For the samples of one prompt (a group) with rewards r_i, the advantage of every token of sample i is
+    A_i = (r_i - mean_group(r)) / (std_group(r) + eps)        (scale_rewards=False: r_i - mean, "Dr. GRPO")
+and the per-token objective, with ratio rho_t = exp(log pi_theta - log pi_behaviour)(a_t), is
+    l_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i) + kl_coef * k3_t,
+    k3_t = exp(log pi_0 - log pi_theta) - (log pi_0 - log pi_theta) - 1     (>= 0, unbiased KL(pi || pi_0))
+aggregated as "sequence_mean" (mean over a sequence's tokens, then over sequences: the paper) or
+"token_mean" (sum over every response token / their number: DAPO, TRL's default "dapo"-like loss).
+Shapes: [B, T] per token (mask != 0 on response tokens), [B] per sequence, group [B] long ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_spo.algorithms.validation import check_token_inputs, upcast
+
+AGGREGATIONS = ("sequence_mean", "token_mean")
+
+
+def grpo_advantages(reward: Tensor, group: Tensor, *, scale_rewards: bool = True, eps: float = 1e-4) -> Tensor:
+    """[B] group-normalised advantages. A group of one sample has advantage 0 (nothing to compare with); the
+    std is torch.std's unbiased one, as TRL's GRPOTrainer computes it."""
+    reward = reward.to(torch.float64)
+    out = torch.zeros_like(reward)
+    for g in torch.unique(group):
+        rows = group == g
+        r = reward[rows]
+        if r.numel() < 2:
+            continue
+        centred = r - r.mean()
+        out[rows] = centred / (r.std() + eps) if scale_rewards else centred
+    return out.to(torch.float32)
+
+
+def grpo_token_losses(logp: Tensor, behaviour_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor,
+                      mask: Tensor, *, clip_eps_low: float, clip_eps_high: float, kl_coef: float
+                      ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """(per-token losses [B, T] (0 off the mask), valid mask [B, T] bool, per-token stats for metrics)."""
+    where = "grpo_token_losses"
+    tensors = {"logp": logp, "behaviour_logp": behaviour_logp}
+    if ref_logp is not None:
+        tensors["ref_logp"] = ref_logp
+    valid = check_token_inputs(where, mask, tensors, {"advantages": advantages})
+    if clip_eps_low <= 0 or clip_eps_high <= 0 or kl_coef < 0:
+        raise ValueError(f"{where}: clip_eps_low/high must be > 0 and kl_coef >= 0, got {clip_eps_low}, "
+                         f"{clip_eps_high}, {kl_coef}")
+    logp, behaviour_logp = upcast(logp), upcast(behaviour_logp)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    log_ratio = torch.where(valid, logp - behaviour_logp, zero)
+    ratio = log_ratio.exp()
+    adv = advantages.to(logp.dtype).unsqueeze(1)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * adv)
+    per_token = -surrogate
+    stats = {"clipped": ((ratio - ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)).abs() > 0) & valid,
+             "approx_kl_old_new": (ratio - 1) - log_ratio}
+    if ref_logp is not None:
+        d = torch.where(valid, upcast(ref_logp) - logp, zero)
+        k3 = d.exp() - d - 1
+        stats["kl_ref"] = k3.detach()
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * k3
+    return torch.where(valid, per_token, zero), valid, stats
+
+
+def aggregate(per_token: Tensor, valid: Tensor, aggregation: str) -> tuple[Tensor, Tensor]:
+    """(sum of the batch's contributions, its normaliser): sequence_mean -> (sum_i mean_t l, B),
+    token_mean -> (sum_{i,t} l, number of response tokens). The loss is sum / normaliser; keeping the two
+    apart lets a trainer normalise over a global batch split into micro-batches."""
+    if aggregation == "sequence_mean":
+        per_sequence = per_token.sum(1) / valid.sum(1).clamp(min=1)
+        return per_sequence.sum(), torch.tensor(float(per_token.shape[0]))
+    if aggregation == "token_mean":
+        return per_token.sum(), valid.sum().to(per_token.dtype)
+    raise ValueError(f"grpo: unknown aggregation '{aggregation}' (choose from {', '.join(AGGREGATIONS)})")
