@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import ServerThread  # noqa: E402
 
 from megatron_spo.config import ConfigError, ToolSamplingConfig  # noqa: E402
-from megatron_spo.data.pts import BisectionSearch, PivotalToken, bisect_oracle, pivotal_token_search  # noqa: E402
 from megatron_spo.data.q0 import estimate_q0, make_prompts, read_problems_jsonl, read_q0  # noqa: E402
 from megatron_spo.data.trajectory import read_jsonl, validate_record  # noqa: E402
-from megatron_spo.eval.runner import evaluate  # noqa: E402
+from megatron_spo.engine_tools.eval import evaluate  # noqa: E402
+from megatron_spo.engine_tools.pts import BisectionSearch, PivotalToken, bisect_oracle, pivotal_token_search  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rewards.reward import RewardResult  # noqa: E402
 from megatron_spo.rollout.manager import Prompt  # noqa: E402
@@ -420,14 +420,14 @@ def test_cli_estimate_q0_and_eval_on_the_toy_task_with_the_sandbox(engine, sandb
     """A random model surely fails the toy task: greedy samples give S0 = 0 and Q0 = -1 exactly, pass@k = 0,
     and eval reports that the hidden tests were used."""
     from megatron_spo.data import q0
-    from megatron_spo.eval import runner
+    from megatron_spo.engine_tools import eval as eval_tool
 
     common = ["--engine-url", engine.url, "--task", "toy", "--limit", "2", "--sandbox-slots", "2",
               "--temperature", "0", "--max-new-tokens", "16", "--no-progress"]
     assert q0.main([*common, "--out", str(tmp_path / "q0.jsonl"), "--samples", "3", "--beta", "0.25"]) == 0
     lines = [json.loads(x) for x in (tmp_path / "q0.jsonl").read_text().splitlines()]
     assert [(r["s0"], r["q0"], r["n"], r["correct"]) for r in lines] == [(0.0, -1.0, 3, 0)] * 2
-    assert runner.main([*common, "--out", str(tmp_path / "ev.jsonl"), "--json", str(tmp_path / "ev.json"),
+    assert eval_tool.main([*common, "--out", str(tmp_path / "ev.jsonl"), "--json", str(tmp_path / "ev.json"),
                         "-n", "4", "--ks", "1", "2"]) == 0
     summary = json.loads((tmp_path / "ev.json").read_text())
     assert summary["mean"] == {"pass@1": 0.0, "pass@2": 0.0} and summary["num_problems"] == 2
@@ -435,7 +435,7 @@ def test_cli_estimate_q0_and_eval_on_the_toy_task_with_the_sandbox(engine, sandb
     out = capsys.readouterr().out
     assert "pass@1 0.0000, pass@2 0.0000 over 2 problems" in out and "mean of 2" in out
     with pytest.raises(ConfigError, match=r"ks \[8\] must lie in \[1, n = 4\]"):
-        runner.main([*common, "--out", str(tmp_path / "ev.jsonl"), "-n", "4", "--ks", "1", "8"])
+        eval_tool.main([*common, "--out", str(tmp_path / "ev.jsonl"), "-n", "4", "--ks", "1", "8"])
 
 
 def test_cli_estimate_q0_from_a_training_config_feeds_the_trainer(engine, model_dir, sandbox_ok, tmp_path):

@@ -220,7 +220,7 @@ def run(cfg: QuickstartConfig) -> dict:
     from transformers import AutoTokenizer
 
     from megatron_spo.data.q0 import estimate_q0, make_prompts
-    from megatron_spo.eval.runner import evaluate
+    from megatron_spo.engine_tools.eval import evaluate
     from megatron_spo.models.convert import hf_to_megatron
     from megatron_spo.rewards.reward import RewardPool
     from megatron_spo.rewards.sandbox import SandboxPool
