@@ -377,12 +377,25 @@ def _task_kind(value: str) -> str:
 TaskKindName = Annotated[str, AfterValidator(_task_kind)]
 
 
+class ProvenanceSelect(StrictModel):
+    """Which records of an offline source to train on, by provenance (data/trajectory.py Provenance): each
+    given list must contain the record's value (None = any). assume_kind: the kind of records without
+    provenance (stores written before it existed)."""
+
+    kinds: list[str] | None = None
+    models: list[str] | None = None
+    run_ids: list[str] | None = None
+    assume_kind: str | None = None
+
+
 class SourceConfig(StrictModel):
     """One data source of the training batch. The source named 'online' is the rollout buffer; any other
-    source reads trajectories from `path` (a JSONL file or an offline-store directory)."""
+    source reads trajectories from `path` (a JSONL file or an offline-store directory), optionally only those
+    of some provenance (`select`)."""
 
     weight: float = Field(1.0, ge=0, description="share of each batch's trajectories")
     path: str | None = None
+    select: ProvenanceSelect | None = None
     objective: Objective = "terminal"
     loss: LossName = "cross_entropy"
 
@@ -451,6 +464,17 @@ class GRPOConfig(StrictModel):
 
 class AGROConfig(StrictModel):
     on_policy: bool = False
+
+
+class ArchiveConfig(StrictModel):
+    """The trainer's experience archive (data/archive.py): every online trajectory it trains on, kept for
+    later runs (SPO learns from them offline)."""
+
+    enabled: bool = True
+    path: str | None = Field(None, description="an offline store; default RUN_DIR/experience")
+    run_id: str | None = Field(None, description="provenance run id of the archived records; default the "
+                               "run_dir's name")
+    rows_per_shard: int = Field(4096, gt=0, description="records per shard (also flushed at every checkpoint)")
 
 
 class CheckpointConfig(StrictModel):
@@ -532,6 +556,7 @@ class TrainConfig(StrictModel):
     agro: AGROConfig = Field(default_factory=AGROConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    archive: ArchiveConfig = Field(default_factory=ArchiveConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     fleet: FleetEndpoints = Field(default_factory=FleetEndpoints)

@@ -2,6 +2,7 @@
 
     sampler, online = build_sampler(cfg, online_source)   # online: the 'online' source or None
     trajectories = sampler.next(n)                        # resumable: sampler.state_dict() / load_state_dict()
+    archive = build_archive(cfg)                          # the online trajectories, kept (or None)
 """
 
 from __future__ import annotations
@@ -13,11 +14,24 @@ from megatron_spo.data.batching import OfflineCursor, source_counts
 class OfflineSource:
     """Trajectories from a JSONL file or an offline store, drawn in resumable shuffled epochs."""
 
-    def __init__(self, name: str, path: str, seed: int):
+    def __init__(self, name: str, path: str, seed: int, select=None):
+        """select: a ProvenanceSelect (config) or None: only records of that provenance are drawn."""
         from megatron_spo.data.trajectory import load_trajectories
 
         self.name = name
         self.records = load_trajectories(path)
+        if select is not None:
+            from megatron_spo.config import ConfigError
+            from megatron_spo.data.experience import ProvenanceFilter
+
+            keep = ProvenanceFilter(*(None if v is None else set(v) for v in (select.kinds, select.models,
+                                                                               select.run_ids)),
+                                    assume_kind=select.assume_kind)
+            total = len(self.records)
+            self.records = [r for r in self.records if keep(r)]
+            if not self.records:
+                raise ConfigError(f"sources.{name}.select: none of the {total} records of {path} match "
+                                  f"{select.model_dump(exclude_none=True)}")
         for r in self.records:
             r.source = name  # the source name selects the loss, whatever the file said
         self.cursor = OfflineCursor(len(self.records), seed=seed)
@@ -66,5 +80,18 @@ def build_sampler(cfg: TrainConfig, online_source=None):
                 online_source = OnlineSource.from_config(cfg)
             online = sources[name] = online_source
         else:
-            sources[name] = OfflineSource(name, src.path, seed=cfg.seed)
+            sources[name] = OfflineSource(name, src.path, seed=cfg.seed, select=src.select)
     return BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()}), online
+
+
+def build_archive(cfg: TrainConfig):
+    """The run's experience archive (data/archive.py) when it trains on online data and archive.enabled."""
+    if not cfg.archive.enabled or "online" not in cfg.sources:
+        return None
+    from pathlib import Path
+
+    from megatron_spo.data.archive import ExperienceArchive
+
+    run_dir = Path(cfg.run_dir)
+    return ExperienceArchive(cfg.archive.path or run_dir / "experience", run_id=cfg.archive.run_id or run_dir.name,
+                             model=cfg.init.hf or cfg.init.megatron, rows_per_shard=cfg.archive.rows_per_shard)

@@ -37,7 +37,7 @@ from megatron_spo.training import loss as losses
 from megatron_spo.training.algos import StepInputs
 from megatron_spo.training.metrics import MetricsLogger, progress_line
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, pad_rows, shard
-from megatron_spo.training.sources import build_sampler
+from megatron_spo.training.sources import build_archive, build_sampler
 
 IGNORE_INDEX = -100  # targets the fused log-prob op skips: prompt and padding positions (outside loss_mask)
 
@@ -121,8 +121,10 @@ class Trainer:
         self.policy_version = 0
         self.sampler = None
         self.online = None
+        self.archive = None
         if self.rank == 0:
             self.sampler, self.online = build_sampler(cfg, online_source)
+            self.archive = build_archive(cfg)
         self.pad_id = 0
         self._resume()
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0,
@@ -208,6 +210,8 @@ class Trainer:
         payload = [None]
         if self.rank == 0:
             payload = [self.sampler.next(self.cfg.batch.sequences_per_step)]
+            if self.archive is not None:
+                self.archive.add(t for t in payload[0] if t.source == "online")
         dist.broadcast_object_list(payload, src=0)
         return payload[0], time.perf_counter() - t0
 
@@ -456,6 +460,8 @@ class Trainer:
 
     # -- checkpoints (training/checkpoint.py) -------------------------------------------------
     def save_checkpoint(self) -> Path:
+        if self.archive is not None:  # what a checkpoint has trained on is archived for good
+            self.archive.flush()
         return checkpoint.save(self)
 
     def _resume(self) -> None:
@@ -501,6 +507,8 @@ class Trainer:
         from megatron_spo.models.parallel import destroy_parallel
 
         self.preemption.restore()
+        if self.archive is not None:
+            self.archive.close()
         if self.online is not None and hasattr(self.online, "close"):
             self.online.close()
         if keep_process_group:
