@@ -110,3 +110,18 @@ def test_the_archive_survives_sigkill_mid_shard(tmp_path):
     archive.close()
     assert [r.provenance.run_id for r in OfflineStore(store).trajectories()] == ["killed"] * 5 + ["resumed"] * 2
     assert os.path.isdir(store)
+
+
+def test_compare_runs_pairs_problems(tmp_path):
+    """tools/compare_runs.py: B - A per held-out problem, paired (problems only one run has are left out)."""
+    for name, rows in (("a", [("p1", 0.2, 0.5), ("p2", 0.4, 0.9), ("p3", 0.0, 0.0)]),
+                       ("b", [("p1", 0.3, 0.5), ("p2", 0.6, 1.0), ("p4", 1.0, 1.0)])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "eval_after.jsonl").write_text("".join(
+            json.dumps({"prompt_id": p, "pass@1": one, "pass@10": ten}) + "\n" for p, one, ten in rows))
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "compare_runs.py"), str(tmp_path / "a"),
+                           str(tmp_path / "b"), "--json"], capture_output=True, text=True, check=True)
+    result = json.loads(proc.stdout)
+    assert result["problems"] == 2
+    assert result["pass@1"]["delta"] == pytest.approx(0.15) and result["pass@10"]["delta"] == pytest.approx(0.05)
+    assert result["pass@1"]["ci95"] == pytest.approx([0.1, 0.2])
