@@ -21,7 +21,8 @@ from megatron_spo.data.importers import (
     text_candidates,
 )
 from megatron_spo.data.offline_store import OfflineStore, write_store
-from megatron_spo.data.q0 import make_prompts, read_problems_jsonl
+from megatron_spo.data.problems import read_problems_jsonl
+from megatron_spo.data.prompts import make_prompts
 from megatron_spo.data.trajectory import RecordError
 from megatron_spo.rewards.reward import RewardPool
 from megatron_spo.rewards.sandbox import SandboxPool, SandboxUnavailableError

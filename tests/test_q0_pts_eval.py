@@ -21,13 +21,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import ServerThread  # noqa: E402
 
 from megatron_spo.config import ConfigError, ToolSamplingConfig  # noqa: E402
-from megatron_spo.data.q0 import estimate_q0, make_prompts, read_problems_jsonl, read_q0  # noqa: E402
+from megatron_spo.data.problems import read_problems_jsonl  # noqa: E402
+from megatron_spo.data.prompts import Prompt, make_prompts  # noqa: E402
+from megatron_spo.data.q0 import read_q0  # noqa: E402
 from megatron_spo.data.trajectory import read_jsonl, validate_record  # noqa: E402
+from megatron_spo.engine_tools.estimate_q0 import estimate_q0  # noqa: E402
 from megatron_spo.engine_tools.eval import evaluate  # noqa: E402
 from megatron_spo.engine_tools.pts import BisectionSearch, PivotalToken, bisect_oracle, pivotal_token_search  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rewards.reward import RewardResult  # noqa: E402
-from megatron_spo.rollout.manager import Prompt  # noqa: E402
 from megatron_spo.rollout.protocol import Completion, SamplingParams  # noqa: E402
 
 BETA = 0.25
@@ -304,8 +306,9 @@ def test_estimate_q0_exact_values_and_interrupt_resume_equality(engine, tokenize
 
 def test_seeded_samples_of_one_prompt_differ_on_a_deterministic_engine(engine, tokenizer):
     """Q0 must not be estimated from n copies of one sample: SGLang's deterministic inference gives the n
-    samples of a request one shared seed, so a seeded tool sends one request per sample (data/q0.py sample)."""
-    from megatron_spo.data.q0 import sample
+    samples of a request one shared seed, so a seeded tool sends one request per sample
+    (engine_tools/common.py sample)."""
+    from megatron_spo.engine_tools.common import sample
     from megatron_spo.rollout.client import EngineClient
 
     tokens = tokenizer("# num: add 2\n")["input_ids"]
@@ -419,16 +422,16 @@ def sandbox_ok():
 def test_cli_estimate_q0_and_eval_on_the_toy_task_with_the_sandbox(engine, sandbox_ok, tmp_path, capsys):
     """A random model surely fails the toy task: greedy samples give S0 = 0 and Q0 = -1 exactly, pass@k = 0,
     and eval reports that the hidden tests were used."""
-    from megatron_spo.data import q0
+    from megatron_spo.engine_tools import estimate_q0 as q0_tool
     from megatron_spo.engine_tools import eval as eval_tool
 
     common = ["--engine-url", engine.url, "--task", "toy", "--limit", "2", "--sandbox-slots", "2",
               "--temperature", "0", "--max-new-tokens", "16", "--no-progress"]
-    assert q0.main([*common, "--out", str(tmp_path / "q0.jsonl"), "--samples", "3", "--beta", "0.25"]) == 0
+    assert q0_tool.main([*common, "--out", str(tmp_path / "q0.jsonl"), "--samples", "3", "--beta", "0.25"]) == 0
     lines = [json.loads(x) for x in (tmp_path / "q0.jsonl").read_text().splitlines()]
     assert [(r["s0"], r["q0"], r["n"], r["correct"]) for r in lines] == [(0.0, -1.0, 3, 0)] * 2
     assert eval_tool.main([*common, "--out", str(tmp_path / "ev.jsonl"), "--json", str(tmp_path / "ev.json"),
-                        "-n", "4", "--ks", "1", "2"]) == 0
+                           "-n", "4", "--ks", "1", "2"]) == 0
     summary = json.loads((tmp_path / "ev.json").read_text())
     assert summary["mean"] == {"pass@1": 0.0, "pass@2": 0.0} and summary["num_problems"] == 2
     assert [p["tests"] for p in summary["problems"]] == [{"reward": 5, "hidden": 5}] * 2
@@ -442,19 +445,19 @@ def test_cli_estimate_q0_from_a_training_config_feeds_the_trainer(engine, model_
     """The SLURM Q0 stage's form: `estimate-q0 CONFIG --router-url URL --out DIR`; the task, tokenizer and beta
     come from the training config, DIR/q0.jsonl is written, and read_q0 (what the trainer's online source
     attaches to each trajectory) takes it."""
-    from megatron_spo.data import q0
+    from megatron_spo.engine_tools import estimate_q0 as q0_tool
 
     config = tmp_path / "train.yaml"
     config.write_text(f"beta: 0.5\ninit: {{hf: {model_dir}}}\ntask: {{kind: toy, toy: {{num_problems: 12}}}}\n")
     out_dir = tmp_path / "q0"
-    assert q0.main([str(config), "--router-url", engine.url, "--out", str(out_dir), "--limit", "2", "--samples", "2",
-                    "--temperature", "0", "--max-new-tokens", "8", "--sandbox-slots", "1", "--no-progress"]) == 0
+    assert q0_tool.main([str(config), "--router-url", engine.url, "--out", str(out_dir), "--limit", "2", "--samples", "2",
+                         "--temperature", "0", "--max-new-tokens", "8", "--sandbox-slots", "1", "--no-progress"]) == 0
     lines = [json.loads(x) for x in (out_dir / "q0.jsonl").read_text().splitlines()]
     from megatron_spo.data.toy_code import make_task
 
     assert [r["prompt_id"] for r in lines] == [p.id for p in make_task(num_problems=12).train[:2]]
     assert [(r["s0"], r["q0"], r["beta"]) for r in lines] == [(0.0, -1.0, 0.5)] * 2
-    assert {k: v.q0 for k, v in q0.read_q0(out_dir / "q0.jsonl").items()} == {r["prompt_id"]: -1.0 for r in lines}
+    assert {k: v.q0 for k, v in read_q0(out_dir / "q0.jsonl").items()} == {r["prompt_id"]: -1.0 for r in lines}
 
 
 def test_cli_estimate_q0_stops_on_sigusr1_keeps_finished_prompts_and_resumes(model_dir, sandbox_ok, tmp_path):
@@ -535,7 +538,7 @@ def test_cli_pts_through_megatron_spo_with_the_sandbox(engine, tokenizer, sandbo
 
 
 def test_each_distinct_completion_is_scored_once():
-    from megatron_spo.data.q0 import score_all
+    from megatron_spo.engine_tools.common import score_all
 
     class Counting(TextReward):
         def __init__(self, needle):
@@ -565,6 +568,6 @@ def test_bad_tool_inputs_fail_with_one_line_naming_what_and_where(tmp_path):
     with pytest.raises(ValueError, match="junk.jsonl:2: not a result record of this tool: 'not json'"):
         read_q0(tmp_path / "junk.jsonl")
     with pytest.raises(ValueError, match="--task jsonl needs --data PATH"):
-        from megatron_spo.data.q0 import load_problems
+        from megatron_spo.data.problems import load_problems
 
         load_problems("jsonl")

@@ -63,7 +63,7 @@ def server(model_dir):
 def recorded_generate_bodies(server, monkeypatch) -> list[dict]:
     """Every /generate body the project's clients send: the rollout manager (random temperatures, top-k on
     and off), the Q0/eval tools' sampler (seeded one-per-sample, unseeded n per request, greedy)."""
-    from megatron_spo.data.q0 import sample
+    from megatron_spo.engine_tools.common import sample
 
     bodies = []
     original = client_module.EngineClient.request

@@ -6,7 +6,7 @@
 
 Every importer turns input rows into candidates (problem, response text, provenance), then:
   * tokenizes the prompt with the policy's tokenizer and the prompt builder training uses
-    (megatron_spo.data.q0.make_prompts: chat template or plain layout, the toy task's raw prompt), and the
+    (megatron_spo.data.prompts.make_prompts: chat template or plain layout, the toy task's raw prompt), and the
     response as ``tokenizer(text, add_special_tokens=False) + [eos]`` (what the engine returns for a finished
     sample);
   * re-runs the response against the problem's tests in the sandbox (the reward tests, or with ``hidden`` also
@@ -342,7 +342,7 @@ def run_import(candidates: Callable[[], Iterable[Candidate | RecordError]], stor
     records to ``store``. Raises the first RecordError unless ``skip_invalid``; nothing is scored or written
     before every row has been checked."""
     from megatron_spo.data.offline_store import OfflineStoreWriter
-    from megatron_spo.data.q0 import make_prompts
+    from megatron_spo.data.prompts import make_prompts
 
     summary = ImportSummary() if summary is None else summary
     report = summary.report
@@ -460,7 +460,7 @@ def run_import_command(args) -> int:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"'{path}' not found")
         if args.op == "import-text":
-            from megatron_spo.data.q0 import prompt_text
+            from megatron_spo.data.prompts import prompt_text
 
             index = ProblemIndex(problems, lambda p: prompt_text(p, tokenizer, args.prompt_format))
 
@@ -526,7 +526,7 @@ def _tokenizer_and_problems(args) -> tuple[Any, list]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     problems: list = []
     if args.op == "import-text":
-        from megatron_spo.data.q0 import load_problems, problems_from_task_config
+        from megatron_spo.data.problems import load_problems, problems_from_task_config
 
         if args.task is not None:
             problems = load_problems(args.task, args.data, split=args.split, toy_seed=args.toy_seed)

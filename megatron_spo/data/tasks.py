@@ -281,7 +281,7 @@ def _from_files(loader):
 
 
 def _load_jsonl(data, split: str, seed: int) -> list:
-    from megatron_spo.data.q0 import read_problems_jsonl
+    from megatron_spo.data.problems import read_problems_jsonl
 
     return read_problems_jsonl(data)
 

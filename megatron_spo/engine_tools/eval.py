@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_spo.config import EvalConfig, ToolSamplingConfig, build_config
-from megatron_spo.data.q0 import (
-    ResultLog,
+from megatron_spo.data.prompts import Prompt
+from megatron_spo.data.result_log import ResultLog
+from megatron_spo.engine_tools.common import (
     add_sampling_args,
     add_task_args,
     apply_train_config,
@@ -35,7 +36,6 @@ from megatron_spo.data.q0 import (
     score_all,
 )
 from megatron_spo.eval.passk import pass_at_k
-from megatron_spo.rollout.manager import Prompt
 
 
 @dataclass(frozen=True)

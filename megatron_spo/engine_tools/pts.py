@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from megatron_spo.config import PTSConfig, ToolSamplingConfig, build_config
-from megatron_spo.data.q0 import (
-    ResultLog,
+from megatron_spo.data.q0 import read_q0
+from megatron_spo.data.result_log import ResultLog
+from megatron_spo.data.trajectory import Trajectory, validate_record
+from megatron_spo.engine_tools.common import (
     add_sampling_args,
     add_task_args,
     apply_train_config,
@@ -35,7 +37,6 @@ from megatron_spo.data.q0 import (
     gather_or_cancel,
     load_tokenizer,
     problems_from_args,
-    read_q0,
     reward_pool_from_args,
     run_cli,
     run_resumable,
@@ -43,7 +44,6 @@ from megatron_spo.data.q0 import (
     sampling_from_args,
     score_all,
 )
-from megatron_spo.data.trajectory import Trajectory, validate_record
 
 GAP_TOLERANCE = 1e-9  # |0.3 - 0.1| is 0.19999999999999998 in floats: a gap of exactly threshold recurses
 

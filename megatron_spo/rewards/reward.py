@@ -11,6 +11,7 @@ Code is scored in the sandbox pool; math answers by sympy in a worker thread (ne
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,6 +62,13 @@ class RewardKind:
 
 # THE list of reward kinds, by a problem's ``kind``; a user's own reward is a hook (task.reward) instead.
 REWARD_KINDS: dict[str, RewardKind] = {k.name: k for k in (RewardKind("code", True), RewardKind("math", False))}
+
+
+def needs_sandbox(problems: Sequence[Any], custom_reward: Any = None) -> bool:
+    """Whether scoring these problems runs programs (a custom reward, or only math problems, never does)."""
+    if custom_reward is not None:
+        return False
+    return any(REWARD_KINDS[getattr(p, "kind", "code")].sandbox for p in problems)
 
 
 class RewardPool:

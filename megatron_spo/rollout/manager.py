@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_spo.config import RolloutConfig
+from megatron_spo.data.prompts import Prompt
 from megatron_spo.data.trajectory import FIELDS as RECORD_FIELDS
 from megatron_spo.data.trajectory import Trajectory as TrajectoryRecord
 from megatron_spo.rollout.client import EngineClient, EngineError
@@ -46,13 +47,6 @@ log = logging.getLogger("megatron_spo.rollout")
 
 RewardFn = Callable[[Any, str], "float | Awaitable[float]"]
 MAX_INTERRUPTIONS = 50  # aborts / mixed-version redos of one request before it counts as failed
-
-
-@dataclass
-class Prompt:
-    prompt_id: str
-    tokens: list[int]
-    problem: Any = None  # what the reward function needs (tests, answer, ...)
 
 
 @dataclass

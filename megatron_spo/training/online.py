@@ -74,9 +74,10 @@ class OnlineSource:
     def from_config(cls, cfg: TrainConfig) -> OnlineSource:
         from transformers import AutoTokenizer
 
-        from megatron_spo.data.q0 import make_prompts, needs_sandbox, problems_from_task_config
+        from megatron_spo.data.problems import problems_from_task_config
+        from megatron_spo.data.prompts import make_prompts
         from megatron_spo.hooks import load_hook
-        from megatron_spo.rewards.reward import RewardPool
+        from megatron_spo.rewards.reward import RewardPool, needs_sandbox
         from megatron_spo.rewards.sandbox import SandboxPool
         from megatron_spo.rollout.manager import RolloutManager
 

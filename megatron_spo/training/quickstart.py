@@ -219,7 +219,8 @@ def plot_comparison(result: dict, path: Path, algo: str) -> None:
 def run(cfg: QuickstartConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from megatron_spo.data.q0 import estimate_q0, make_prompts
+    from megatron_spo.data.prompts import make_prompts
+    from megatron_spo.engine_tools.estimate_q0 import estimate_q0
     from megatron_spo.engine_tools.eval import evaluate
     from megatron_spo.models.convert import hf_to_megatron
     from megatron_spo.rewards.reward import RewardPool

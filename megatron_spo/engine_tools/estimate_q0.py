@@ -1,0 +1,158 @@
+"""Monte-Carlo S0 / Q0 per prompt (`megatron-spo estimate-q0`) from reference samples through the engines.
+
+    prompts = make_prompts(load_problems("toy", split="train"), tokenizer)
+    async with EngineClient(url) as client:
+        est = await estimate_q0(prompts, client, RewardPool(SandboxPool()), samples=800, beta=beta,
+                                sampling=ToolSamplingConfig(), out_path="q0.jsonl")
+    est["num-001"].s0, est["num-001"].q0
+
+S0 and Q0 as in data/q0.py; the output is resumable like every engine tool's (engine_tools/common.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_spo.config import Q0Config, ToolSamplingConfig, build_config
+from megatron_spo.data.prompts import Prompt
+from megatron_spo.data.q0 import Q0Estimate, q0_from_counts
+from megatron_spo.data.result_log import ResultLog, json_line
+from megatron_spo.engine_tools.common import (
+    add_sampling_args,
+    add_task_args,
+    apply_train_config,
+    close_reward_pool,
+    prompts_from_args,
+    reward_pool_from_args,
+    run_cli,
+    run_resumable,
+    sample,
+    sampling_from_args,
+    score_all,
+)
+from megatron_spo.fsutil import write_lines_atomic
+from megatron_spo.rollout.protocol import Completion
+
+
+async def estimate_q0(prompts: Sequence[Prompt], client: Any, reward_pool: Any, *, samples: int = 800,
+                      beta: float, sampling: ToolSamplingConfig | None = None, out_path: str | Path | None = None,
+                      trajectories_out: str | Path | None = None, keep_successful: int = 0,
+                      progress: bool = False) -> dict[str, Q0Estimate]:
+    """prompt_id -> Q0Estimate from ``samples`` reference samples per prompt, each scored by reward_pool.
+
+    out_path: the resumable result file ({prompt_id, s0, q0, n, correct, beta} per line; TaskConfig.q0_path).
+    trajectories_out: a trajectory JSONL that receives up to ``keep_successful`` correct samples per prompt
+    (source "reference", q0 set): inputs for pivotal token search.
+    """
+    cfg = build_config(Q0Config, {"samples": samples, "beta": beta,
+                                  "sampling": (sampling or ToolSamplingConfig()).model_dump()})
+    log = ResultLog(out_path) if out_path is not None else None
+    if log is not None:
+        for key, rec in log.records.items():
+            if rec.get("n") != cfg.samples or rec.get("beta") != cfg.beta:
+                raise ValueError(f"{out_path}: prompt '{key}' was estimated with n={rec.get('n')}, "
+                                 f"beta={rec.get('beta')}; this run asks n={cfg.samples}, beta={cfg.beta} "
+                                 "(use another output file)")
+    if trajectories_out is not None and log is None:
+        raise ValueError("estimate_q0: trajectories_out needs out_path (the Q0 file is the resume state of both)")
+    kept = _TrajectorySink(trajectories_out, log) if trajectories_out is not None and keep_successful > 0 else None
+
+    async def work(prompt: Prompt) -> dict:
+        completions = await sample(client, prompt.tokens, cfg.samples, cfg.sampling, seed_key=(prompt.prompt_id,))
+        results = await score_all(reward_pool, prompt.problem, [c.text for c in completions])
+        correct = sum(r.passed for r in results)
+        est = q0_from_counts(correct, cfg.samples, cfg.beta)
+        if kept is not None:
+            good = [(c, r.reward) for c, r in zip(completions, results) if r.passed and c.output_ids]
+            kept.add(prompt, good[:keep_successful], est.q0)
+        return {"prompt_id": prompt.prompt_id, "s0": est.s0, "q0": est.q0, "n": est.n, "correct": est.correct,
+                "beta": cfg.beta}
+
+    try:
+        records = await run_resumable(prompts, lambda p: p.prompt_id, work, log,
+                                      concurrency=cfg.sampling.concurrency, description="estimate-q0",
+                                      progress=progress)
+    finally:
+        if log is not None:
+            log.close()
+    if kept is not None:  # every prompt is done (a cut run raised above)
+        kept.finalize([p.prompt_id for p in prompts])
+    return {k: Q0Estimate(r["s0"], r["q0"], r["n"], r["correct"]) for k, r in records.items()}
+
+
+class _TrajectorySink:
+    """Successful samples as trajectory records, appended per prompt BEFORE the prompt's Q0 line; on resume the
+    lines of prompts without a Q0 line (a cut run) are dropped, so none is duplicated."""
+
+    def __init__(self, path: str | Path, log: ResultLog | None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            lines = [ln + "\n" for ln in self.path.read_text(encoding="utf-8").split("\n")[:-1] if ln.strip()]
+            done = log.records if log is not None else {}
+            write_lines_atomic(self.path, [ln for ln in lines if str(json.loads(ln)["prompt_id"]) in done])
+
+    def add(self, prompt: Prompt, samples: list[tuple[Completion, float]], q0: float) -> None:
+        """samples: (completion, reward) pairs."""
+        from megatron_spo.data.trajectory import Trajectory
+
+        with open(self.path, "a", encoding="utf-8") as f:
+            for c, reward in samples:
+                traj = Trajectory(prompt_id=prompt.prompt_id, prompt_tokens=list(prompt.tokens),
+                                  response_tokens=list(c.output_ids), reward=reward, source="reference",
+                                  policy_version=0, q0=q0)
+                f.write(json_line(traj.to_dict()))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finalize(self, order: list[str]) -> None:
+        rank = {k: i for i, k in enumerate(order)}
+        lines = [ln + "\n" for ln in self.path.read_text(encoding="utf-8").split("\n")[:-1] if ln.strip()]
+        lines.sort(key=lambda ln: rank.get(str(json.loads(ln)["prompt_id"]), len(rank)))  # stable within a prompt
+        write_lines_atomic(self.path, lines)
+
+
+def main(argv: list[str]) -> int:
+    defaults = Q0Config()
+    parser = argparse.ArgumentParser(prog="megatron-spo estimate-q0",
+                                     description="Monte-Carlo S0 and Q0 per prompt from reference samples.")
+    parser.add_argument("config", nargs="?", default=None,
+                        help="a training config (YAML): task, tokenizer, engines and beta come from it unless given")
+    add_task_args(parser, default_split="train")
+    parser.add_argument("--out", required=True, help="result JSONL (resumable; a path without .jsonl is a folder "
+                        "receiving q0.jsonl): prompt_id, s0, q0, n, correct, beta")
+    parser.add_argument("--samples", type=int, default=defaults.samples, help="samples per prompt (paper: 800)")
+    parser.add_argument("--beta", type=float, default=None, help=f"default: the config's, else {defaults.beta:.6f}")
+    parser.add_argument("--trajectories-out", default=None, help="also save correct samples as trajectories here")
+    parser.add_argument("--keep-successful", type=int, default=4, help="correct samples saved per prompt")
+    add_sampling_args(parser, defaults.sampling)
+    args = parser.parse_args(argv)
+    apply_train_config(args, parser)
+    if not args.out.endswith(".jsonl"):
+        args.out = os.path.join(args.out, "q0.jsonl")
+    beta = defaults.beta if args.beta is None else args.beta
+    cfg = build_config(Q0Config, {"samples": args.samples, "beta": beta, "sampling": sampling_from_args(args)})
+
+    async def body() -> int:
+        from megatron_spo.rollout.client import EngineClient
+
+        prompts = prompts_from_args(args)
+        pool = reward_pool_from_args(args, [p.problem for p in prompts])
+        try:
+            async with EngineClient(args.engine_url, timeout_s=args.request_timeout) as client:
+                est = await estimate_q0(prompts, client, pool, samples=cfg.samples, beta=cfg.beta,
+                                        sampling=cfg.sampling, out_path=args.out,
+                                        trajectories_out=args.trajectories_out,
+                                        keep_successful=args.keep_successful, progress=not args.no_progress)
+        finally:
+            close_reward_pool(pool)
+        mean_s0 = sum(e.s0 for e in est.values()) / len(est)
+        print(f"estimate-q0: {len(est)} prompts, mean S0 {mean_s0:.4f}, {cfg.samples} samples each -> {args.out}")
+        return 0
+
+    return run_cli("megatron-spo estimate-q0", body)
