@@ -40,6 +40,15 @@ def test_no_lower_floor_imports_training():
     assert bad == []
 
 
+def test_data_is_plain_data_and_the_engine_tools_stay_below_training():
+    """data/ (problems, prompts, Q0 files, trajectories) knows no engine: it imports neither rollout/ nor
+    engine_tools/; the engine-driving tools use data/, rollout/ and rewards/ but never training/."""
+    bad = [v for forbidden in ("megatron_spo.rollout", "megatron_spo.engine_tools")
+           for v in _violations("data", forbidden=forbidden)]
+    bad += _violations("engine_tools", forbidden="megatron_spo.training")
+    assert bad == []
+
+
 def test_algorithms_and_ops_know_nothing_of_the_project():
     bad = [v for floor, allowed in BOTTOM.items() for v in _violations(floor, allowed=allowed)]
     assert bad == []
