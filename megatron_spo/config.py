@@ -696,7 +696,7 @@ class CapacityConfig(StrictModel):
 
 
 # ---------------------------------------------------------------------------------------------
-# Offline tools: estimate-q0 (megatron_spo/data/q0.py), pts (data/pts.py), eval (eval/runner.py)
+# Offline tools: estimate-q0, pts, eval (megatron_spo/engine_tools/)
 # ---------------------------------------------------------------------------------------------
 class ToolSamplingConfig(StrictModel):
     """How an offline tool samples from the engines (one SamplingParams per request)."""

@@ -71,6 +71,10 @@ class QuickstartConfig(StrictModel):
     engines: int = Field(2, gt=0)
     q0_samples: int = Field(12, gt=0, description="paper: 800 per prompt; the toy task needs far fewer")
     offline_per_prompt: int = Field(4, ge=0, description="correct reference samples kept per prompt")
+    experience: list[str] = Field(default_factory=list, description="offline stores of earlier runs (RUN/train/"
+                                  "experience: their archived online trajectories) trained on as one more source")
+    experience_fraction: float = Field(0.25, ge=0, lt=1, description="share of each SPO batch from `experience` "
+                                       "(taken out of the offline share)")
     human_solutions_per_prompt: int = Field(2, ge=0, description="the task's own solutions in the offline set "
                                             "(the paper's offline data includes human solutions)")
     eval_n: int = Field(20, gt=0)
@@ -102,9 +106,15 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
     # offline data for algorithms that can learn from it (on-policy ones cannot; group-wise ones need whole
     # prompt groups, which the online source delivers)
     if not (algo.on_policy or algo.keeps_prompt_groups) and offline_path is not None and t.online_fraction < 1:
+        offline_share = 1 - t.online_fraction
         sources = {"online": {"weight": t.online_fraction, "objective": t.objective, "loss": t.loss},
-                   "offline": {"weight": 1 - t.online_fraction, "path": str(offline_path),
+                   "offline": {"weight": offline_share, "path": str(offline_path),
                                "objective": t.objective, "loss": t.loss}}
+        for i, path in enumerate(cfg.experience):  # earlier runs' online trajectories, through the archive path
+            share = min(cfg.experience_fraction, offline_share) / len(cfg.experience)
+            sources["offline"]["weight"] -= share
+            sources[f"experience{i}"] = {"weight": share, "path": path, "select": {"kinds": ["online"]},
+                                         "objective": t.objective, "loss": t.loss}
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
         sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss}}
     rollout = RolloutConfig(samples_per_prompt=t.samples_per_prompt, max_new_tokens=t.max_new_tokens,
