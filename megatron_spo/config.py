@@ -448,6 +448,8 @@ class PPOConfig(StrictModel):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     whiten_advantages: bool = True
+    critic_warmup_steps: int = Field(0, ge=0, description="first steps train only the value model (verl's "
+                                     "critic_warmup): a fresh value head makes GAE advantages noise")
 
 
 class GRPOConfig(StrictModel):

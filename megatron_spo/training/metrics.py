@@ -37,7 +37,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "AGRO regularised reward": ("mean_regularised_reward", "half_var_regularised_reward", "mean_reward"),
     "PPO / GRPO vs the sampling policy": ("approx_kl_old_new", "clip_fraction", "mean_ratio"),
     "GRPO |advantage|, k3 KL to pi_0": ("advantage_abs", "kl_ref_k3"),
-    "PPO value loss": ("value_loss",),
+    "PPO value loss": ("value_loss", "critic_warmup"),
     "staleness (policy versions)": ("staleness", "staleness/*"),
     "tokens / s": ("tokens_per_s", "rollout/tokens_per_s"),
     "rollout queue depth (groups)": ("rollout/queue_depth",),

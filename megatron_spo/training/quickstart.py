@@ -31,6 +31,7 @@ from megatron_spo.config import (
     AlgoName,
     LossName,
     Objective,
+    PPOConfig,
     QuickstartModelConfig,
     RolloutConfig,
     SandboxConfig,
@@ -60,6 +61,7 @@ class QuickstartTrainConfig(StrictModel):
     tensor_model_parallel_size: int = Field(1, gt=0)
     pipeline_model_parallel_size: int = Field(1, gt=0)
     max_tokens_per_micro_batch: int = Field(4096, gt=0)
+    ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO's own settings (algo=ppo)")
 
 
 class QuickstartConfig(StrictModel):
@@ -131,6 +133,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "batch": {"sequences_per_step": n_seq, "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch,
                   "max_seq_length": cfg.reference.max_position_embeddings},
         "sources": sources,
+        "ppo": t.ppo.model_dump(),
         "task": {"kind": "toy", "toy": cfg.reference.task.model_dump(), "q0_path": str(q0_path),
                  "limit": cfg.train_limit},
         "fleet": {"router_url": endpoints.router_url, "engine_urls": endpoints.engine_urls},

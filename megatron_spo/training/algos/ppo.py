@@ -53,8 +53,12 @@ class PPO(Algorithm):
             adv_ret = [ppo_advantages(mb, step.ref[i], old_values[i], beta=cfg.beta, gamma=cfg.ppo.gamma,
                                       lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
                        for i, mb in enumerate(step.micro_batches)]
-        reports, grad_norm = step.optimize("policy", "logp", lambda i, mb, logp: ppo_batch_loss(
-            mb, logp, adv_ret[i][0], clip_eps=cfg.ppo.clip_eps))
+        reports, grad_norm = [], 0.0
+        warming_up = step.step <= cfg.ppo.critic_warmup_steps  # the policy waits for a value model worth using
+        if not warming_up:
+            reports, grad_norm = step.optimize("policy", "logp", lambda i, mb, logp: ppo_batch_loss(
+                mb, logp, adv_ret[i][0], clip_eps=cfg.ppo.clip_eps))
         value_reports, value_grad_norm = step.optimize("value", "values", lambda i, mb, v: value_batch_loss(
             mb, v, old_values[i], adv_ret[i][1], clip_eps=cfg.ppo.value_clip_eps))
-        return Update(reports + value_reports, grad_norm, {"grad_norm/value": value_grad_norm})
+        return Update(reports + value_reports, grad_norm, {"grad_norm/value": value_grad_norm,
+                                                           "critic_warmup": float(warming_up)})
