@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_spo.data.tasks import codecontests_problem, taco_problem
 from megatron_spo.data.trajectory import (
     PROVENANCE_KINDS,
     ImportReport,
@@ -141,52 +142,6 @@ def _solution_list(value: Any, where: str, name: str) -> list[tuple[int, str]]:
                               f"string")
         out.append((lang, program))
     return out
-
-
-def codecontests_problem(row: dict, where: str, *, hidden: Sequence[str] = ("private_tests", "generated_tests")):
-    """The tasks.Problem that tasks.load_codecontests builds from this row (None: no tests at all)."""
-    from megatron_spo.data.tasks import Problem, _field, _tests
-
-    name = _field(row, "name", where, str)
-    description = _field(row, "description", where, str)
-    public = _tests(row.get("public_tests"), where, "public_tests")
-    hidden_tests = tuple(t for group in hidden for t in _tests(row.get(group), where, group))
-    if not public and not hidden_tests:
-        return None
-    limit = row.get("time_limit")
-    time_limit_s = None
-    if isinstance(limit, dict) and limit.get("seconds") is not None:
-        time_limit_s = float(limit["seconds"]) + float(limit.get("nanos") or 0) / 1e9 or None
-    memory = row.get("memory_limit_bytes")
-    return Problem(id=f"codecontests/{name}", prompt=description.strip(), tests=public or hidden_tests,
-                   hidden_tests=hidden_tests, source="codecontests", kind="code", time_limit_s=time_limit_s,
-                   memory_mb=int(memory) >> 20 if memory else None,
-                   metadata={"difficulty": row.get("difficulty"), "cf_rating": row.get("cf_rating")})
-
-
-def taco_problem(row: dict, index: int, where: str):
-    """The tasks.Problem that tasks.load_taco builds from row ``index`` (None: a call-based problem)."""
-    from megatron_spo.data.tasks import Problem, TaskFormatError, _field, _limit_number, _text
-
-    question = _field(row, "question", where, str)
-    raw = _field(row, "input_output", where, str)
-    try:
-        io = json.loads(raw)
-    except ValueError as err:
-        raise TaskFormatError(f"{where}: field 'input_output' is not valid JSON ({err})") from None
-    if not isinstance(io, dict) or not {"inputs", "outputs"} <= set(io):
-        raise TaskFormatError(f"{where}: field 'input_output' should hold 'inputs' and 'outputs'")
-    if io.get("fn_name"):
-        return None
-    if len(io["inputs"]) != len(io["outputs"]):
-        raise TaskFormatError(f"{where}: field 'input_output' has {len(io['inputs'])} inputs but "
-                              f"{len(io['outputs'])} outputs")
-    tests = tuple((_text(x), _text(y)) for x, y in zip(io["inputs"], io["outputs"]))
-    name = row.get("name") or ""
-    return Problem(id=f"taco/{index}" + (f"/{name}" if name else ""), prompt=question.strip(), tests=tests,
-                   hidden_tests=(), source="taco", kind="code", time_limit_s=_limit_number(row.get("time_limit")),
-                   memory_mb=int(_limit_number(row.get("memory_limit")) or 0) or None,
-                   metadata={"difficulty": row.get("difficulty"), "url": row.get("url")})
 
 
 def fence(program: str) -> str:

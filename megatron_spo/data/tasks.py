@@ -112,32 +112,40 @@ def _tests(value: Any, where: str, name: str) -> tuple[Test, ...]:
 # ---------------------------------------------------------------------------------------------
 # CodeContests
 # ---------------------------------------------------------------------------------------------
+def codecontests_problem(row: dict, where: str, *, hidden: Sequence[str] = ("private_tests", "generated_tests"),
+                         min_tests: int = 1) -> Problem | None:
+    """One CodeContests row -> Problem (None: fewer than ``min_tests`` tests in all). Reward tests = public tests
+    (the hidden ones when a problem has none); hidden tests = the ``hidden`` groups."""
+    name = _field(row, "name", where, str)
+    description = _field(row, "description", where, str)
+    public = _tests(row.get("public_tests"), where, "public_tests")
+    hidden_tests = tuple(t for group in hidden for t in _tests(row.get(group), where, group))
+    if len(public) + len(hidden_tests) < min_tests:
+        return None
+    limit = row.get("time_limit")
+    time_limit_s = None
+    if isinstance(limit, dict) and limit.get("seconds") is not None:
+        time_limit_s = float(limit["seconds"]) + float(limit.get("nanos") or 0) / 1e9 or None
+    memory = row.get("memory_limit_bytes")
+    return Problem(
+        id=f"codecontests/{name}", prompt=description.strip(), tests=public or hidden_tests,
+        hidden_tests=hidden_tests, source="codecontests", kind="code", time_limit_s=time_limit_s,
+        memory_mb=int(memory) >> 20 if memory else None,
+        metadata={"difficulty": row.get("difficulty"), "cf_rating": row.get("cf_rating")},
+    )
+
+
 def load_codecontests(paths: str | Sequence[str], *, hidden: Sequence[str] = ("private_tests", "generated_tests"),
                       cache_dir: str | None = None, min_tests: int = 1) -> list[Problem]:
-    """Reward tests = public tests (the hidden ones when a problem has none); hidden tests = the ``hidden``
-    groups. Problems with fewer than
-    ``min_tests`` tests in total are skipped and counted in the log."""
+    """codecontests_problem of every row; problems with fewer than ``min_tests`` tests are skipped and counted
+    in the log."""
     problems, skipped = [], 0
     for path, i, row in read_rows(paths, cache_dir):
-        where = f"{path} row {i}"
-        name = _field(row, "name", where, str)
-        description = _field(row, "description", where, str)
-        public = _tests(row.get("public_tests"), where, "public_tests")
-        hidden_tests = tuple(t for group in hidden for t in _tests(row.get(group), where, group))
-        if len(public) + len(hidden_tests) < min_tests:
+        problem = codecontests_problem(row, f"{path} row {i}", hidden=hidden, min_tests=min_tests)
+        if problem is None:
             skipped += 1
             continue
-        limit = row.get("time_limit")
-        time_limit_s = None
-        if isinstance(limit, dict) and limit.get("seconds") is not None:
-            time_limit_s = float(limit["seconds"]) + float(limit.get("nanos") or 0) / 1e9 or None
-        memory = row.get("memory_limit_bytes")
-        problems.append(Problem(
-            id=f"codecontests/{name}", prompt=description.strip(), tests=public or hidden_tests,
-            hidden_tests=hidden_tests, source="codecontests", kind="code", time_limit_s=time_limit_s,
-            memory_mb=int(memory) >> 20 if memory else None,
-            metadata={"difficulty": row.get("difficulty"), "cf_rating": row.get("cf_rating")},
-        ))
+        problems.append(problem)
     if skipped:
         logger.info("codecontests: skipped %d problems with fewer than %d tests", skipped, min_tests)
     return problems
@@ -154,37 +162,44 @@ def _limit_number(text: Any) -> float | None:
         return None
 
 
+def taco_problem(row: dict, index: int, where: str, *, n_reward_tests: int | None = None) -> Problem | None:
+    """One TACO row (row ``index`` of its file) -> Problem (None: call-based, fn_name: no stdin/stdout tests).
+    The first ``n_reward_tests`` tests reward (all when None); the rest are hidden."""
+    question = _field(row, "question", where, str)
+    raw = _field(row, "input_output", where, str)
+    try:
+        io = json.loads(raw)
+    except ValueError as err:
+        raise TaskFormatError(f"{where}: field 'input_output' is not valid JSON ({err})") from None
+    if not isinstance(io, dict) or not {"inputs", "outputs"} <= set(io):
+        raise TaskFormatError(f"{where}: field 'input_output' should hold 'inputs' and 'outputs'")
+    if io.get("fn_name"):
+        return None
+    if len(io["inputs"]) != len(io["outputs"]):
+        raise TaskFormatError(f"{where}: field 'input_output' has {len(io['inputs'])} inputs but "
+                              f"{len(io['outputs'])} outputs")
+    tests = tuple((_text(x), _text(y)) for x, y in zip(io["inputs"], io["outputs"]))
+    k = len(tests) if n_reward_tests is None else n_reward_tests
+    name = row.get("name") or ""
+    return Problem(
+        id=f"taco/{index}" + (f"/{name}" if name else ""), prompt=question.strip(), tests=tests[:k],
+        hidden_tests=tests[k:], source="taco", kind="code",
+        time_limit_s=_limit_number(row.get("time_limit")),
+        memory_mb=int(_limit_number(row.get("memory_limit")) or 0) or None,
+        metadata={"difficulty": row.get("difficulty"), "url": row.get("url")},
+    )
+
+
 def load_taco(paths: str | Sequence[str], *, n_reward_tests: int | None = None,
               cache_dir: str | None = None) -> list[Problem]:
-    """Stdin/stdout TACO problems. The first ``n_reward_tests`` tests reward (all when None); the rest are
-    hidden. Call-based problems (input_output has fn_name) are skipped and counted in the log."""
+    """taco_problem of every row; call-based problems are skipped and counted in the log."""
     problems, call_based = [], 0
     for path, i, row in read_rows(paths, cache_dir):
-        where = f"{path} row {i}"
-        question = _field(row, "question", where, str)
-        raw = _field(row, "input_output", where, str)
-        try:
-            io = json.loads(raw)
-        except ValueError as err:
-            raise TaskFormatError(f"{where}: field 'input_output' is not valid JSON ({err})") from None
-        if not isinstance(io, dict) or not {"inputs", "outputs"} <= set(io):
-            raise TaskFormatError(f"{where}: field 'input_output' should hold 'inputs' and 'outputs'")
-        if io.get("fn_name"):
+        problem = taco_problem(row, i, f"{path} row {i}", n_reward_tests=n_reward_tests)
+        if problem is None:
             call_based += 1
             continue
-        if len(io["inputs"]) != len(io["outputs"]):
-            raise TaskFormatError(f"{where}: field 'input_output' has {len(io['inputs'])} inputs but "
-                                  f"{len(io['outputs'])} outputs")
-        tests = tuple((_text(x), _text(y)) for x, y in zip(io["inputs"], io["outputs"]))
-        k = len(tests) if n_reward_tests is None else n_reward_tests
-        name = row.get("name") or ""
-        problems.append(Problem(
-            id=f"taco/{i}" + (f"/{name}" if name else ""), prompt=question.strip(), tests=tests[:k],
-            hidden_tests=tests[k:], source="taco", kind="code",
-            time_limit_s=_limit_number(row.get("time_limit")),
-            memory_mb=int(_limit_number(row.get("memory_limit")) or 0) or None,
-            metadata={"difficulty": row.get("difficulty"), "url": row.get("url")},
-        ))
+        problems.append(problem)
     if call_based:
         logger.info("taco: skipped %d call-based problems (fn_name: no stdin/stdout tests)", call_based)
     return problems
