@@ -256,7 +256,7 @@ def _hf_skeleton(hf_dir: Path):
 def _materialise(module, tensors: dict) -> None:
     """Give a meta-device module float32 CPU storage holding ``tensors`` (names relative to the module)."""
     module.to_empty(device="cpu")
-    missing, unexpected = module.load_state_dict({k: v for k, v in tensors.items()}, strict=False)
+    missing, unexpected = module.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise CheckError(f"transformers module {type(module).__name__}: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
@@ -273,6 +273,7 @@ def run_check(hf_dir, megatron_path, *, batch: int = 2, seq_len: int = 64, seed:
         FINAL_NORM,
         LM_HEAD,
         _param,
+        hf_from_checkpoint_parts,
         hf_names,
         layer_rules,
     )
@@ -335,8 +336,6 @@ def run_check(hf_dir, megatron_path, *, batch: int = 2, seq_len: int = 64, seed:
                 stored = meg.layer(i)
                 hf_tensors = {}
                 for rule, parts in stored:
-                    from megatron_spo.models.hf_map import hf_from_checkpoint_parts
-
                     for name, value in zip(hf_names(rule, i), hf_from_checkpoint_parts(rule, parts, cfg)):
                         hf_value = reader.view(name)
                         tensor_finding(name, value, hf_value)
@@ -358,7 +357,7 @@ def run_check(hf_dir, megatron_path, *, batch: int = 2, seq_len: int = 64, seed:
                 bar.advance(task)
 
             # final norm and LM head
-            norm_meg = meg_final_norm = None
+            norm_meg = None
             for entry in meg.layers[None]:
                 if entry.rule.megatron == "decoder.final_layernorm.weight":
                     norm_meg = _single(meg, entry)
