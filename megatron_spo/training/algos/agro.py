@@ -5,20 +5,16 @@ from __future__ import annotations
 from torch import Tensor
 
 from megatron_spo import algorithms
-from megatron_spo.algorithms.agro import sequence_logp
-from megatron_spo.algorithms.validation import upcast
 from megatron_spo.data.batching import TrainBatch
 from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
-from megatron_spo.training.algos.spo import by_source
+from megatron_spo.training.algos.spo import seq_log_ratio_by_source
 
 
 def agro_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: float,
                     on_policy: bool) -> tuple[Tensor, dict[str, float | tuple[float, int]]]:
     loss, metrics = algorithms.agro_loss(logp, ref_logp, batch.loss_mask, batch.reward, batch.group, beta=beta,
                                          on_policy=on_policy)
-    seq_log_ratio = sequence_logp(upcast(logp.detach()) - upcast(ref_logp), batch.loss_mask.bool())
-    for source, rows in by_source(batch).items():
-        metrics[f"mean_seq_log_ratio/{source}"] = (float(seq_log_ratio[rows].mean()), len(rows))
+    metrics.update(seq_log_ratio_by_source(batch, logp, ref_logp))
     return loss, metrics
 
 

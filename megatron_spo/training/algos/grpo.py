@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from megatron_spo.algorithms.agro import sequence_logp
 from megatron_spo.algorithms.grpo import aggregate, grpo_advantages, grpo_token_losses
-from megatron_spo.algorithms.validation import upcast
 from megatron_spo.data.batching import TrainBatch
 from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
-from megatron_spo.training.algos.spo import by_source
+from megatron_spo.training.algos.spo import seq_log_ratio_by_source
 
 
 def grpo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, cfg, *, global_sequences: int,
@@ -37,10 +35,9 @@ def grpo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, cfg, *, g
                      "advantage_abs": float(adv.abs().mean())}
     if "kl_ref" in stats:
         metrics["kl_ref_k3"] = (float((stats["kl_ref"] * valid).sum()) / max(tokens, 1), tokens)
-    seq_log_ratio = sequence_logp(upcast(logp.detach()) - upcast(ref_logp), batch.loss_mask.bool())
-    metrics["mean_seq_log_ratio"] = float(seq_log_ratio.mean())
-    for source, rows in by_source(batch).items():
-        metrics[f"mean_seq_log_ratio/{source}"] = (float(seq_log_ratio[rows].mean()), len(rows))
+    by_source = seq_log_ratio_by_source(batch, logp, ref_logp)
+    metrics.update(by_source)
+    metrics["mean_seq_log_ratio"] = sum(v * n for v, n in by_source.values()) / batch.num_sequences
     return loss, metrics
 
 

@@ -26,6 +26,17 @@ def by_source(batch: TrainBatch) -> dict[str, list[int]]:
     return dict(sorted(rows.items()))
 
 
+def seq_log_ratio_by_source(batch: TrainBatch, logp: Tensor, ref_logp: Tensor) -> dict:
+    """{"mean_seq_log_ratio/SOURCE": (mean sequence log(pi / pi_0), sequences)}: the KL estimate on online
+    samples, for algorithms whose loss does not report it itself."""
+    from megatron_spo.algorithms.agro import sequence_logp
+    from megatron_spo.algorithms.validation import upcast
+
+    ratio = sequence_logp(upcast(logp.detach()) - upcast(ref_logp), batch.loss_mask.bool())
+    return {f"mean_seq_log_ratio/{source}": (float(ratio[rows].mean()), len(rows))
+            for source, rows in by_source(batch).items()}
+
+
 def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: float,
                    objectives: dict[str, tuple[str, object]]) -> tuple[Tensor, dict[str, float]]:
     """Mean over sequences of spo_loss, each source with its own (objective, loss).
