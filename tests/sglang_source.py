@@ -92,6 +92,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import python_ast
+
 __all__ = [
     "HOLLOW_PACKAGES",
     "REAL_MODULES",
@@ -435,7 +437,7 @@ def compile_definitions(
     """
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    tree = ast.parse(source, filename=path)
+    tree = python_ast.parse(source, filename=path)
     body = tree.body
     if class_name is not None:
         classes = [n for n in body if isinstance(n, ast.ClassDef) and n.name == class_name]

@@ -8,6 +8,7 @@ from decimal import Decimal, getcontext
 from pathlib import Path
 
 import pytest
+import python_ast
 import torch
 import torch.nn.functional as F
 
@@ -488,7 +489,7 @@ def test_algorithms_import_only_torch_and_stdlib():
     allowed_roots = {"torch", "math", "numbers", "itertools", "collections", "dataclasses", "__future__", "megatron_spo"}
     folder = Path(__file__).resolve().parents[1] / "megatron_spo" / "algorithms"
     for path in sorted(folder.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(python_ast.parse(path.read_text(), str(path))):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import python_ast
+
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_spo"
 LOWER_FLOORS = ("models", "data", "rollout", "rewards", "ops", "algorithms")
 # What the bottom floors may import of the project at all: pure math and kernels know nothing of it.
@@ -13,7 +15,7 @@ BOTTOM = {"algorithms": {"megatron_spo.algorithms"}, "ops": {"megatron_spo.ops",
 
 
 def _project_imports(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = python_ast.parse(path.read_text(), filename=str(path))
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
