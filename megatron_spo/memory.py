@@ -151,3 +151,18 @@ def release_large_frees() -> bool:
         return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD = -3
     except (OSError, AttributeError):
         return False
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set size so far, in GB: /proc/self/status VmHWM (ru_maxrss would carry a
+    launcher's peak over the exec), getrusage elsewhere. On CPU this is the trainer's whole footprint, value model
+    included; on GPU the device memory is apart."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9

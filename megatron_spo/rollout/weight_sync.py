@@ -266,7 +266,7 @@ class SyncReport:
     def metrics(self) -> dict[str, float]:
         return {"weight_sync/seconds": self.seconds, "weight_sync/pause_seconds": self.pause_seconds,
                 "weight_sync/transfer_seconds": self.transfer_seconds, "weight_sync/bytes_per_s": self.bytes_per_s,
-                "weight_sync/engines_updated": float(len(self.engines_updated)),
+                "weight_sync/bytes": float(self.bytes_sent), "weight_sync/engines_updated": float(len(self.engines_updated)),
                 "weight_sync/engines_failed": float(len(self.failed)),
                 "weight_sync/engines_resynced": float(len(self.resynced)),
                 "weight_sync/failed": float(bool(self.failed))}

@@ -49,11 +49,14 @@ PANELS: dict[str, tuple[str, ...]] = {
     "step time split (s)": ("time/*", "weight_sync/seconds"),
     "weight push (s): engines paused, transfer": ("weight_sync/pause_seconds", "weight_sync/transfer_seconds"),
     "weight sync to the fleet (bytes / s)": ("weight_sync/bytes_per_s",),
+    "bytes per weight push": ("weight_sync/bytes",),
     "weight sync engines (per push)": ("weight_sync/engines_updated", "weight_sync/engines_failed",
                                        "weight_sync/engines_resynced"),
     "weight sync failures": ("weight_sync/failed",),
     "grad norm": ("grad_norm", "grad_norm/*"),
     "learning rate": ("lr",),
+    "online samples per step": ("samples/online",),
+    "trainer peak RSS (GB)": ("memory/peak_rss_gb",),
 }
 # Logged but not plotted: bookkeeping, not a training signal.
 UNPLOTTED = frozenset({"step", "time", "policy_version"})

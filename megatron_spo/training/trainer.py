@@ -31,6 +31,7 @@ from megatron_spo.config import ConfigError, LogprobsConfig, TrainConfig, dump_c
 from megatron_spo.data.batching import (
     TrainBatch,
 )
+from megatron_spo.memory import peak_rss_gb
 from megatron_spo.run_layout import CheckpointDir, PreemptionHandler
 from megatron_spo.training import checkpoint
 from megatron_spo.training import loss as losses
@@ -336,6 +337,7 @@ class Trainer:
             "lr": lr, "grad_norm": grad_norm, "reward": sum(t.reward for t in trajs) / len(trajs),
             "time/rollout_wait": t_wait, "time/forward_backward": t_fb, "time/weight_sync": t_sync,
             "time/step": time.perf_counter() - t_step, "policy_version": float(self.policy_version),
+            "memory/peak_rss_gb": peak_rss_gb(),
         })
         online = [t for t in trajs if t.source == "online"]
         if online:  # policy versions behind the trainer (offline data has no meaningful version)
@@ -343,6 +345,7 @@ class Trainer:
             metrics["staleness"] = self.policy_version - sum(versions) / len(versions)
             metrics["staleness/max"] = float(self.policy_version - min(versions))
             metrics["reward/online"] = sum(t.reward for t in online) / len(online)
+            metrics["samples/online"] = float(len(online))  # rollouts consumed: learning curves per rollout
         metrics.update(update.metrics)
         metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
         if "mean_seq_log_ratio/online" in metrics:
