@@ -26,7 +26,7 @@ from megatron_spo.data.prompts import Prompt, make_prompts  # noqa: E402
 from megatron_spo.data.q0 import read_q0  # noqa: E402
 from megatron_spo.data.trajectory import read_jsonl, validate_record  # noqa: E402
 from megatron_spo.engine_tools.estimate_q0 import estimate_q0  # noqa: E402
-from megatron_spo.engine_tools.eval import evaluate  # noqa: E402
+from megatron_spo.engine_tools.eval import ProblemEval, evaluate  # noqa: E402
 from megatron_spo.engine_tools.pts import BisectionSearch, PivotalToken, bisect_oracle, pivotal_token_search  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rewards.reward import RewardResult  # noqa: E402
@@ -183,6 +183,31 @@ def test_eval_pass_at_k_arithmetic_from_known_counts(tmp_path):
         asyncio.run(evaluate(prompts, client, TextReward("ok"), n=5, ks=(1,), out_path=tmp_path / "e.jsonl"))
     with pytest.raises(ConfigError, match=r"ks \[10\] must lie in \[1, n = 5\]"):
         asyncio.run(evaluate(prompts, client, TextReward("ok"), n=5, ks=(1, 10)))
+
+
+class TextsClient:
+    """generate() answers the scripted texts of a prompt in order."""
+
+    def __init__(self, texts: dict[tuple, list[str]]):
+        self.texts, self.served = texts, dict.fromkeys(texts, 0)
+
+    async def generate(self, prompts, params, **kw):
+        key = tuple(prompts[0])
+        first, self.served[key] = self.served[key], self.served[key] + params.n
+        return [[Completion(f"r{i}", [5], self.texts[key][i], "stop", 1, 1, None, None)
+                 for i in range(first, first + params.n)]]
+
+
+def test_eval_counts_distinct_correct_programs_up_to_whitespace():
+    texts = {(1, 10): ["ok = 1", "ok = 1  ", "\nok = 1\n\n", "ok = 2", "bad", "bad", "ok  = 1", "ok = 2\n"],
+             (1, 11): ["bad"] * 8}
+    prompts = [Prompt("a", [1, 10], P("a")), Prompt("b", [1, 11], P("b"))]
+    result = asyncio.run(evaluate(prompts, TextsClient(texts), TextReward("ok"), n=8, ks=(1,)))
+    # "ok = 1" thrice (trailing spaces, blank lines), "ok = 2" twice, "ok  = 1" differs inside the line
+    assert [(p.correct, p.distinct_correct) for p in result.problems] == [(6, 3), (0, 0)]
+    assert result.to_json()["problems"][0]["distinct_correct"] == 3
+    old = {"prompt_id": "a", "n": 8, "correct": 6, "pass@1": 0.75, "tests": {}}  # a record from before the count
+    assert ProblemEval.from_record(old, (1,)).distinct_correct is None
 
 
 def test_problems_jsonl_errors_name_file_line_and_field(tmp_path):

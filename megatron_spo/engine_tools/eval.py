@@ -41,22 +41,32 @@ from megatron_spo.eval.passk import pass_at_k
 @dataclass(frozen=True)
 class ProblemEval:
     """One problem: ``correct`` of ``n`` samples passed; pass_at[k]; tests: what was scored
-    ({"reward": count, "hidden": count} for code, {"answer": 1} for math)."""
+    ({"reward": count, "hidden": count} for code, {"answer": 1} for math); distinct_correct: how many different
+    programs (normalised_program) among the correct ones, the diversity a "soft" policy keeps (None in records
+    written before it was counted)."""
 
     prompt_id: str
     n: int
     correct: int
     pass_at: dict[int, float]
     tests: dict[str, int]
+    distinct_correct: int | None = None
 
     def to_record(self) -> dict:
         return {"prompt_id": self.prompt_id, "n": self.n, "correct": self.correct,
-                **{f"pass@{k}": v for k, v in self.pass_at.items()}, "tests": self.tests}
+                **{f"pass@{k}": v for k, v in self.pass_at.items()}, "tests": self.tests,
+                "distinct_correct": self.distinct_correct}
 
     @classmethod
     def from_record(cls, record: dict, ks: Sequence[int]) -> ProblemEval:
         return cls(str(record["prompt_id"]), record["n"], record["correct"],
-                   {k: record[f"pass@{k}"] for k in ks}, record["tests"])
+                   {k: record[f"pass@{k}"] for k in ks}, record["tests"], record.get("distinct_correct"))
+
+
+def normalised_program(text: str) -> str:
+    """A response with trailing spaces and blank lines dropped: two samples that differ only there are one
+    program."""
+    return "\n".join(line.rstrip() for line in text.strip().splitlines() if line.strip())
 
 
 @dataclass(frozen=True)
@@ -130,8 +140,9 @@ async def evaluate(prompts: Sequence[Prompt], client: Any, reward_pool: Any, *, 
         completions = await sample(client, prompt.tokens, cfg.n, cfg.sampling, seed_key=("eval", prompt.prompt_id))
         results = await score_all(reward_pool, prompt.problem, [c.text for c in completions])
         correct = sum(r.passed for r in results)
+        distinct = len({normalised_program(c.text) for c, r in zip(completions, results) if r.passed})
         return ProblemEval(prompt.prompt_id, cfg.n, correct, pass_at_ks(cfg.n, correct, cfg.ks),
-                           tests_used(prompt.problem, cfg.hidden_tests)).to_record()
+                           tests_used(prompt.problem, cfg.hidden_tests), distinct).to_record()
 
     try:
         records = await run_resumable(prompts, lambda p: p.prompt_id, work, log, concurrency=cfg.sampling.concurrency,
