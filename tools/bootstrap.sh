@@ -42,7 +42,8 @@ constraints="$(mktemp)"; trap 'rm -f "$constraints"' EXIT
 # 3. The package with the extras the job needs (skipped when already installed at this checkout). The import
 #    runs from / : here the checkout itself is on sys.path, and an editable install of another clone (or a
 #    moved one) would pass, then fail in every process SLURM starts elsewhere.
-extras=""; [ "$job" = test ] && extras="[test]"
+# [bench]: TRL and accelerate, pure-Python wheels over the installed torch / transformers (tests/test_trl_grpo.py).
+extras=""; [ "$job" = test ] && extras="[test,bench]"
 stamp=".cache/bootstrap-$job-$(cat setup.py tools/bootstrap.sh | sha1sum | cut -c1-12)"
 installed_at="$(cd / && "$PY" -c "import megatron.core, megatron_spo, os; \
 print(os.path.realpath(os.path.join(os.path.dirname(megatron_spo.__file__), '..')))" 2>/dev/null || true)"
