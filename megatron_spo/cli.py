@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("megatron_spo.engine_tools.eval:main", "pass@1 / pass@10 of a model on a task"),
     "train": ("megatron_spo.training.launch:main", "train SPO / AGRO / PPO from a config"),
     "plot": ("megatron_spo.training.metrics:plot_main", "PNG plots of a run's metrics.jsonl"),
+    "compare": ("megatron_spo.training.study:main", "SPO vs PPO / GRPO / AGRO / TRL-GRPO: tuned, seeded, report"),
     "plan": ("megatron_spo.training.capacity:main", "memory / weight-sync / throughput plan for a cluster"),
 }
 

@@ -24,11 +24,13 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_spo.config import (
     AlgoName,
+    GRPOConfig,
     LossName,
     Objective,
     PPOConfig,
@@ -62,6 +64,7 @@ class QuickstartTrainConfig(StrictModel):
     pipeline_model_parallel_size: int = Field(1, gt=0)
     max_tokens_per_micro_batch: int = Field(4096, gt=0)
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO's own settings (algo=ppo)")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO's own settings (algo=grpo)")
 
 
 class QuickstartConfig(StrictModel):
@@ -86,9 +89,29 @@ class QuickstartConfig(StrictModel):
     train_eval_limit: int = Field(0, ge=0, description="also evaluate on N training prompts (hidden tests, which "
                                   "rewards never use): learning vs transfer to new problems")
     train_limit: int | None = Field(None, gt=0, description="train on the first N training problems")
+    validation_problems: int = Field(0, ge=0, description="hold the last N training problems out of training and "
+                                     "evaluate on them (hidden tests): the split a tuning sweep chooses on, "
+                                     "disjoint from the held-out test problems")
+    eval_splits: list[Literal["heldout", "validation"]] = Field(
+        default_factory=lambda: ["heldout", "validation"], description="what to evaluate before and after "
+        "training (validation only where validation_problems > 0); a tuning sweep evaluates validation only")
+    trainer: Literal["megatron", "trl"] = Field("megatron", description="trl: TRL's GRPOTrainer trains instead of "
+                                                "megatron-core (algo=grpo; pip install megatron-spo[bench]), the "
+                                                "outside reference for our GRPO")
+    reuse_dir: str | None = Field(None, description="keep the reference's evaluations and Q0 here and reuse them: "
+                                  "the arms of one seed in a study share them (megatron-spo compare)")
     train: QuickstartTrainConfig = Field(default_factory=QuickstartTrainConfig)
     sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig(time_limit_s=1.0, memory_mb=256))
     progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.trainer == "trl" and self.algo != "grpo":
+            raise ValueError(f"trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not '{self.algo}'")
+        if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):
+            raise ValueError(f"eval_splits {self.eval_splits} with validation_problems {self.validation_problems}: "
+                             "nothing would be evaluated")
+        return self
 
 
 def _console():
@@ -133,7 +156,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "batch": {"sequences_per_step": n_seq, "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch,
                   "max_seq_length": cfg.reference.max_position_embeddings},
         "sources": sources,
-        "ppo": t.ppo.model_dump(),
+        "ppo": t.ppo.model_dump(), "grpo": t.grpo.model_dump(),
         "task": {"kind": "toy", "toy": cfg.reference.task.model_dump(), "q0_path": str(q0_path),
                  "limit": cfg.train_limit},
         "fleet": {"router_url": endpoints.router_url, "engine_urls": endpoints.engine_urls},
@@ -146,12 +169,13 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
     return build_config(TrainConfig, data, "quickstart train config")
 
 
-def build_offline_set(path: Path, prompts, q0: dict, tokenizer, human_per_prompt: int) -> tuple[int, int]:
-    """Offline trajectories = correct reference samples (written by estimate_q0 to `path`) + up to
-    human_per_prompt of each problem's own solutions. Returns (samples, solutions) counts."""
+def build_offline_set(samples_path: Path, path: Path, prompts, q0: dict, tokenizer,
+                      human_per_prompt: int) -> tuple[int, int]:
+    """Offline trajectories written to ``path`` = the correct reference samples (written by estimate_q0 to
+    ``samples_path``) + up to human_per_prompt of each problem's own solutions. Returns (samples, solutions)."""
     from megatron_spo.data.trajectory import Trajectory, read_jsonl, write_jsonl
 
-    samples = read_jsonl(path)[0] if path.exists() else []
+    samples = read_jsonl(samples_path)[0] if samples_path.exists() else []
     human = []
     for prompt in prompts:
         for solution in list(getattr(prompt.problem, "solutions", ()))[:human_per_prompt]:
@@ -229,6 +253,44 @@ def plot_comparison(result: dict, path: Path, algo: str) -> None:
     plt.close(fig)
 
 
+def split_problems(cfg: QuickstartConfig, toy) -> dict[str, list]:
+    """The problems of each role: "train" (RL prompts), "validation" (the last validation_problems of the task's
+    training split, never trained on), "heldout" (the test problems), "training_prompts" (train_eval_limit of
+    the RL prompts, scored on hidden tests)."""
+    from megatron_spo.config import ConfigError
+
+    train = list(toy.train)
+    n_val = cfg.validation_problems
+    if n_val >= len(train):
+        raise ConfigError(f"quickstart: validation_problems {n_val} leaves nothing to train on (the task has "
+                          f"{len(train)} training problems)")
+    validation = train[len(train) - n_val:] if "validation" in cfg.eval_splits else []
+    train = train[: len(train) - n_val][: cfg.train_limit]
+    return {"train": train, "validation": validation,
+            "heldout": list(toy.heldout)[: cfg.heldout_limit] if "heldout" in cfg.eval_splits else [],
+            "training_prompts": train[: cfg.train_eval_limit]}
+
+
+EVAL_SPLITS = {"heldout": "held-out problems", "validation": "validation problems, hidden tests",
+               "training_prompts": "training prompts, hidden tests"}
+
+
+def push_hf_checkpoint(hf_dir: Path, engine_urls: list[str], version: str) -> None:
+    """The weights of an HF checkpoint to the engines through the same /update_weights_from_disk path a trainer
+    uses (for a policy trained outside megatron-core: trainer=trl)."""
+    from safetensors.torch import load_file
+
+    from megatron_spo.rollout.weight_sync import WeightBroadcaster
+
+    tensors = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    sender = WeightBroadcaster(engine_urls, mode="disk", disk_dir=str(hf_dir.parent / "weight_push"))
+    report = sender.push(tensors.items(), version)
+    if report.failed:
+        raise RuntimeError(f"loading {hf_dir} into the engines failed: {report.failed}")
+
+
 def run(cfg: QuickstartConfig) -> dict:
     from transformers import AutoTokenizer
 
@@ -249,6 +311,8 @@ def run(cfg: QuickstartConfig) -> dict:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    shared = Path(cfg.reuse_dir) if cfg.reuse_dir else out  # the reference's evaluations and Q0
+    shared.mkdir(parents=True, exist_ok=True)
     (out / "quickstart.yaml").write_text(dump_config(cfg))
     wall: dict[str, float] = {}
 
@@ -263,14 +327,15 @@ def run(cfg: QuickstartConfig) -> dict:
 
     t0 = stage("2/6 HF -> Megatron conversion")
     megatron_init = out / "megatron_init"
-    hf_to_megatron(ref, megatron_init)
+    if cfg.trainer == "megatron":
+        hf_to_megatron(ref, megatron_init)
     wall["convert"] = time.perf_counter() - t0
 
-    toy = task_from_config(cfg.reference)
-    train_problems = list(toy.train)[: cfg.train_limit]
-    heldout = list(toy.heldout)[: cfg.heldout_limit]
+    problems = split_problems(cfg, task_from_config(cfg.reference))
     tokenizer = AutoTokenizer.from_pretrained(ref)
-    train_prompts, heldout_prompts = make_prompts(train_problems, tokenizer), make_prompts(heldout, tokenizer)
+    prompts = {role: make_prompts(ps, tokenizer) for role, ps in problems.items()}
+    train_prompts = prompts["train"]
+    evaluated = [name for name in EVAL_SPLITS if prompts[name]]
     sandbox = SandboxPool(cfg.sandbox)
     rewards, eval_rewards = RewardPool(sandbox), RewardPool(sandbox, hidden=True)
     t0 = stage(f"3/6 fleet: {cfg.engines} engines behind sglang-router")
@@ -279,17 +344,19 @@ def run(cfg: QuickstartConfig) -> dict:
             endpoints = type("E", (), {"router_url": fleet.router_url, "engine_urls": fleet.engine_urls})()
             console.print(f"router {fleet.router_url}, engines {', '.join(fleet.engine_urls)}")
 
-            async def eval_now(tag: str, prompts=heldout_prompts):
+            async def eval_now(path: Path, split: str):
                 async with EngineClient(fleet.router_url) as client:
-                    return await evaluate(prompts, client, eval_rewards, n=cfg.eval_n,
+                    return await evaluate(prompts[split], client, eval_rewards, n=cfg.eval_n,
                                           temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, ks=(1, 10),
                                           sampling=ToolSamplingConfig(max_new_tokens=cfg.train.max_new_tokens),
-                                          out_path=out / f"eval_{tag}.jsonl", progress=cfg.progress)
+                                          out_path=path, progress=cfg.progress)
 
-            t0 = stage(f"4/6 evaluate the reference: {len(heldout)} held-out problems x {cfg.eval_n} samples")
-            before = asyncio.run(eval_now("before"))
-            train_eval = train_prompts[: cfg.train_eval_limit]
-            train_before = asyncio.run(eval_now("train_before", train_eval)) if train_eval else None
+            def eval_file(where: Path, tag: str, split: str) -> Path:  # the quickstart's names of old
+                return where / {"heldout": f"eval_{tag}.jsonl"}.get(split, f"eval_{split}_{tag}.jsonl")
+
+            t0 = stage("4/6 evaluate the reference: " + ", ".join(f"{len(prompts[n])} {n}" for n in evaluated)
+                       + f" problems x {cfg.eval_n} samples")
+            before = {name: asyncio.run(eval_now(eval_file(shared, "before", name), name)) for name in evaluated}
             wall["eval_before"] = time.perf_counter() - t0
 
             t0 = stage(f"5/6 Q0: {cfg.q0_samples} reference samples x {len(train_prompts)} training prompts")
@@ -297,51 +364,71 @@ def run(cfg: QuickstartConfig) -> dict:
             async def q0_now():
                 async with EngineClient(fleet.router_url) as client:
                     return await estimate_q0(train_prompts, client, rewards, samples=cfg.q0_samples,
-                                             beta=cfg.train.beta, out_path=out / "q0.jsonl",
+                                             beta=cfg.train.beta, out_path=shared / "q0.jsonl",
                                              sampling=ToolSamplingConfig(temperature=1.0,
                                                                          max_new_tokens=cfg.train.max_new_tokens),
-                                             trajectories_out=out / "offline.jsonl",
+                                             trajectories_out=shared / "q0_correct_samples.jsonl",
                                              keep_successful=cfg.offline_per_prompt, progress=cfg.progress)
 
             q0 = asyncio.run(q0_now())
             s0 = [e.s0 for e in q0.values()]
-            n_samples, n_human = build_offline_set(out / "offline.jsonl", train_prompts, q0, tokenizer,
-                                                   cfg.human_solutions_per_prompt)
+            if shared != out:
+                shutil.copyfile(shared / "q0.jsonl", out / "q0.jsonl")
+            n_samples, n_human = build_offline_set(shared / "q0_correct_samples.jsonl", out / "offline.jsonl",
+                                                   train_prompts, q0, tokenizer, cfg.human_solutions_per_prompt)
             n_offline = n_samples + n_human
             console.print(f"mean S0 {sum(s0) / len(s0):.3f}; offline set: {n_samples} correct reference samples + "
                           f"{n_human} task solutions")
             wall["q0"] = time.perf_counter() - t0
 
-            t0 = stage(f"6/6 train {cfg.algo.upper()} for {cfg.train.steps} steps on megatron-core")
-            tcfg = train_config(cfg, out, ref, megatron_init, endpoints, out / "q0.jsonl",
-                                out / "offline.jsonl" if n_offline else None)
-            launch(tcfg)
+            t0 = stage(f"6/6 train {cfg.algo.upper()} for {cfg.train.steps} steps on "
+                       + ("megatron-core" if cfg.trainer == "megatron" else "TRL's GRPOTrainer"))
+            if cfg.trainer == "megatron":
+                tcfg = train_config(cfg, out, ref, megatron_init, endpoints, out / "q0.jsonl",
+                                    out / "offline.jsonl" if n_offline else None)
+                launch(tcfg)
+            else:
+                trained = train_with_trl(cfg, ref, train_prompts, rewards, out / "train")
+                push_hf_checkpoint(trained, fleet.engine_urls, "trl-final")
             wall["train"] = time.perf_counter() - t0
 
             t0 = stage("evaluate the trained policy (the engines hold its weights)")
-            after = asyncio.run(eval_now("after"))
-            train_after = asyncio.run(eval_now("train_after", train_eval)) if train_eval else None
+            after = {name: asyncio.run(eval_now(eval_file(out, "after", name), name)) for name in evaluated}
             wall["eval_after"] = time.perf_counter() - t0
     finally:
         rewards.close()
         sandbox.close()
 
-    result = comparison(before, after)
-    if train_before is not None:
-        result["training_prompts"] = comparison(train_before, train_after)
+    result = comparison(before["heldout"], after["heldout"]) if "heldout" in before else {}
+    for name in evaluated:
+        if name != "heldout":
+            result[name] = comparison(before[name], after[name])
     from megatron_spo.training.metrics import read_metrics
 
     train_metrics = read_metrics(out / "train")
-    result.update({"algo": cfg.algo, "wall_s": wall, "train_steps": len(train_metrics),
+    result.update({"algo": cfg.algo, "trainer": cfg.trainer, "seed": cfg.seed, "wall_s": wall,
+                   "train_steps": len(train_metrics),
                    "weight_pushes": int(max(m.get("policy_version", 0) for m in train_metrics))})
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    print_table(console, result, cfg.algo, wall)
-    if "training_prompts" in result:
-        print_table(console, result["training_prompts"], cfg.algo, {}, where="training prompts, hidden tests")
+    for name in evaluated:
+        print_table(console, result if name == "heldout" else result[name], cfg.algo,
+                    wall if name == evaluated[0] else {}, where=EVAL_SPLITS[name])
     plots = plot_run(out / "train", out / "plots", smooth=5)
-    plot_comparison(result, out / "plots" / "pass_at_k.png", cfg.algo)
+    if "heldout" in before:
+        plot_comparison(result, out / "plots" / "pass_at_k.png", cfg.algo)
     console.print(f"results: {out / 'results.json'}; plots: {len(plots) + 1} PNGs in {out / 'plots'}")
     return result
+
+
+def train_with_trl(cfg: QuickstartConfig, ref: Path, prompts, rewards, out: Path) -> Path:
+    """trainer=trl: TRL's GRPOTrainer with this quickstart's settings; returns the trained HF checkpoint."""
+    from megatron_spo.training.trl_grpo import train_trl_grpo
+
+    t = cfg.train
+    return train_trl_grpo(ref, prompts, rewards, out, steps=t.steps, lr=t.lr, beta=t.grpo.kl_coef,
+                          prompts_per_step=t.prompts_per_step, samples_per_prompt=t.samples_per_prompt,
+                          max_new_tokens=t.max_new_tokens, warmup_steps=t.warmup_steps, seed=cfg.seed,
+                          progress=cfg.progress)
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,244 @@
+"""`megatron-spo compare`: SPO against its baselines on the quickstart task, equally tuned, over seeds.
+
+    megatron-spo compare [out_dir=outputs/compare] [arms=[spo,ppo]] [seeds=[0,1,2]] [sweep.enabled=false]
+                         [quickstart.train.steps=90 ...] [--report-only]
+
+1. sweep: every arm gets the same grid (sweep.lrs x its own coefficient) on a validation split of the
+   training problems (held out of training, disjoint from the held-out test problems), at sweep.seed; the best
+   validation pass@1 wins (chosen.json and the report say which);
+2. runs: every arm with its chosen settings at every seed, on the held-out test problems; the reference's
+   evaluations and Q0 are made once per seed and shared by the arms, so arms are compared on the same draws;
+3. long runs: long_run.arms at long_run.steps_factor x the steps, for stability (grad norm, log-ratio);
+4. report.md + PNGs (training/study_report.py).
+
+Each run is a `megatron-spo quickstart` subprocess writing results.json when it is done: a study that is
+stopped and started again skips the finished runs (and redoes an unfinished one from its start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from megatron_spo.config import StrictModel, apply_overrides, build_config
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One contender: the quickstart algorithm, its fixed overrides, and the coefficient the sweep varies."""
+
+    algo: str
+    overrides: tuple[str, ...]
+    coefficient: str  # dotted quickstart path: SPO / AGRO beta, PPO's KL-reward beta, GRPO's k3 KL coefficient
+    grid: tuple[float, ...]
+    about: str
+
+
+ARMS: dict[str, Arm] = {
+    "spo": Arm("spo", (), "train.beta", (0.5, 1.0), "SPO, online + offline (the quickstart)"),
+    "spo-online": Arm("spo", ("train.online_fraction=1.0",), "train.beta", (0.5, 1.0), "SPO, online rollouts only"),
+    "agro": Arm("agro", (), "train.beta", (0.5, 1.0), "AGRO, online"),
+    "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
+    "grpo": Arm("grpo", (), "train.grpo.kl_coef", (0.0, 0.04), "GRPO on megatron-core"),
+    "trl-grpo": Arm("grpo", ("trainer=trl",), "train.grpo.kl_coef", (0.0, 0.04),
+                    "TRL's GRPOTrainer (outside reference)"),
+}
+
+
+def _known_arms(arms: list[str]) -> list[str]:
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        raise ValueError(f"unknown arm(s) {bad}; arms are {list(ARMS)}")
+    return arms
+
+
+class SweepConfig(StrictModel):
+    enabled: bool = True
+    lrs: list[float] = Field(default_factory=lambda: [1e-4, 2e-4, 4e-4], min_length=1)
+    coefficients: dict[str, list[float]] = Field(default_factory=dict, description="per arm, replaces the arm's "
+                                                 "own grid (ARMS); [] keeps the quickstart's value")
+    inherit: dict[str, str] = Field(default_factory=lambda: {"spo-online": "spo"}, description="arm -> the arm "
+                                    "whose chosen settings it takes (an ablation keeps its parent's settings)")
+    validation_problems: int = Field(30, gt=0)
+    seed: int = 0
+    metric: Literal["pass@1", "pass@10"] = "pass@1"
+
+    @field_validator("coefficients", "inherit")
+    @classmethod
+    def _arms(cls, v: dict) -> dict:
+        _known_arms(list(v) + [x for x in v.values() if isinstance(x, str)])
+        return v
+
+
+class LongRunConfig(StrictModel):
+    arms: list[str] = Field(default_factory=lambda: ["spo", "grpo"])
+    steps_factor: int = Field(3, ge=1)
+    seeds: list[int] = Field(default_factory=lambda: [0])
+
+    _check = field_validator("arms")(classmethod(lambda cls, v: _known_arms(v)))
+
+
+class StudyConfig(StrictModel):
+    out_dir: str = "outputs/compare"
+    arms: list[str] = Field(default_factory=lambda: [a for a in ARMS if a != "trl-grpo"] + ["trl-grpo"])
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    sweep: SweepConfig = Field(default_factory=SweepConfig)
+    long_run: LongRunConfig = Field(default_factory=LongRunConfig)
+    quickstart: dict[str, Any] = Field(default_factory=dict, description="quickstart settings for every run "
+                                       "(quickstart.train.steps=90, ...)")
+    progress: bool = True
+
+    _check = field_validator("arms")(classmethod(lambda cls, v: _known_arms(v)))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    kind: str  # sweep | runs | long
+    arm: str
+    seed: int
+    settings: tuple[tuple[str, Any], ...]  # (dotted path, value) on top of the arm's overrides
+
+    @property
+    def tag(self) -> str:
+        return "_".join(f"{path.split('.')[-1]}{value:g}" for path, value in self.settings) or "default"
+
+    def run_dir(self, root: Path) -> Path:
+        return root / self.kind / self.arm / f"{self.tag}_seed{self.seed}" / ARMS[self.arm].algo
+
+
+def _flat(data: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out += _flat(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={json.dumps(value)}")
+    return out
+
+
+def quickstart_overrides(study: StudyConfig, spec: RunSpec, root: Path) -> list[str]:
+    """The `megatron-spo quickstart` arguments of one run."""
+    arm = ARMS[spec.arm]
+    base = apply_overrides(json.loads(json.dumps(study.quickstart)), list(arm.overrides))
+    shared = root / "shared" / f"seed{spec.seed}"  # the training problems are the same in every kind of run
+    extra = {"out_dir": str(spec.run_dir(root).parent), "algo": arm.algo, "seed": spec.seed,
+             "reuse_dir": str(shared), "progress": False}
+    if spec.kind == "sweep":
+        extra.update({"validation_problems": study.sweep.validation_problems, "eval_splits": ["validation"]})
+    else:  # the same training problems as the sweep (validation stays out), scored on the test problems
+        extra.update({"validation_problems": study.sweep.validation_problems if study.sweep.enabled else 0,
+                      "eval_splits": ["heldout"]})
+    apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in extra.items()])
+    apply_overrides(base, [f"{path}={json.dumps(value)}" for path, value in spec.settings])
+    return _flat(base)
+
+
+def _check_quickstart(study: StudyConfig) -> None:
+    """Fail now, naming the field, rather than after an hour of runs."""
+    from megatron_spo.training.quickstart import QuickstartConfig
+
+    for arm in study.arms:
+        spec = RunSpec("runs", arm, study.seeds[0], ())
+        build_config(QuickstartConfig, apply_overrides({}, quickstart_overrides(study, spec, Path("/tmp"))),
+                     f"compare: arm {arm}")
+
+
+def run_one(study: StudyConfig, spec: RunSpec, root: Path, log) -> dict | None:
+    """The run's results.json, running it unless a finished one is there; None when it failed (its log says why)."""
+    out = spec.run_dir(root)
+    done = out / "results.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = quickstart_overrides(study, spec, root)
+    t0 = time.perf_counter()
+    with open(out.parent / "quickstart.log", "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "quickstart", *args], stdout=f,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0 or not done.exists():
+        log(f"FAILED {spec.kind} {spec.arm} {spec.tag} seed {spec.seed} after {seconds:.0f} s "
+            f"(exit {proc.returncode}): see {out.parent / 'quickstart.log'}")
+        return None
+    result = json.loads(done.read_text())
+    log(f"done {spec.kind} {spec.arm} {spec.tag} seed {spec.seed} in {seconds:.0f} s")
+    return result
+
+
+def sweep_grid(study: StudyConfig, arm: str) -> list[tuple[tuple[str, Any], ...]]:
+    a = ARMS[arm]
+    coefs = study.sweep.coefficients.get(arm, list(a.grid))
+    return [(("train.lr", lr),) + (((a.coefficient, c),) if coefs else ()) for lr in study.sweep.lrs
+            for c in (coefs or [None])]
+
+
+def choose(study: StudyConfig, root: Path, log) -> dict[str, dict]:
+    """Per arm: every grid point's validation score and the chosen settings (the best; ties: the first)."""
+    chosen = {}
+    metric = study.sweep.metric
+    inherit = study.sweep.inherit
+    for arm in sorted(study.arms, key=lambda a: a in inherit):  # parents first
+        if arm in inherit and inherit[arm] in chosen:
+            chosen[arm] = {**chosen[inherit[arm]], "grid": [], "inherited_from": inherit[arm]}
+            continue
+        scores = []
+        for settings in sweep_grid(study, arm):
+            result = run_one(study, RunSpec("sweep", arm, study.sweep.seed, settings), root, log)
+            score = None if result is None else result["validation"][metric]["after"]
+            scores.append({"settings": dict(settings), "validation": score})
+        ok = [s for s in scores if s["validation"] is not None]
+        best = max(ok, key=lambda s: s["validation"]) if ok else {"settings": {}}
+        chosen[arm] = {"settings": best["settings"], "grid": scores, "metric": metric}
+    return chosen
+
+
+def run_study(study: StudyConfig, log=print) -> Path:
+    """Sweep, runs, long runs; then the report. Returns the report's path."""
+    from megatron_spo.training.quickstart import QuickstartTrainConfig
+    from megatron_spo.training.study_report import write_report
+
+    root = Path(study.out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "study.json").write_text(study.model_dump_json(indent=2) + "\n")
+    _check_quickstart(study)
+    chosen = choose(study, root, log) if study.sweep.enabled else {a: {"settings": {}} for a in study.arms}
+    (root / "chosen.json").write_text(json.dumps(chosen, indent=2) + "\n")
+    for seed in study.seeds:  # seed-major: a stopped study has every arm at its first seeds
+        for arm in study.arms:
+            run_one(study, RunSpec("runs", arm, seed, tuple(chosen[arm]["settings"].items())), root, log)
+    steps = int(study.quickstart.get("train", {}).get("steps", QuickstartTrainConfig().steps))
+    for seed in study.long_run.seeds:
+        for arm in [a for a in study.long_run.arms if a in study.arms]:
+            settings = tuple(chosen[arm]["settings"].items()) + (("train.steps", steps * study.long_run.steps_factor),)
+            run_one(study, RunSpec("long", arm, seed, settings), root, log)
+    return write_report(study, root, chosen)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-spo compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the study, e.g. seeds=[0,1] "
+                        "quickstart.train.steps=60")
+    parser.add_argument("--report-only", action="store_true", help="write the report from the finished runs")
+    args = parser.parse_args(argv)
+    study = build_config(StudyConfig, apply_overrides({}, args.overrides), "compare")
+    if args.report_only:
+        from megatron_spo.training.study_report import write_report
+
+        root = Path(study.out_dir)
+        chosen_path = root / "chosen.json"
+        chosen = json.loads(chosen_path.read_text()) if chosen_path.exists() else {a: {"settings": {}}
+                                                                                     for a in study.arms}
+        path = write_report(study, root, chosen)
+    else:
+        path = run_study(study)
+    print(f"report: {path}")
+    return 0

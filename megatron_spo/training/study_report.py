@@ -1,0 +1,350 @@
+"""The report of `megatron-spo compare`: report.md and PNGs from the finished runs of a study.
+
+Every comparison is paired: arms of one seed share the reference's evaluation draws, and a difference is taken
+per (seed, problem) before it is averaged. Intervals are two-way bootstraps: seeds and problems are resampled
+independently, so both the training noise (seeds) and the problem sample count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+KS = (1, 10)
+
+
+def two_way_bootstrap(diff: list[list[float]], *, resamples: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of diff[seed][problem] and its 95% interval, resampling seeds and problems independently."""
+    if not diff or not diff[0]:
+        return math.nan, math.nan, math.nan
+    rng = random.Random(seed)
+    n_s, n_p = len(diff), len(diff[0])
+    mean = sum(map(sum, diff)) / (n_s * n_p)
+    means = []
+    for _ in range(resamples):
+        seeds = [rng.randrange(n_s) for _ in range(n_s)]
+        problems = [rng.randrange(n_p) for _ in range(n_p)]
+        means.append(sum(diff[s][p] for s in seeds for p in problems) / (n_s * n_p))
+    means.sort()
+    return mean, means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def _records(path: Path) -> dict[str, dict]:
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if "prompt_id" in rec:
+                    out[rec["prompt_id"]] = rec
+    return out
+
+
+def _metrics(run: Path) -> list[dict]:
+    from megatron_spo.training.metrics import read_metrics
+
+    try:
+        return read_metrics(run / "train")
+    except (OSError, ValueError):
+        return []
+
+
+class ArmRuns:
+    """The finished runs of one arm: per seed, the per-problem evaluations after training, and its metrics."""
+
+    def __init__(self, name: str, runs: dict[int, Path], root: Path):
+        self.name = name
+        self.after = {s: _records(r / "eval_after.jsonl") for s, r in runs.items()}
+        self.before = {s: _records(root / "shared" / f"seed{s}" / "eval_before.jsonl") for s in runs}
+        self.results = {s: json.loads((r / "results.json").read_text()) for s, r in runs.items()}
+        self.metrics = {s: _metrics(r) for s, r in runs.items()}
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted(self.after)
+
+    def value(self, rec: dict, what: str) -> float:
+        if what == "gap":
+            return rec["pass@10"] - rec["pass@1"]
+        if what == "distinct":
+            return float(rec.get("distinct_correct") or 0)
+        return rec[what]
+
+    def matrix(self, what: str, seeds: list[int], problems: list[str], before: bool = False) -> list[list[float]]:
+        src = self.before if before else self.after
+        return [[self.value(src[s][p], what) for p in problems] for s in seeds]
+
+
+def _ci(mean: float, lo: float, hi: float) -> str:
+    return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def _verdict(lo: float, hi: float) -> str:
+    return "supported" if lo > 0 else ("contradicted" if hi < 0 else "inconclusive (CI includes 0)")
+
+
+def _common(arms: list[ArmRuns]) -> tuple[list[int], list[str]]:
+    seeds = sorted(set.intersection(*(set(a.seeds) for a in arms)))
+    problems = sorted(set.intersection(*(set(a.after[s]) & set(a.before[s]) for a in arms for s in seeds))) if seeds \
+        else []
+    return seeds, problems
+
+
+def compare(a: ArmRuns, b: ArmRuns | None, what: str) -> tuple[float, float, float, int, int]:
+    """a - b (b None: a after - reference before) per (seed, problem): mean, CI, seeds, problems."""
+    seeds, problems = _common([a] + ([b] if b else []))
+    if not problems:
+        return math.nan, math.nan, math.nan, 0, 0
+    x = a.matrix(what, seeds, problems)
+    y = b.matrix(what, seeds, problems) if b else a.matrix(what, seeds, problems, before=True)
+    diff = [[xi - yi for xi, yi in zip(rx, ry)] for rx, ry in zip(x, y)]
+    return (*two_way_bootstrap(diff), len(seeds), len(problems))
+
+
+def _resources(arm: ArmRuns) -> dict[str, Any]:
+    walls = [r["wall_s"]["train"] for r in arm.results.values()]
+    pushes = [r.get("weight_pushes", 0) for r in arm.results.values()]
+    gb = [sum(m.get("weight_sync/bytes", 0.0) for m in ms) / 1e9 for ms in arm.metrics.values()]
+    rss = [max((m.get("memory/peak_rss_gb", 0.0) for m in ms), default=0.0) for ms in arm.metrics.values()]
+    return {"wall": walls, "pushes": pushes, "gb": gb, "rss": rss}
+
+
+def _mean_sd(xs: list[float], fmt: str = "{:.0f}") -> str:
+    if not xs:
+        return "n/a"
+    if len(xs) == 1:
+        return fmt.format(xs[0])
+    return f"{fmt.format(statistics.mean(xs))} ± {fmt.format(statistics.stdev(xs))}"
+
+
+def _curve(metrics: list[dict], x: str) -> tuple[list[float], list[float]]:
+    """Training reward of online samples against cumulative online samples ("rollouts") or seconds."""
+    xs, ys, total = [], [], 0.0
+    t0 = metrics[0]["time"] - metrics[0].get("time/step", 0.0) if metrics else 0.0
+    for m in metrics:
+        reward = m.get("reward/online", m.get("reward"))
+        if reward is None:
+            continue
+        total += m.get("samples/online", 0.0)
+        xs.append(total if x == "rollouts" else m["time"] - t0)
+        ys.append(reward)
+    return xs, ys
+
+
+def _smooth(ys: list[float], w: int = 9) -> list[float]:
+    return [sum(ys[max(0, i - w + 1): i + 1]) / len(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
+
+
+def _plots(arms: list[ArmRuns], long: list[ArmRuns], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, k in zip(axes, KS):
+        names, means, errs = [], [], [[], []]
+        for arm in arms:
+            mean, lo, hi, _, n = compare(arm, None, f"pass@{k}")
+            seeds, problems = _common([arm])
+            after = sum(map(sum, arm.matrix(f"pass@{k}", seeds, problems))) / max(1, len(seeds) * len(problems))
+            names.append(arm.name)
+            means.append(after)
+            errs[0].append(max(0.0, mean - lo) if n else 0)  # rounding can put the point a hair outside
+            errs[1].append(max(0.0, hi - mean) if n else 0)
+        if arms:
+            seeds, problems = _common(arms[:1])
+            ref = sum(map(sum, arms[0].matrix(f"pass@{k}", seeds, problems, before=True))) / max(
+                1, len(seeds) * len(problems))
+            ax.axhline(ref, color="k", ls="--", lw=1, label="reference")
+        ax.bar(names, means, yerr=errs, capsize=4, color="tab:blue")
+        ax.set_title(f"held-out pass@{k} (95% CI of the change)")
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend()
+    fig.tight_layout()
+    paths.append(out / "pass_at_k.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    for x, label in (("rollouts", "online samples (rollouts)"), ("seconds", "wall clock of training (s)")):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for i, arm in enumerate(arms):
+            for j, s in enumerate(arm.seeds):
+                xs, ys = _curve(arm.metrics[s], x)
+                if xs:
+                    ax.plot(xs, _smooth(ys), color=f"C{i}", alpha=0.8, lw=1, label=arm.name if j == 0 else None)
+        ax.set_xlabel(label)
+        ax.set_ylabel("training reward (online samples)")
+        ax.set_title("learning curves, every seed")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / f"learning_curve_{x}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    if long:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        for i, arm in enumerate(long):
+            for s in arm.seeds:
+                ms = arm.metrics[s]
+                steps = [m["step"] for m in ms]
+                axes[0].plot(steps, _smooth([m.get("grad_norm", math.nan) for m in ms]), color=f"C{i}",
+                             label=arm.name)
+                axes[1].plot(steps, _smooth([m.get("mean_seq_log_ratio", math.nan) for m in ms]), color=f"C{i}",
+                             label=arm.name)
+        axes[0].set_title("grad norm (long runs)")
+        axes[1].set_title("mean sequence log(pi / pi_0) (long runs)")
+        for ax in axes:
+            ax.set_xlabel("step")
+            ax.legend()
+        fig.tight_layout()
+        paths.append(out / "stability.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _stability(arm: ArmRuns) -> dict[str, float]:
+    """Grad-norm growth (last third / first third of the steps) and the largest |mean sequence log-ratio|."""
+    out = {}
+    for s, ms in arm.metrics.items():
+        g = [m["grad_norm"] for m in ms if "grad_norm" in m]
+        third = max(1, len(g) // 3)
+        out = {"grad_norm_growth": (sum(g[-third:]) / third) / max(sum(g[:third]) / third, 1e-12) if g else math.nan,
+               "max_abs_log_ratio": max((abs(m.get("mean_seq_log_ratio", 0.0)) for m in ms), default=math.nan),
+               "pass@1": arm.results[s].get("pass@1", {}).get("after", math.nan)}
+    return out
+
+
+def load_arms(study, root: Path, chosen: dict, kind: str, names: list[str]) -> list[ArmRuns]:
+    from megatron_spo.training.quickstart import QuickstartTrainConfig
+    from megatron_spo.training.study import RunSpec
+
+    arms = []
+    for name in names:
+        settings = tuple(chosen.get(name, {}).get("settings", {}).items())
+        runs = {}
+        for seed in (study.seeds if kind == "runs" else study.long_run.seeds):
+            extra = ()
+            if kind == "long":
+                steps = int(study.quickstart.get("train", {}).get("steps", QuickstartTrainConfig().steps))
+                extra = (("train.steps", steps * study.long_run.steps_factor),)
+            run = RunSpec(kind, name, seed, settings + extra).run_dir(root)
+            if (run / "results.json").exists():
+                runs[seed] = run
+        if runs:
+            arms.append(ArmRuns(name, runs, root))
+    return arms
+
+
+def write_report(study, root: Path, chosen: dict) -> Path:
+    from megatron_spo.training.study import ARMS
+
+    arms = load_arms(study, root, chosen, "runs", study.arms)
+    long = load_arms(study, root, chosen, "long", [a for a in study.long_run.arms if a in study.arms])
+    by = {a.name: a for a in arms}
+    plots = _plots(arms, long, root)
+    lines = ["# SPO vs its baselines on the quickstart task", "",
+             f"Seeds {study.seeds}; every interval is a 95% two-way (seeds x problems) paired bootstrap. "
+             "Numbers regenerate with `megatron-spo compare --report-only`.", ""]
+    if study.sweep.enabled:
+        lines += ["## Equal tuning budget", "",
+                  f"Every arm: learning rates {study.sweep.lrs} x its coefficient grid, seed {study.sweep.seed}, "
+                  f"chosen on {study.sweep.metric} of {study.sweep.validation_problems} validation problems (training "
+                  "problems held out of training; the test problems are never looked at).", "",
+                  "| arm | grid: setting -> validation score | chosen |", "|---|---|---|"]
+        for name in study.arms:
+            c = chosen.get(name, {})
+            grid = "; ".join(", ".join(f"{k.split('.')[-1]} {v:g}" for k, v in g["settings"].items())
+                             + f" -> {'failed' if g['validation'] is None else format(g['validation'], '.3f')}"
+                             for g in c.get("grid", []))
+            pick = ", ".join(f"{k} = {v:g}" for k, v in c.get("settings", {}).items()) or "defaults"
+            if c.get("inherited_from"):
+                grid, pick = f"not swept: takes {c['inherited_from']}'s settings (an ablation)", pick
+            lines.append(f"| {name} | {grid} | {pick} |")
+        lines.append("")
+    lines += ["## Held-out test problems: trained vs reference", "",
+              "| arm | seeds x problems | pass@1 | change | pass@10 | change | pass@10 - pass@1 | distinct correct "
+              "programs / problem | train wall s | weight pushes | GB pushed | trainer peak RSS GB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        seeds, problems = _common([arm])
+        n = max(1, len(seeds) * len(problems))
+        mean = {w: sum(map(sum, arm.matrix(w, seeds, problems))) / n for w in ("pass@1", "pass@10", "gap", "distinct")}
+        d1, d10 = compare(arm, None, "pass@1"), compare(arm, None, "pass@10")
+        r = _resources(arm)
+        lines.append(f"| {arm.name} | {len(seeds)} x {len(problems)} | {mean['pass@1']:.3f} | {_ci(*d1[:3])} | "
+                     f"{mean['pass@10']:.3f} | {_ci(*d10[:3])} | {mean['gap']:.3f} | {mean['distinct']:.2f} | "
+                     f"{_mean_sd(r['wall'])} | {_mean_sd(r['pushes'])} | {_mean_sd(r['gb'], '{:.2f}')} | "
+                     f"{_mean_sd([x for x in r['rss'] if x], '{:.2f}')} |")
+    if arms:
+        seeds, problems = _common(arms[:1])
+        n = max(1, len(seeds) * len(problems))
+        ref = {w: sum(map(sum, arms[0].matrix(w, seeds, problems, before=True))) / n
+               for w in ("pass@1", "pass@10", "gap", "distinct")}
+        lines.append(f"| reference | {len(seeds)} x {len(problems)} | {ref['pass@1']:.3f} | | {ref['pass@10']:.3f} | | "
+                     f"{ref['gap']:.3f} | {ref['distinct']:.2f} | | | | |")
+    lines += ["", "Arms: " + "; ".join(f"**{n}**: {ARMS[n].about}" for n in study.arms), ""]
+    if "spo" in by:
+        lines += ["## SPO against each arm (SPO minus arm, paired per seed and problem)", "",
+                  "| arm | pass@1 | pass@10 | pass@10 - pass@1 | distinct correct |", "|---|---|---|---|---|"]
+        for arm in arms:
+            if arm.name != "spo":
+                cells = [_ci(*compare(by["spo"], arm, w)[:3]) for w in ("pass@1", "pass@10", "gap", "distinct")]
+                lines.append(f"| {arm.name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += _claims(by, long)
+    lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    report = root / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    (root / "report.json").write_text(json.dumps(
+        {a.name: {w: compare(a, None, w)[:3] for w in ("pass@1", "pass@10", "gap")} for a in arms}, indent=2) + "\n")
+    return report
+
+
+def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
+    """The SPO paper's five claims, each with the measurement that speaks to it and a verdict."""
+    rows = []
+
+    def paired(claim: str, a: str, b: str, what: str) -> None:
+        if a in by and b in by:
+            mean, lo, hi, s, p = compare(by[a], by[b], what)
+            rows.append((claim, f"{a} - {b}, {what}: {_ci(mean, lo, hi)} ({s} seeds x {p} problems)",
+                         _verdict(lo, hi)))
+        else:
+            rows.append((claim, f"needs arms {a} and {b}", "not measured"))
+
+    paired("1. SPO beats PPO on pass@10", "spo", "ppo", "pass@10")
+    paired("2. SPO keeps a larger pass@10 - pass@1 gap (a softer policy) than PPO", "spo", "ppo", "gap")
+    paired("2b. ... and than GRPO", "spo", "grpo", "gap")
+    paired("3. SPO benefits from offline data", "spo", "spo-online", "pass@1")
+    paired("3b. ... on pass@10", "spo", "spo-online", "pass@10")
+    if "spo" in by and "ppo" in by:
+        s, p = _resources(by["spo"]), _resources(by["ppo"])
+        ratios = [a / b for a, b in zip(s["wall"], p["wall"])]
+        faster = all(r < 1 for r in ratios)
+        rows.append(("4. SPO trains faster per wall clock (pushes every 10 steps, PPO every step)",
+                     f"train wall SPO / PPO per seed {', '.join(f'{r:.2f}' for r in ratios)}; pushes "
+                     f"{_mean_sd(s['pushes'])} vs {_mean_sd(p['pushes'])}; GB pushed {_mean_sd(s['gb'], '{:.2f}')} "
+                     f"vs {_mean_sd(p['gb'], '{:.2f}')}",
+                     "supported" if faster else ("contradicted" if all(r > 1 for r in ratios) else "mixed")))
+    else:
+        rows.append(("4. SPO trains faster per wall clock", "needs arms spo and ppo", "not measured"))
+    longs = {a.name: _stability(a) for a in long}
+    if "spo" in longs and "grpo" in longs:
+        s, g = longs["spo"], longs["grpo"]
+        steadier = s["grad_norm_growth"] <= g["grad_norm_growth"] and s["pass@1"] >= g["pass@1"]
+        rows.append(("5. SPO is more stable (long runs, 3x steps, one seed)",
+                     f"grad-norm growth (last / first third) SPO {s['grad_norm_growth']:.2f} vs GRPO "
+                     f"{g['grad_norm_growth']:.2f}; max |seq log-ratio| {s['max_abs_log_ratio']:.2f} vs "
+                     f"{g['max_abs_log_ratio']:.2f}; held-out pass@1 after {s['pass@1']:.3f} vs {g['pass@1']:.3f}",
+                     "indicative: supported" if steadier else "indicative: not supported"))
+    else:
+        rows.append(("5. SPO is more stable", "needs long runs of spo and grpo", "not measured"))
+    return ["## The paper's claims, in miniature", "", "| claim | measurement | verdict |", "|---|---|---|",
+            *[f"| {c} | {m} | {v} |" for c, m, v in rows], ""]

@@ -1,0 +1,168 @@
+"""`megatron-spo compare`: the statistics, the report's numbers and verdicts from known runs, resumability, and the
+errors for bad study settings. (The runs themselves are quickstarts, proven in test_quickstart.py.)"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from megatron_spo.config import ConfigError, apply_overrides, build_config
+from megatron_spo.training import study as st
+from megatron_spo.training.quickstart import QuickstartConfig, split_problems
+from megatron_spo.training.study_report import two_way_bootstrap, write_report
+
+PROBLEMS = [f"p{i}" for i in range(40)]
+
+
+def test_two_way_bootstrap_exact_cases():
+    assert two_way_bootstrap([[0.25] * 5] * 3) == (0.25, 0.25, 0.25)  # no spread: the interval is the point
+    mean, lo, hi = two_way_bootstrap([[1.0, 0.0] * 20] * 3)
+    assert mean == 0.5 and lo < 0.5 < hi
+    # seed-to-seed spread widens the interval beyond what the problems alone give
+    rng = random.Random(0)
+    base = [rng.random() for _ in range(40)]
+    within = two_way_bootstrap([base] * 3)
+    across = two_way_bootstrap([[b + off for b in base] for off in (-0.2, 0.0, 0.2)])
+    assert across[0] == pytest.approx(within[0]) and (across[2] - across[1]) > 1.5 * (within[2] - within[1])
+
+
+def _fake_run(root: Path, study: st.StudyConfig, arm: str, seed: int, p1: float, p10: float, *, pushes: int,
+              wall: float, kind: str = "runs", settings=(), grad=(1.0, 1.0), distinct: int = 2) -> None:
+    run = st.RunSpec(kind, arm, seed, settings).run_dir(root)
+    (run / "train").mkdir(parents=True)
+    recs = [{"prompt_id": p, "n": 20, "correct": 0, "pass@1": p1, "pass@10": p10, "tests": {},
+             "distinct_correct": distinct} for p in PROBLEMS]
+    (run / "eval_after.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "results.json").write_text(json.dumps({"wall_s": {"train": wall}, "weight_pushes": pushes,
+                                                  "pass@1": {"after": p1}}))
+    steps = 9
+    metrics = [{"step": i + 1, "time": 1000.0 + 10 * i, "time/step": 10.0, "reward/online": -0.5 + 0.05 * i,
+                "samples/online": 16.0, "grad_norm": grad[0] if i < 3 else grad[1], "mean_seq_log_ratio": 0.1 * i,
+                "weight_sync/bytes": 1e8 if (i + 1) % (steps // pushes) == 0 else 0.0,
+                "memory/peak_rss_gb": 1.5, "policy_version": 0.0} for i in range(steps)]
+    (run / "train" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "spo-online", "ppo", "grpo"],
+                                          "seeds": [0, 1], "sweep": {"enabled": False}})
+    for seed in (0, 1):
+        shared = tmp_path / "shared" / f"seed{seed}"
+        shared.mkdir(parents=True)
+        before = [{"prompt_id": p, "n": 20, "correct": 0, "pass@1": 0.2, "pass@10": 0.6, "tests": {},
+                   "distinct_correct": 1} for p in PROBLEMS]
+        (shared / "eval_before.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
+        _fake_run(tmp_path, study, "spo", seed, 0.4, 0.9, pushes=1, wall=90, distinct=3)
+        _fake_run(tmp_path, study, "spo-online", seed, 0.3, 0.9, pushes=1, wall=80)
+        _fake_run(tmp_path, study, "ppo", seed, 0.25, 0.6, pushes=9, wall=120)
+        _fake_run(tmp_path, study, "grpo", seed, 0.4, 0.7, pushes=9, wall=100)
+    for arm, grad in (("spo", (1.0, 2.0)), ("grpo", (1.0, 4.0))):
+        _fake_run(tmp_path, study, arm, 0, 0.45, 0.9, pushes=3, wall=300, kind="long", grad=grad,
+                  settings=(("train.steps", 270),))
+    report = write_report(study, tmp_path, {a: {"settings": {}} for a in study.arms}).read_text()
+
+    # trained vs reference: every problem moved by the same amount, so the interval is the point
+    assert "| spo | 2 x 40 | 0.400 | +0.200 [+0.200, +0.200] | 0.900 | +0.300 [+0.300, +0.300] | 0.500 | 3.00 |" in report
+    assert "| reference | 2 x 40 | 0.200 | | 0.600 | | 0.400 | 1.00 |" in report
+    # resources: pushes, GB pushed (1e8 bytes per push), peak RSS
+    assert "| 90 ± 0 | 1 ± 0 | 0.10 ± 0.00 | 1.50 ± 0.00 |" in report
+    assert "| 120 ± 0 | 9 ± 0 | 0.90 ± 0.00 | 1.50 ± 0.00 |" in report
+    # SPO minus each arm
+    assert "| ppo | +0.150 [+0.150, +0.150] | +0.300 [+0.300, +0.300] | +0.150 [+0.150, +0.150] |" in report
+    # the paper's claims, each with its verdict
+    assert "| 1. SPO beats PPO on pass@10 | spo - ppo, pass@10: +0.300 [+0.300, +0.300] (2 seeds x 40 problems) | " \
+           "supported |" in report
+    assert "2b. ... and than GRPO | spo - grpo, gap: +0.200" in report
+    assert "3. SPO benefits from offline data | spo - spo-online, pass@1: +0.100 [+0.100, +0.100] (2 seeds x 40 " \
+           "problems) | supported |" in report
+    assert "3b. ... on pass@10 | spo - spo-online, pass@10: +0.000 [+0.000, +0.000]" in report
+    assert "inconclusive (CI includes 0)" in report
+    assert "train wall SPO / PPO per seed 0.75, 0.75; pushes 1 ± 0 vs 9 ± 0" in report and "| supported |" in report
+    assert "grad-norm growth (last / first third) SPO 2.00 vs GRPO 4.00" in report
+    assert "indicative: supported" in report
+    for png in ("pass_at_k", "learning_curve_rollouts", "learning_curve_seconds", "stability"):
+        assert (tmp_path / f"{png}.png").stat().st_size > 1000 and f"]({png}.png)" in report
+
+
+def test_finished_runs_are_skipped_and_failures_named(tmp_path, monkeypatch):
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo"]})
+    spec = st.RunSpec("runs", "spo", 0, (("train.lr", 2e-4),))
+    run = spec.run_dir(tmp_path)
+    run.mkdir(parents=True)
+    (run / "results.json").write_text('{"pass@1": {"after": 0.5}}')
+
+    def no_subprocess(*a, **k):
+        raise AssertionError("a finished run was started again")
+
+    monkeypatch.setattr(st.subprocess, "run", no_subprocess)
+    assert st.run_one(study, spec, tmp_path, print) == {"pass@1": {"after": 0.5}}
+
+    class Failed:
+        returncode = 3
+
+    monkeypatch.setattr(st.subprocess, "run", lambda *a, **k: Failed())
+    said = []
+    assert st.run_one(study, st.RunSpec("runs", "spo", 1, ()), tmp_path, said.append) is None
+    assert said == [f"FAILED runs spo default seed 1 after 0 s (exit 3): see "
+                    f"{tmp_path / 'runs' / 'spo' / 'default_seed1' / 'quickstart.log'}"]
+
+
+def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "quickstart": {"train": {"steps": 30}}})
+    grid = st.sweep_grid(study, "grpo")
+    assert grid[:2] == [(("train.lr", 1e-4), ("train.grpo.kl_coef", 0.0)), (("train.lr", 1e-4), ("train.grpo.kl_coef", 0.04))]
+    assert len(grid) == 6 and len(st.sweep_grid(study, "ppo")) == 6
+    sweep = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("sweep", "spo-online", 0, grid[0][:1]), tmp_path))
+    test = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("runs", "spo-online", 0, ()), tmp_path))
+    assert sweep["eval_splits"] == ["validation"] and test["eval_splits"] == ["heldout"]
+    assert sweep["reuse_dir"] == test["reuse_dir"] == str(tmp_path / "shared" / "seed0")
+    assert sweep["validation_problems"] == test["validation_problems"] == 30  # same training problems
+    assert sweep["train"] == {"steps": 30, "online_fraction": 1.0, "lr": 1e-4} and sweep["algo"] == "spo"
+    cfg = build_config(QuickstartConfig, test)
+    from megatron_spo.training.reference_model import task_from_config
+
+    split = split_problems(cfg, task_from_config(cfg.reference))
+    ids = {role: {p.id for p in ps} for role, ps in split.items()}
+    assert len(split["train"]) == 90 and split["validation"] == [] and len(split["heldout"]) == 120
+    val = split_problems(build_config(QuickstartConfig, sweep), task_from_config(cfg.reference))
+    assert len(val["validation"]) == 30 and {p.id for p in val["train"]} == ids["train"]
+    assert not ({p.id for p in val["validation"]} & (ids["train"] | ids["heldout"]))
+
+
+def test_bad_study_settings_fail_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"compare: arms: Value error, unknown arm\(s\) \['sac'\]; arms are"):
+        build_config(st.StudyConfig, {"arms": ["spo", "sac"]}, "compare")
+    with pytest.raises(ConfigError, match=r"sweep.coefficients: Value error, unknown arm\(s\) \['dpo'\]"):
+        build_config(st.StudyConfig, {"sweep": {"coefficients": {"dpo": [1.0]}}}, "compare")
+    study = build_config(st.StudyConfig, {"quickstart": {"train": {"stepz": 3}}})
+    with pytest.raises(ConfigError, match=r"compare: arm spo: train.stepz: unknown field"):
+        st._check_quickstart(study)
+    with pytest.raises(ConfigError, match="trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not 'spo'"):
+        build_config(QuickstartConfig, {"trainer": "trl"})
+    with pytest.raises(ConfigError, match=r"eval_splits \['validation'\] with validation_problems 0: nothing"):
+        build_config(QuickstartConfig, {"eval_splits": ["validation"]})
+    cfg = build_config(QuickstartConfig, {"validation_problems": 120})
+    from megatron_spo.training.reference_model import task_from_config
+
+    with pytest.raises(ConfigError, match="validation_problems 120 leaves nothing to train on .the task has 120"):
+        split_problems(cfg, task_from_config(cfg.reference))
+
+
+def test_the_sweep_chooses_the_best_validation_score_and_ablations_inherit(tmp_path, monkeypatch):
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo-online", "spo", "grpo"],
+                                          "sweep": {"coefficients": {"spo": [], "grpo": [0.0, 0.04]}}})
+    scores = {"spo": [0.30, 0.35, 0.20], "grpo": [0.1, 0.2, 0.3, 0.3, 0.25, 0.05]}  # grpo: a tie, the first wins
+    for arm, values in scores.items():
+        for settings, score in zip(st.sweep_grid(study, arm), values):
+            run = st.RunSpec("sweep", arm, 0, settings).run_dir(tmp_path)
+            run.mkdir(parents=True)
+            (run / "results.json").write_text(json.dumps({"validation": {"pass@1": {"after": score}}}))
+    monkeypatch.setattr(st.subprocess, "run", lambda *a, **k: pytest.fail("every sweep run is finished"))
+    chosen = st.choose(study, tmp_path, print)
+    assert chosen["spo"]["settings"] == {"train.lr": 2e-4}
+    assert chosen["grpo"]["settings"] == {"train.lr": 2e-4, "train.grpo.kl_coef": 0.0}
+    assert chosen["spo-online"]["settings"] == {"train.lr": 2e-4} and chosen["spo-online"]["inherited_from"] == "spo"
+    assert [g["validation"] for g in chosen["grpo"]["grid"]] == scores["grpo"]
