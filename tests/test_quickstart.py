@@ -18,25 +18,31 @@ def _bwrap_usable() -> bool:
     return os.geteuid() == 0 and subprocess.run(["which", "bwrap"], capture_output=True).returncode == 0
 
 
-def _fleet_processes() -> list:
+def _fleet_processes(tag: str) -> list:
+    """Engines and routers started under this test's quickstart: they inherit its MEGATRON_SPO_TEST_RUN, so
+    another quickstart on the machine (a study, a second CI job) is not counted."""
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if "sglang_router.launch_router" in cmd or "megatron_spo.cli serve" in cmd or "engine_server" in cmd:
-            out.append(cmd)
+            try:
+                if p.environ().get("MEGATRON_SPO_TEST_RUN") == tag:
+                    out.append(cmd)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
     return out
 
 
 @pytest.mark.skipif(not _bwrap_usable(), reason="the sandbox needs root and bubblewrap (tools/bootstrap.sh)")
 def test_quickstart_end_to_end_small(tmp_path):
-    before = set(_fleet_processes())
+    tag = str(tmp_path)
     out = tmp_path / "qs"
     args = [f"out_dir={out}", f"cache_dir={tmp_path / 'cache'}", "reference.sft_steps=40", "reference.task.num_problems=24",
             "q0_samples=4", "offline_per_prompt=2", "eval_n=10", "heldout_limit=4", "train_limit=6", "train_eval_limit=40",
             "train.steps=4", "train.model_update_interval=2", "train.prompts_per_step=2", "train.samples_per_prompt=4",
             "train.nproc=2", "train.tensor_model_parallel_size=2", "train.max_new_tokens=48", "progress=false"]
     proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "quickstart", *args], capture_output=True,
-                          text=True, timeout=1500)
+                          text=True, timeout=1500, env={**os.environ, "MEGATRON_SPO_TEST_RUN": tag})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = out / "spo"
 
@@ -76,4 +82,4 @@ def test_quickstart_end_to_end_small(tmp_path):
     assert (run / "train" / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
     assert (run / "plots" / "pass_at_k.png").exists() and (run / "plots" / "loss.png").exists()
     assert "pass@1" in proc.stdout and "95% CI" in proc.stdout
-    assert set(_fleet_processes()) - before == set(), "engines or the router outlived the quickstart"
+    assert _fleet_processes(tag) == [], "engines or the router outlived the quickstart"
