@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import math
+import threading
 from decimal import Decimal, getcontext
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from megatron_spo.algorithms import (
     spo_loss,
     straight_through_clamp_max,
     supported_combinations,
+    whiten_over_batch,
 )
 
 D = torch.float64
@@ -480,6 +482,46 @@ def test_ppo_value_loss_clipped():
     loss.backward()
     assert torch.allclose(values.grad, torch.tensor([[0.0, -1.0, 0.0]], dtype=D))
     assert ppo_value_loss(values, old, returns, mask).item() == pytest.approx(0.5 * 2.0, rel=1e-14)
+
+
+def test_whitening_is_over_the_whole_step_however_it_is_packed_or_sharded():
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(6, 9, generator=g, dtype=torch.float32) * 3 + 1
+    mask = torch.zeros(6, 9)
+    for row, (a, b) in enumerate([(2, 9), (0, 4), (3, 7), (1, 9), (5, 6), (0, 9)]):
+        mask[row, a:b] = 1
+    valid = mask.bool()
+    expect = torch.where(valid, (adv - adv[valid].mean()) / adv[valid].std(unbiased=False), torch.zeros_like(adv))
+    [whole] = whiten_over_batch([adv], [mask])
+    torch.testing.assert_close(whole, expect, rtol=0, atol=2e-6)
+    assert whole.dtype == adv.dtype and whole[~valid].abs().max() == 0
+    # two micro-batches: the same numbers as one (per micro-batch whitening would differ)
+    parts = whiten_over_batch([adv[:2], adv[2:]], [mask[:2], mask[2:]])
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-6)
+    alone = whiten_over_batch([adv[:2]], [mask[:2]])[0]
+    assert (alone - whole[:2]).abs().max() > 0.1
+    # two data-parallel ranks (threads), summing through an all-reduce made of a barrier: each gets its rows
+    # of the whole step's whitening
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def rank(r: int, rows: slice) -> None:
+        def all_reduce(t):
+            slots[r] = t.clone()
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            return total
+
+        out[r] = whiten_over_batch([adv[rows]], [mask[rows]], all_reduce)[0]
+
+    threads = [threading.Thread(target=rank, args=(r, rows)) for r, rows in enumerate((slice(0, 3), slice(3, 6)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(torch.cat(out), whole, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="whiten_over_batch: no response tokens in the step"):
+        whiten_over_batch([adv], [torch.zeros_like(mask)])
 
 
 # ---------------------------------------------------------------------------------------------

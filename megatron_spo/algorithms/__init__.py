@@ -5,7 +5,13 @@ tensors [B], validates them cheaply, and returns (scalar loss, dict of float met
 """
 
 from megatron_spo.algorithms.agro import agro_loss, kl_pg_loss, leave_one_out_stats, regularised_reward
-from megatron_spo.algorithms.ppo import gae, kl_regularised_token_rewards, ppo_policy_loss, ppo_value_loss
+from megatron_spo.algorithms.ppo import (
+    gae,
+    kl_regularised_token_rewards,
+    ppo_policy_loss,
+    ppo_value_loss,
+    whiten_over_batch,
+)
 from megatron_spo.algorithms.spo import (
     LOSSES,
     OBJECTIVES,
@@ -44,4 +50,5 @@ __all__ = [
     "straight_through_clamp_max",
     "supported_combinations",
     "token_advantages",
+    "whiten_over_batch",
 ]

@@ -7,6 +7,8 @@ the gradient of an undiscounted sequence objective; "token" averages over all re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,30 @@ def kl_regularised_token_rewards(
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(valid)
     last = torch.where(valid, positions, -1).max(dim=1).values
     return rewards.scatter_add(1, last.unsqueeze(1), reward.to(logp.dtype).unsqueeze(1))
+
+
+def whiten_over_batch(advantages: list[Tensor], masks: list[Tensor],
+                      sum_across: Callable[[Tensor], Tensor] = lambda t: t) -> list[Tensor]:
+    """(A - mean) / std over every response token of the step: all micro-batches ([B, T] each, with their masks)
+    and, through ``sum_across`` (a sum over data-parallel ranks), all ranks. Whitening each micro-batch on its own
+    would make the update depend on how the step was packed and sharded. Two passes (mean, then squared
+    deviations) in float64; 0 on padding."""
+    valid = [m.bool() for m in masks]
+    device = advantages[0].device
+
+    def total(values: list[Tensor]) -> Tensor:
+        return sum_across(torch.stack([torch.stack([v.double().sum() for v in values]).sum(),
+                                       torch.tensor(float(sum(v.numel() for v in values)), dtype=torch.float64,
+                                                    device=device)]))
+
+    mean_stats = total([a[v] for a, v in zip(advantages, valid)])
+    if mean_stats[1] == 0:
+        raise ValueError("whiten_over_batch: no response tokens in the step")
+    mean = mean_stats[0] / mean_stats[1]
+    var = total([(a[v].double() - mean) ** 2 for a, v in zip(advantages, valid)])[0] / mean_stats[1]
+    std = var.sqrt().clamp(min=1e-6)
+    return [torch.where(v, ((a.double() - mean) / std).to(a.dtype), torch.zeros_like(a))
+            for a, v in zip(advantages, valid)]
 
 
 def discounted_reverse_cumsum(x: Tensor, discount: float, chunk: int = 256) -> Tensor:

@@ -319,7 +319,8 @@ class Trainer:
             cfg=cfg, step=self.step, micro_batches=mbs, ref=ref, lr=rates.__getitem__,
             optimize=lambda model, output, loss_fn: self.optimize(model, mbs, rates[model], output, loss_fn),
             forward=lambda model, output: self.forward(model, mbs, output), is_last_stage=self.is_last_stage,
-            global_sequences=len(trajs), global_response_tokens=sum(len(t.response_tokens) for t in trajs)))
+            global_sequences=len(trajs), global_response_tokens=sum(len(t.response_tokens) for t in trajs),
+            sum_across_data_parallel=self._sum_across_data_parallel))
         metrics_store, grad_norm = update.reports, update.grad_norm
         t_fb = time.perf_counter() - t_fb
 
@@ -360,6 +361,11 @@ class Trainer:
                                    f"{metrics['mean_seq_log_ratio']:.3g} exceeds logging.max_log_ratio {limit}: "
                                    "the policy is collapsing (lower the LR, raise beta, or sample at T=1)")
         return metrics
+
+    def _sum_across_data_parallel(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return t
 
     def forward(self, model: str, mbs: list[TrainBatch], output: str) -> list:
         """No-grad outputs of "reference" / "policy" / "value" per micro-batch (output 'logp' | 'values'), on

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from megatron_spo import algorithms
@@ -11,20 +10,15 @@ from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
 
 
 def ppo_advantages(batch: TrainBatch, ref_logp: Tensor, old_values: Tensor, *, beta: float, gamma: float,
-                   lam: float, whiten: bool = True) -> tuple[Tensor, Tensor]:
-    """GAE advantages and returns [B, L] from the KL-regularised token rewards of the behaviour policy.
+                   lam: float) -> tuple[Tensor, Tensor]:
+    """GAE advantages and returns [B, L] from the KL-regularised token rewards of the behaviour policy (not yet
+    whitened: that is over the whole step, algorithms.whiten_over_batch).
 
     The KL term uses the behaviour log-probs the engines reported (the policy that produced the tokens).
     """
-    mask = batch.loss_mask
-    token_rewards = algorithms.kl_regularised_token_rewards(batch.reward, batch.behaviour_logp, ref_logp, mask,
-                                                            beta=beta)
-    advantages, returns = algorithms.gae(token_rewards, old_values, mask, gamma=gamma, lam=lam)
-    if whiten:
-        valid = mask.bool()
-        mean = advantages[valid].mean()
-        std = advantages[valid].std(unbiased=False).clamp(min=1e-6)
-        advantages = torch.where(valid, (advantages - mean) / std, torch.zeros_like(advantages))
+    token_rewards = algorithms.kl_regularised_token_rewards(batch.reward, batch.behaviour_logp, ref_logp,
+                                                            batch.loss_mask, beta=beta)
+    advantages, returns = algorithms.gae(token_rewards, old_values, batch.loss_mask, gamma=gamma, lam=lam)
     return advantages.detach(), returns.detach()
 
 
@@ -51,8 +45,12 @@ class PPO(Algorithm):
         adv_ret = [None] * len(step.micro_batches)
         if step.is_last_stage:
             adv_ret = [ppo_advantages(mb, step.ref[i], old_values[i], beta=cfg.beta, gamma=cfg.ppo.gamma,
-                                      lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
-                       for i, mb in enumerate(step.micro_batches)]
+                                      lam=cfg.ppo.lam) for i, mb in enumerate(step.micro_batches)]
+            if cfg.ppo.whiten_advantages:  # over the whole step: every micro-batch, every data-parallel rank
+                whitened = algorithms.whiten_over_batch([a for a, _ in adv_ret],
+                                                        [mb.loss_mask for mb in step.micro_batches],
+                                                        step.sum_across_data_parallel)
+                adv_ret = [(a, r) for a, (_, r) in zip(whitened, adv_ret)]
         reports, grad_norm = [], 0.0
         warming_up = step.step <= cfg.ppo.critic_warmup_steps  # the policy waits for a value model worth using
         if not warming_up:
