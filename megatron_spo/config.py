@@ -446,7 +446,10 @@ class PPOConfig(StrictModel):
     clip_eps: float = Field(0.2, gt=0)
     value_clip_eps: float | None = Field(0.2, gt=0)
     gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda. 1 (verl's default): every token's advantage "
+                       "carries the terminal reward, G - V_t. At 0.95 a fresh critic's noise dominates the early "
+                       "tokens (0.95^60 ~ 0.05 of the reward reaches token 0 of a 60-token answer): quickstart PPO "
+                       "pass@1 +0.035 at 0.95, +0.137 at 1 (README)")
     whiten_advantages: bool = True
     critic_warmup_steps: int = Field(0, ge=0, description="first steps train only the value model (verl's "
                                      "critic_warmup): a fresh value head makes GAE advantages noise")
