@@ -103,11 +103,28 @@ def test_finished_runs_are_skipped_and_failures_named(tmp_path, monkeypatch):
     class Failed:
         returncode = 3
 
-    monkeypatch.setattr(st.subprocess, "run", lambda *a, **k: Failed())
+    def diverging(*a, stdout, **k):
+        stdout.write("[rank0]: Traceback\n[rank0]: megatron_spo.training.trainer.TrainingDiverged: step 86: "
+                     "mean sequence log(pi/pi_0) = 51\nshutting down\n")
+        return Failed()
+
+    monkeypatch.setattr(st.subprocess, "run", diverging)
     said = []
-    assert st.run_one(study, st.RunSpec("runs", "spo", 1, ()), tmp_path, said.append) is None
+    failed = st.RunSpec("runs", "spo", 1, ())
+    assert st.run_one(study, failed, tmp_path, said.append) is None
     assert said == [f"FAILED runs spo default seed 1 after 0 s (exit 3): see "
                     f"{tmp_path / 'runs' / 'spo' / 'default_seed1' / 'quickstart.log'}"]
+    why = "megatron_spo.training.trainer.TrainingDiverged: step 86: mean sequence log(pi/pi_0) = 51"
+    assert st.failure(failed, tmp_path) == why
+    from megatron_spo.training.study_report import _score
+
+    assert _score({"validation": None, "failure": why}) == "diverged (step 86)"
+    # a failed run is not started again (its settings diverge), unless asked
+    monkeypatch.setattr(st.subprocess, "run", no_subprocess)
+    assert st.run_one(study, failed, tmp_path, said.append) is None and len(said) == 1
+    retry = study.model_copy(update={"retry_failed": True})
+    monkeypatch.setattr(st.subprocess, "run", diverging)
+    assert st.run_one(retry, failed, tmp_path, said.append) is None and len(said) == 2
 
 
 def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):

@@ -95,6 +95,7 @@ class StudyConfig(StrictModel):
     long_run: LongRunConfig = Field(default_factory=LongRunConfig)
     quickstart: dict[str, Any] = Field(default_factory=dict, description="quickstart settings for every run "
                                        "(quickstart.train.steps=90, ...)")
+    retry_failed: bool = Field(False, description="run failed runs again (they have a FAILED file)")
     progress: bool = True
 
     _check = field_validator("arms")(classmethod(lambda cls, v: _known_arms(v)))
@@ -152,12 +153,28 @@ def _check_quickstart(study: StudyConfig) -> None:
                      f"compare: arm {arm}")
 
 
-def run_one(study: StudyConfig, spec: RunSpec, root: Path, log) -> dict | None:
-    """The run's results.json, running it unless a finished one is there; None when it failed (its log says why)."""
+def failure(spec: RunSpec, root: Path) -> str | None:
+    """Why a run failed (its FAILED file: the error line of its log), or None."""
+    path = spec.run_dir(root).parent / "FAILED"
+    return path.read_text().strip() if path.exists() else None
+
+
+def _error_line(log_path: Path) -> str:
+    lines = [ln.split("]: ")[-1].strip() for ln in log_path.read_text(errors="replace").splitlines()]
+    errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Diverged", "Exception"))]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+def run_one(study: StudyConfig, spec: RunSpec, root: Path, log, run: bool = True) -> dict | None:
+    """The run's results.json, running it unless a finished one is there; None when it failed (the reason goes to
+    its FAILED file; a failed run is not retried unless retry_failed, since most failures are the settings', e.g.
+    a diverged learning rate)."""
     out = spec.run_dir(root)
     done = out / "results.json"
     if done.exists():
         return json.loads(done.read_text())
+    if not run or (failure(spec, root) is not None and not study.retry_failed):
+        return None
     out.parent.mkdir(parents=True, exist_ok=True)
     args = quickstart_overrides(study, spec, root)
     t0 = time.perf_counter()
@@ -166,6 +183,7 @@ def run_one(study: StudyConfig, spec: RunSpec, root: Path, log) -> dict | None:
                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seconds = time.perf_counter() - t0
     if proc.returncode != 0 or not done.exists():
+        (out.parent / "FAILED").write_text(_error_line(out.parent / "quickstart.log") + "\n")
         log(f"FAILED {spec.kind} {spec.arm} {spec.tag} seed {spec.seed} after {seconds:.0f} s "
             f"(exit {proc.returncode}): see {out.parent / 'quickstart.log'}")
         return None
@@ -181,8 +199,9 @@ def sweep_grid(study: StudyConfig, arm: str) -> list[tuple[tuple[str, Any], ...]
             for c in (coefs or [None])]
 
 
-def choose(study: StudyConfig, root: Path, log) -> dict[str, dict]:
-    """Per arm: every grid point's validation score and the chosen settings (the best; ties: the first)."""
+def choose(study: StudyConfig, root: Path, log, run: bool = True) -> dict[str, dict]:
+    """Per arm: every grid point's validation score and the chosen settings (the best; ties: the first).
+    run=False: from the finished runs only."""
     chosen = {}
     metric = study.sweep.metric
     inherit = study.sweep.inherit
@@ -192,9 +211,10 @@ def choose(study: StudyConfig, root: Path, log) -> dict[str, dict]:
             continue
         scores = []
         for settings in sweep_grid(study, arm):
-            result = run_one(study, RunSpec("sweep", arm, study.sweep.seed, settings), root, log)
+            spec = RunSpec("sweep", arm, study.sweep.seed, settings)
+            result = run_one(study, spec, root, log, run)
             score = None if result is None else result["validation"][metric]["after"]
-            scores.append({"settings": dict(settings), "validation": score})
+            scores.append({"settings": dict(settings), "validation": score, "failure": failure(spec, root)})
         ok = [s for s in scores if s["validation"] is not None]
         best = max(ok, key=lambda s: s["validation"]) if ok else {"settings": {}}
         chosen[arm] = {"settings": best["settings"], "grid": scores, "metric": metric}
@@ -234,9 +254,8 @@ def main(argv: list[str]) -> int:
         from megatron_spo.training.study_report import write_report
 
         root = Path(study.out_dir)
-        chosen_path = root / "chosen.json"
-        chosen = json.loads(chosen_path.read_text()) if chosen_path.exists() else {a: {"settings": {}}
-                                                                                     for a in study.arms}
+        chosen = choose(study, root, print, run=False) if study.sweep.enabled else {a: {"settings": {}}
+                                                                                      for a in study.arms}
         path = write_report(study, root, chosen)
     else:
         path = run_study(study)

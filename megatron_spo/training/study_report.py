@@ -83,6 +83,15 @@ def _ci(mean: float, lo: float, hi: float) -> str:
     return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
+def _score(grid_point: dict) -> str:
+    if grid_point["validation"] is not None:
+        return format(grid_point["validation"], ".3f")
+    why = grid_point.get("failure") or "failed"
+    if "TrainingDiverged" in why:
+        return f"diverged ({why.split('TrainingDiverged:')[-1].split(':')[0].strip()})"
+    return why
+
+
 def _verdict(lo: float, hi: float) -> str:
     return "supported" if lo > 0 else ("contradicted" if hi < 0 else "inconclusive (CI includes 0)")
 
@@ -261,7 +270,7 @@ def write_report(study, root: Path, chosen: dict) -> Path:
         for name in study.arms:
             c = chosen.get(name, {})
             grid = "; ".join(", ".join(f"{k.split('.')[-1]} {v:g}" for k, v in g["settings"].items())
-                             + f" -> {'failed' if g['validation'] is None else format(g['validation'], '.3f')}"
+                             + f" -> {_score(g)}"
                              for g in c.get("grid", []))
             pick = ", ".join(f"{k} = {v:g}" for k, v in c.get("settings", {}).items()) or "defaults"
             if c.get("inherited_from"):
