@@ -324,9 +324,22 @@ def test_estimate_q0_exact_values_and_interrupt_resume_equality(engine, tokenize
     assert resumed.calls == 32  # only the two missing prompts
     assert (tmp_path / "cut.jsonl").read_bytes() == (tmp_path / "full.jsonl").read_bytes()
     assert (tmp_path / "cut-traj.jsonl").read_bytes() == (tmp_path / "full-traj.jsonl").read_bytes()
-    with pytest.raises(ValueError, match="was estimated with n=16, beta=0.25; this run asks n=16, beta=0.5"):
-        run_with(CountingClient(engine.url), lambda c: estimate_q0(prompts, c, reward, samples=16, beta=0.5,
+    with pytest.raises(ValueError, match="was estimated with n=16 samples; this run asks n=8"):
+        run_with(CountingClient(engine.url), lambda c: estimate_q0(prompts, c, reward, samples=8, beta=BETA,
                                                                    sampling=sampling, out_path=tmp_path / "cut.jsonl"))
+
+    # another beta resumes the same file without sampling: S0 and the counts do not depend on beta, Q0 does
+    again = CountingClient(engine.url)
+    other = run_with(again, lambda c: estimate_q0(prompts, c, reward, samples=16, beta=0.5, sampling=sampling,
+                                                  out_path=tmp_path / "cut.jsonl"))
+    assert again.calls == 0
+    for p in prompts:
+        s0 = full[p.prompt_id].s0
+        assert other[p.prompt_id].s0 == s0
+        assert other[p.prompt_id].q0 == pytest.approx(0.5 * math.log(s0 + (1 - s0) * math.exp(-1 / 0.5)), abs=1e-9)
+        assert other[p.prompt_id].q0 != pytest.approx(full[p.prompt_id].q0)
+    assert read_q0(tmp_path / "cut.jsonl", beta=0.5) == other  # what a trainer at beta 0.5 reads (training/online.py)
+    assert read_q0(tmp_path / "cut.jsonl") == full  # the file's own values, all at BETA
 
 
 def test_seeded_samples_of_one_prompt_differ_on_a_deterministic_engine(engine, tokenizer):
@@ -353,6 +366,21 @@ def test_seeded_samples_of_one_prompt_differ_on_a_deterministic_engine(engine, t
             return {tuple(c.output_ids) for c in group}
 
     assert len(asyncio.run(shared())) == 1
+
+
+def test_read_q0_at_a_beta_derives_q0_from_counts_and_refuses_a_mixed_file_without_one(tmp_path):
+    """A file resumed at another beta holds lines of two betas: read as it stands, it would hand a trainer Q0
+    values of two different soft values, so it is refused unless a beta is asked for."""
+    path = tmp_path / "q0.jsonl"
+    lines = [{"prompt_id": "a", "s0": 0.25, "q0": -0.3, "n": 4, "correct": 1, "beta": 0.25},
+             {"prompt_id": "b", "s0": 0.5, "q0": -0.2, "n": 4, "correct": 2, "beta": 1.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(ValueError, match=r"q0 values at several betas \[0.25, 1.0\]"):
+        read_q0(path)
+    at = read_q0(path, beta=0.5)
+    assert at["a"].q0 == pytest.approx(0.5 * math.log(0.25 + 0.75 * math.exp(-2.0)), abs=1e-12)
+    assert at["b"].q0 == pytest.approx(0.5 * math.log(0.5 + 0.5 * math.exp(-2.0)), abs=1e-12)
+    assert (at["a"].n, at["a"].correct, at["b"].s0) == (4, 1, 0.5)
 
 
 def test_estimate_q0_greedy_gives_exact_s0_zero_and_one(engine, tokenizer):

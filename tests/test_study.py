@@ -183,3 +183,21 @@ def test_the_sweep_chooses_the_best_validation_score_and_ablations_inherit(tmp_p
     assert chosen["grpo"]["settings"] == {"train.lr": 2e-4, "train.grpo.kl_coef": 0.0}
     assert chosen["spo-online"]["settings"] == {"train.lr": 2e-4} and chosen["spo-online"]["inherited_from"] == "spo"
     assert [g["validation"] for g in chosen["grpo"]["grid"]] == scores["grpo"]
+
+
+def test_arms_of_one_seed_at_other_betas_get_the_shared_samples_with_their_own_q0(tmp_path):
+    """The study shares one seed's Q0 log and correct reference samples among arms; an arm at another beta must
+    train on Q0 at its own beta (offline samples included), not the beta of the arm that sampled them."""
+    from megatron_spo.data.q0 import q0_from_counts
+    from megatron_spo.data.trajectory import Trajectory, read_jsonl, write_jsonl
+    from megatron_spo.training.quickstart import build_offline_set
+
+    sampled_at = q0_from_counts(3, 12, 0.5)
+    write_jsonl([Trajectory(prompt_id="num-001", prompt_tokens=[1, 2], response_tokens=[3, 4], reward=0.0,
+                            source="reference", policy_version=0, q0=sampled_at.q0)], tmp_path / "shared.jsonl")
+    mine = q0_from_counts(3, 12, 1.0)
+    n_samples, n_human = build_offline_set(tmp_path / "shared.jsonl", tmp_path / "offline.jsonl", [],
+                                           {"num-001": mine}, None, 0)
+    (kept,), _ = read_jsonl(tmp_path / "offline.jsonl")
+    assert (n_samples, n_human) == (1, 0)
+    assert kept.q0 == pytest.approx(mine.q0) and kept.q0 != pytest.approx(sampled_at.q0)

@@ -31,13 +31,23 @@ def q0_from_counts(correct: int, n: int, beta: float) -> Q0Estimate:
     return Q0Estimate(s0=s0, q0=float(q0_from_success(s0, beta)), n=n, correct=correct)
 
 
-def read_q0(path: str | Path) -> dict[str, Q0Estimate]:
-    """prompt_id -> Q0Estimate from an estimate-q0 output file."""
+def read_q0(path: str | Path, beta: float | None = None) -> dict[str, Q0Estimate]:
+    """prompt_id -> Q0Estimate from an estimate-q0 output file.
+
+    beta: Q0 at this beta, derived from each record's counts (S0 does not depend on beta, so a file sampled at one
+    beta serves a trainer at another); None: the file's own q0 values, which must all be at one beta.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"q0 file '{path}' not found")
     records, _ = ResultLog.read(path, lambda r: str(r["prompt_id"]))
     try:
+        if beta is not None:
+            return {key: q0_from_counts(r["correct"], r["n"], beta) for key, r in records.items()}
+        betas = sorted({r["beta"] for r in records.values() if r.get("beta") is not None})
+        if len(betas) > 1:
+            raise ValueError(f"{path}: q0 values at several betas {betas} (a resumed estimate at another beta); "
+                             "read it at one beta (read_q0(path, beta=...))")
         return {key: Q0Estimate(r["s0"], r["q0"], r["n"], r["correct"]) for key, r in records.items()}
     except KeyError as err:
         raise ValueError(f"{path}: not an estimate-q0 output (a record lacks {err})") from None

@@ -46,18 +46,18 @@ async def estimate_q0(prompts: Sequence[Prompt], client: Any, reward_pool: Any, 
     """prompt_id -> Q0Estimate from ``samples`` reference samples per prompt, each scored by reward_pool.
 
     out_path: the resumable result file ({prompt_id, s0, q0, n, correct, beta} per line; TaskConfig.q0_path).
+    A file made at another beta resumes (S0 and the counts do not depend on beta); the returned Q0 is at ``beta``.
     trajectories_out: a trajectory JSONL that receives up to ``keep_successful`` correct samples per prompt
-    (source "reference", q0 set): inputs for pivotal token search.
+    (source "reference", q0 at the beta of the run that sampled them): inputs for pivotal token search.
     """
     cfg = build_config(Q0Config, {"samples": samples, "beta": beta,
                                   "sampling": (sampling or ToolSamplingConfig()).model_dump()})
     log = ResultLog(out_path) if out_path is not None else None
     if log is not None:
-        for key, rec in log.records.items():
-            if rec.get("n") != cfg.samples or rec.get("beta") != cfg.beta:
-                raise ValueError(f"{out_path}: prompt '{key}' was estimated with n={rec.get('n')}, "
-                                 f"beta={rec.get('beta')}; this run asks n={cfg.samples}, beta={cfg.beta} "
-                                 "(use another output file)")
+        for key, rec in log.records.items():  # another beta is fine: Q0 is derived from the counts below
+            if rec.get("n") != cfg.samples:
+                raise ValueError(f"{out_path}: prompt '{key}' was estimated with n={rec.get('n')} samples; this "
+                                 f"run asks n={cfg.samples} (use another output file)")
     if trajectories_out is not None and log is None:
         raise ValueError("estimate_q0: trajectories_out needs out_path (the Q0 file is the resume state of both)")
     kept = _TrajectorySink(trajectories_out, log) if trajectories_out is not None and keep_successful > 0 else None
@@ -82,7 +82,7 @@ async def estimate_q0(prompts: Sequence[Prompt], client: Any, reward_pool: Any, 
             log.close()
     if kept is not None:  # every prompt is done (a cut run raised above)
         kept.finalize([p.prompt_id for p in prompts])
-    return {k: Q0Estimate(r["s0"], r["q0"], r["n"], r["correct"]) for k, r in records.items()}
+    return {k: q0_from_counts(r["correct"], r["n"], cfg.beta) for k, r in records.items()}
 
 
 class _TrajectorySink:

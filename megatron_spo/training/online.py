@@ -127,7 +127,7 @@ class OnlineSource:
         if cfg.task.q0_path:
             from megatron_spo.data.q0 import read_q0
 
-            q0 = {pid: est.q0 for pid, est in read_q0(cfg.task.q0_path).items()}
+            q0 = {pid: est.q0 for pid, est in read_q0(cfg.task.q0_path, beta=cfg.beta).items()}
         source = cls(manager, q0=q0,
                      on_close=[rewards.close] + [c.close for c in (sandbox, broadcaster) if c is not None])
         source.broadcaster = broadcaster

@@ -176,6 +176,8 @@ def build_offline_set(samples_path: Path, path: Path, prompts, q0: dict, tokeniz
     from megatron_spo.data.trajectory import Trajectory, read_jsonl, write_jsonl
 
     samples = read_jsonl(samples_path)[0] if samples_path.exists() else []
+    for t in samples:  # a study's shared samples carry the q0 of the beta that sampled them: this run's beta
+        t.q0 = q0[str(t.prompt_id)].q0 if str(t.prompt_id) in q0 else t.q0
     human = []
     for prompt in prompts:
         for solution in list(getattr(prompt.problem, "solutions", ()))[:human_per_prompt]:
