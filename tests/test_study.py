@@ -74,15 +74,15 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
     assert "| ppo | +0.150 [+0.150, +0.150] | +0.300 [+0.300, +0.300] | +0.150 [+0.150, +0.150] |" in report
     # the paper's claims, each with its verdict
     assert "| 1. SPO beats PPO on pass@10 | spo - ppo, pass@10: +0.300 [+0.300, +0.300] (2 seeds x 40 problems) | " \
-           "supported |" in report
+           "reproduced |" in report
     assert "2b. ... and than GRPO | spo - grpo, gap: +0.200" in report
     assert "3. SPO benefits from offline data | spo - spo-online, pass@1: +0.100 [+0.100, +0.100] (2 seeds x 40 " \
-           "problems) | supported |" in report
+           "problems) | reproduced |" in report
     assert "3b. ... on pass@10 | spo - spo-online, pass@10: +0.000 [+0.000, +0.000]" in report
     assert "inconclusive (CI includes 0)" in report
-    assert "train wall SPO / PPO per seed 0.75, 0.75; pushes 1 ± 0 vs 9 ± 0" in report and "| supported |" in report
+    assert "train wall SPO / PPO per seed 0.75, 0.75; pushes 1 ± 0 vs 9 ± 0" in report and "| reproduced |" in report
     assert "grad-norm growth (last / first third) SPO 2.00 vs GRPO 4.00" in report
-    assert "indicative: supported" in report
+    assert "reproduced (indicative: one seed)" in report
     for png in ("pass_at_k", "learning_curve_rollouts", "learning_curve_seconds", "stability"):
         assert (tmp_path / f"{png}.png").stat().st_size > 1000 and f"]({png}.png)" in report
 

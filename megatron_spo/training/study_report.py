@@ -93,7 +93,8 @@ def _score(grid_point: dict) -> str:
 
 
 def _verdict(lo: float, hi: float) -> str:
-    return "supported" if lo > 0 else ("contradicted" if hi < 0 else "inconclusive (CI includes 0)")
+    return "reproduced" if lo > 0 else ("not reproduced: the opposite holds" if hi < 0
+                                        else "inconclusive (CI includes 0)")
 
 
 def _common(arms: list[ArmRuns]) -> tuple[list[int], list[str]]:
@@ -341,7 +342,8 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
                      f"train wall SPO / PPO per seed {', '.join(f'{r:.2f}' for r in ratios)}; pushes "
                      f"{_mean_sd(s['pushes'])} vs {_mean_sd(p['pushes'])}; GB pushed {_mean_sd(s['gb'], '{:.2f}')} "
                      f"vs {_mean_sd(p['gb'], '{:.2f}')}",
-                     "supported" if faster else ("contradicted" if all(r > 1 for r in ratios) else "mixed")))
+                     "reproduced" if faster else ("not reproduced: the opposite holds" if all(r > 1 for r in ratios)
+                                                   else "inconclusive (seeds disagree)")))
     else:
         rows.append(("4. SPO trains faster per wall clock", "needs arms spo and ppo", "not measured"))
     longs = {a.name: _stability(a) for a in long}
@@ -352,7 +354,7 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
                      f"grad-norm growth (last / first third) SPO {s['grad_norm_growth']:.2f} vs GRPO "
                      f"{g['grad_norm_growth']:.2f}; max |seq log-ratio| {s['max_abs_log_ratio']:.2f} vs "
                      f"{g['max_abs_log_ratio']:.2f}; held-out pass@1 after {s['pass@1']:.3f} vs {g['pass@1']:.3f}",
-                     "indicative: supported" if steadier else "indicative: not supported"))
+                     "reproduced (indicative: one seed)" if steadier else "not reproduced (indicative: one seed)"))
     else:
         rows.append(("5. SPO is more stable", "needs long runs of spo and grpo", "not measured"))
     return ["## The paper's claims, in miniature", "", "| claim | measurement | verdict |", "|---|---|---|",
