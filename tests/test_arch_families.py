@@ -23,6 +23,8 @@ from megatron_spo.models import arch  # noqa: E402
 from megatron_spo.models import hf_checkpoint as hfc  # noqa: E402
 from megatron_spo.models.hf_map import hf_shapes  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 CASES = list(mh.FAMILY_CASES)
 LAYOUTS = [f"tp{tp}_pp{pp}" for tp, pp in mh.FAMILY_LAYOUTS]
 

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import models_helpers as mh  # noqa: E402
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 
 CONVERT = (
     "import sys, warnings; warnings.filterwarnings('ignore')\n"

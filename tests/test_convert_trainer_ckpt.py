@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models_helpers import all_tensors, run_cli  # noqa: E402
 from trainer_helpers import VOCAB, run_spawned  # noqa: E402
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 
 STEPS = 2
 

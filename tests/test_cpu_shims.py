@@ -20,7 +20,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")
+pytestmark = [pytest.mark.megatron, pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")]
 
 
 def _run(code: str) -> str:

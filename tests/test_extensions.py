@@ -18,7 +18,7 @@ from trainer_helpers import make_tiny_hf, run_spawned  # noqa: E402
 from megatron_spo.config import ConfigError, TrainConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 
 
 def _cfg(tmp_path: Path, hf: str, name: str, **kw) -> dict:

@@ -21,6 +21,8 @@ import models_helpers as mh  # noqa: E402
 from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 from megatron_spo.models import hf_checkpoint as hfc  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 REPO = Path(__file__).resolve().parents[1]
 
 

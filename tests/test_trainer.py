@@ -16,7 +16,7 @@ from megatron_spo.config import ConfigError, TrainConfig
 from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names, plot_run
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, split_to_count
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 
 ALGOS = ("spo", "agro", "ppo", "grpo")
 LAYOUTS = (("single", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2))

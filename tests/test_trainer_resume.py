@@ -17,7 +17,7 @@ from trainer_helpers import DeterministicSource, make_tiny_hf
 
 from megatron_spo.data.trajectory import Trajectory, write_jsonl
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# CI's second leg: the tests marked `megatron` (everything that builds, trains, converts or checks a model with
+# megatron-core) on the newest megatron-core the package accepts (0.19.x). megatron-core 0.17 and later ship only
+# for Python >= 3.12, so the leg runs in a venv of Python 3.12 (pyenv's, or PYTHON312=...) holding PyPI's
+# torch 2.13.0 (on 3.12 that is the CUDA build: it runs on the CPU) and this checkout installed editable.
+#   bash tools/ci_newest_megatron.sh [pytest args...]
+# The venv is kept under .cache/ and reused while setup.py and this script are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { printf '\033[1m[ci-newest]\033[0m %s\n' "$*"; }
+
+PY312="${PYTHON312:-}"
+if [ -z "$PY312" ]; then  # pyenv's own 3.12 first: its `python3.12` shim fails unless 3.12 is a selected version
+  PY312="$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python 2>/dev/null | tail -n 1 || true)"
+  [ -n "$PY312" ] || PY312="$(command -v python3.12 || true)"
+fi
+[ -n "$PY312" ] && "$PY312" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" 2>/dev/null || {
+  echo "ci-newest: no working Python 3.12 found (set PYTHON312=/path/to/python3.12); megatron-core 0.17+ needs it" >&2
+  exit 1; }
+
+venv=".cache/py312-mcore019"
+stamp="$venv/.stamp-$(cat setup.py tools/ci_newest_megatron.sh | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  log "venv $venv from $PY312: torch 2.13.0, megatron-core 0.19.x, this package"
+  rm -rf "$venv"
+  "$PY312" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    -c <("$venv/bin/python" tools/torch_constraint.py) "megatron-core>=0.19,<0.20" -e . pytest pytest-timeout
+  touch "$stamp"
+fi
+"$venv/bin/python" - <<'EOF'
+import importlib.metadata as md, sys
+v = md.version("megatron-core")
+assert v.startswith("0.19."), f"ci-newest: expected megatron-core 0.19.x in the venv, found {v}"
+print(f"[ci-newest] Python {sys.version.split()[0]}, megatron-core {v}, torch {md.version('torch')}")
+EOF
+rc=0; "$venv/bin/python" -m pytest -q -m megatron -p no:cacheprovider "$@" || rc=$?
+[ "$rc" = 5 ] && { log "no test marked megatron among the ones asked for"; rc=0; }  # pytest: nothing collected
+exit "$rc"
