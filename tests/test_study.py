@@ -201,3 +201,20 @@ def test_arms_of_one_seed_at_other_betas_get_the_shared_samples_with_their_own_q
     (kept,), _ = read_jsonl(tmp_path / "offline.jsonl")
     assert (n_samples, n_human) == (1, 0)
     assert kept.q0 == pytest.approx(mine.q0) and kept.q0 != pytest.approx(sampled_at.q0)
+
+
+def test_wall_clock_ratios_pair_runs_by_seed(tmp_path):
+    """A study stopped part way has arms at different seeds: SPO / PPO wall times are paired by seed."""
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "ppo"], "seeds": [0, 1],
+                                          "sweep": {"enabled": False}})
+    for seed in (0, 1):
+        shared = tmp_path / "shared" / f"seed{seed}"
+        shared.mkdir(parents=True)
+        before = [{"prompt_id": p, "n": 20, "correct": 0, "pass@1": 0.2, "pass@10": 0.6, "tests": {},
+                   "distinct_correct": 1} for p in PROBLEMS]
+        (shared / "eval_before.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
+    _fake_run(tmp_path, study, "spo", 0, 0.4, 0.9, pushes=1, wall=50)
+    _fake_run(tmp_path, study, "spo", 1, 0.4, 0.9, pushes=1, wall=90)
+    _fake_run(tmp_path, study, "ppo", 1, 0.3, 0.8, pushes=9, wall=100)  # seed 0 of PPO never finished
+    report = write_report(study, tmp_path, {a: {"settings": {}} for a in study.arms}).read_text()
+    assert "train wall SPO / PPO per seed 0.90;" in report

@@ -324,8 +324,8 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
     def paired(claim: str, a: str, b: str, what: str) -> None:
         if a in by and b in by:
             mean, lo, hi, s, p = compare(by[a], by[b], what)
-            rows.append((claim, f"{a} - {b}, {what}: {_ci(mean, lo, hi)} ({s} seeds x {p} problems)",
-                         _verdict(lo, hi)))
+            seeds = f"{s} seed" + ("s" if s != 1 else "")
+            rows.append((claim, f"{a} - {b}, {what}: {_ci(mean, lo, hi)} ({seeds} x {p} problems)", _verdict(lo, hi)))
         else:
             rows.append((claim, f"needs arms {a} and {b}", "not measured"))
 
@@ -336,7 +336,8 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
     paired("3b. ... on pass@10", "spo", "spo-online", "pass@10")
     if "spo" in by and "ppo" in by:
         s, p = _resources(by["spo"]), _resources(by["ppo"])
-        ratios = [a / b for a, b in zip(s["wall"], p["wall"])]
+        common = sorted(set(by["spo"].results) & set(by["ppo"].results))  # paired by seed
+        ratios = [by["spo"].results[k]["wall_s"]["train"] / by["ppo"].results[k]["wall_s"]["train"] for k in common]
         faster = all(r < 1 for r in ratios)
         rows.append(("4. SPO trains faster per wall clock (pushes every 10 steps, PPO every step)",
                      f"train wall SPO / PPO per seed {', '.join(f'{r:.2f}' for r in ratios)}; pushes "
