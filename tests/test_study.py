@@ -85,6 +85,10 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
     assert "reproduced (indicative: one seed)" in report
     for png in ("pass_at_k", "learning_curve_rollouts", "learning_curve_seconds", "stability"):
         assert (tmp_path / f"{png}.png").stat().st_size > 1000 and f"]({png}.png)" in report
+    # every table row has its header's cells (a '|' inside a measurement split claim 5's row)
+    for table in [b for b in report.split("\n\n") if b.lstrip().startswith("|")]:
+        rows = [r for r in table.strip().splitlines() if r.startswith("|")]
+        assert {r.count("|") for r in rows} == {rows[0].count("|")}, table
 
 
 def test_finished_runs_are_skipped_and_failures_named(tmp_path, monkeypatch):

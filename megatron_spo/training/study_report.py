@@ -353,7 +353,7 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
         steadier = s["grad_norm_growth"] <= g["grad_norm_growth"] and s["pass@1"] >= g["pass@1"]
         rows.append(("5. SPO is more stable (long runs, 3x steps, one seed)",
                      f"grad-norm growth (last / first third) SPO {s['grad_norm_growth']:.2f} vs GRPO "
-                     f"{g['grad_norm_growth']:.2f}; max |seq log-ratio| {s['max_abs_log_ratio']:.2f} vs "
+                     f"{g['grad_norm_growth']:.2f}; largest abs(mean seq log-ratio) {s['max_abs_log_ratio']:.2f} vs "
                      f"{g['max_abs_log_ratio']:.2f}; held-out pass@1 after {s['pass@1']:.3f} vs {g['pass@1']:.3f}",
                      "reproduced (indicative: one seed)" if steadier else "not reproduced (indicative: one seed)"))
     else:
