@@ -48,7 +48,8 @@ def _fake_run(root: Path, study: st.StudyConfig, arm: str, seed: int, p1: float,
 
 def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "spo-online", "ppo", "grpo"],
-                                          "seeds": [0, 1], "sweep": {"enabled": False}})
+                                          "seeds": [0, 1], "sweep": {"enabled": False},
+                                          "long_run": {"seeds": [0, 1]}})
     for seed in (0, 1):
         shared = tmp_path / "shared" / f"seed{seed}"
         shared.mkdir(parents=True)
@@ -59,8 +60,9 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
         _fake_run(tmp_path, study, "spo-online", seed, 0.3, 0.9, pushes=1, wall=80)
         _fake_run(tmp_path, study, "ppo", seed, 0.25, 0.6, pushes=9, wall=120)
         _fake_run(tmp_path, study, "grpo", seed, 0.4, 0.7, pushes=9, wall=100)
-    for arm, grad in (("spo", (1.0, 2.0)), ("grpo", (1.0, 4.0))):
-        _fake_run(tmp_path, study, arm, 0, 0.45, 0.9, pushes=3, wall=300, kind="long", grad=grad,
+    for arm, seed, grad in (("spo", 0, (1.0, 2.0)), ("spo", 1, (1.0, 4.0)), ("grpo", 0, (1.0, 4.0)),
+                            ("grpo", 1, (1.0, 4.0))):
+        _fake_run(tmp_path, study, arm, seed, 0.45, 0.9, pushes=3, wall=300, kind="long", grad=grad,
                   settings=(("train.steps", 270),))
     report = write_report(study, tmp_path, {a: {"settings": {}} for a in study.arms}).read_text()
 
@@ -81,8 +83,10 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
     assert "3b. ... on pass@10 | spo - spo-online, pass@10: +0.000 [+0.000, +0.000]" in report
     assert "inconclusive (CI includes 0)" in report
     assert "train wall SPO / PPO per seed 0.75, 0.75; pushes 1 ± 0 vs 9 ± 0" in report and "| reproduced |" in report
-    assert "grad-norm growth (last / first third) SPO 2.00 vs GRPO 4.00" in report
-    assert "reproduced (indicative: one seed)" in report
+    # long runs: growth averaged over the seeds (SPO (2 + 4) / 2), held-out pass@1 against the same seeds' runs
+    assert "| 5. SPO is more stable (long runs, 3x steps, 2 seeds) | grad-norm growth (last / first third) SPO 3.00 " \
+           "vs GRPO 4.00; largest abs(mean seq log-ratio) 0.80 vs 0.80; held-out pass@1 after 1x -> 3x steps SPO " \
+           "0.400 -> 0.450, GRPO 0.400 -> 0.450 | reproduced |" in report
     for png in ("pass_at_k", "learning_curve_rollouts", "learning_curve_seconds", "stability"):
         assert (tmp_path / f"{png}.png").stat().st_size > 1000 and f"]({png}.png)" in report
     # every table row has its header's cells (a '|' inside a measurement split claim 5's row)
