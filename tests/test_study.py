@@ -41,13 +41,14 @@ def _fake_run(root: Path, study: st.StudyConfig, arm: str, seed: int, p1: float,
     steps = 9
     metrics = [{"step": i + 1, "time": 1000.0 + 10 * i, "time/step": 10.0, "reward/online": -0.5 + 0.05 * i,
                 "samples/online": 16.0, "grad_norm": grad[0] if i < 3 else grad[1], "mean_seq_log_ratio": 0.1 * i,
-                "weight_sync/bytes": 1e8 if (i + 1) % (steps // pushes) == 0 else 0.0,
+                "weight_sync/bytes": 1e8 if pushes and (i + 1) % (steps // pushes) == 0 else 0.0,
                 "memory/peak_rss_gb": 1.5, "policy_version": 0.0} for i in range(steps)]
     (run / "train" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
 
 
 def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
-    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "spo-online", "ppo", "grpo"],
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path),
+                                          "arms": ["spo", "spo-online", "ppo", "grpo", "trl-grpo"],
                                           "seeds": [0, 1], "sweep": {"enabled": False},
                                           "long_run": {"seeds": [0, 1]}})
     for seed in (0, 1):
@@ -60,6 +61,7 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
         _fake_run(tmp_path, study, "spo-online", seed, 0.3, 0.9, pushes=1, wall=80)
         _fake_run(tmp_path, study, "ppo", seed, 0.25, 0.6, pushes=9, wall=120)
         _fake_run(tmp_path, study, "grpo", seed, 0.4, 0.7, pushes=9, wall=100)
+        _fake_run(tmp_path, study, "trl-grpo", seed, 0.35, 0.7, pushes=0, wall=100)
     for arm, seed, grad in (("spo", 0, (1.0, 2.0)), ("spo", 1, (1.0, 4.0)), ("grpo", 0, (1.0, 4.0)),
                             ("grpo", 1, (1.0, 4.0))):
         _fake_run(tmp_path, study, arm, seed, 0.45, 0.9, pushes=3, wall=300, kind="long", grad=grad,
@@ -74,6 +76,9 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
     assert "| 120 ± 0 | 9 ± 0 | 0.90 ± 0.00 | 1.50 ± 0.00 |" in report
     # SPO minus each arm
     assert "| ppo | +0.150 [+0.150, +0.150] | +0.300 [+0.300, +0.300] | +0.150 [+0.150, +0.150] |" in report
+    # our GRPO against TRL's: pass@1 differs by exactly 0.05, so not within noise
+    assert "| +0.050 [+0.050, +0.050] | +0.000 [+0.000, +0.000] | -0.050 [-0.050, -0.050] | +0.000 [+0.000, +0.000] " \
+           "| no (pass@1, pass@10) |" in report
     # the paper's claims, each with its verdict
     assert "| 1. SPO beats PPO on pass@10 | spo - ppo, pass@10: +0.300 [+0.300, +0.300] (2 seeds x 40 problems) | " \
            "reproduced |" in report

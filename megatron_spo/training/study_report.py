@@ -314,6 +314,12 @@ def write_report(study, root: Path, chosen: dict) -> Path:
                 cells = [_ci(*compare(by["spo"], arm, w)[:3]) for w in ("pass@1", "pass@10", "gap", "distinct")]
                 lines.append(f"| {arm.name} | " + " | ".join(cells) + " |")
         lines.append("")
+    if "grpo" in by and "trl-grpo" in by:  # our GRPO held to an outside implementation: the same rollouts per step
+        lines += ["## Our GRPO against TRL's GRPOTrainer (grpo minus trl-grpo, paired per seed and problem)", "",
+                  "| pass@1 | pass@10 | pass@10 - pass@1 | distinct correct | within noise |", "|---|---|---|---|---|"]
+        diffs = [compare(by["grpo"], by["trl-grpo"], w)[:3] for w in ("pass@1", "pass@10", "gap", "distinct")]
+        agree = all(lo <= 0 <= hi for _, lo, hi in diffs[:2])
+        lines += ["| " + " | ".join(_ci(*d) for d in diffs) + f" | {'yes' if agree else 'no'} (pass@1, pass@10) |", ""]
     lines += _claims(by, long)
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     report = root / "report.md"
