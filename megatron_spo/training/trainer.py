@@ -359,7 +359,7 @@ class Trainer:
         if limit is not None and abs(metrics.get("mean_seq_log_ratio", 0.0)) > limit:
             raise TrainingDiverged(f"step {self.step}: mean sequence log(pi/pi_0) = "
                                    f"{metrics['mean_seq_log_ratio']:.3g} exceeds logging.max_log_ratio {limit}: "
-                                   "the policy is collapsing (lower the LR, raise beta, or sample at T=1)")
+                                   "the policy is collapsing (lower the LR, raise beta, or mix in offline data)")
         return metrics
 
     def _sum_across_data_parallel(self, t: torch.Tensor) -> torch.Tensor:
