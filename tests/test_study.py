@@ -29,6 +29,15 @@ def test_two_way_bootstrap_exact_cases():
     assert across[0] == pytest.approx(within[0]) and (across[2] - across[1]) > 1.5 * (within[2] - within[1])
 
 
+def _fake_reference(root: Path, seed: int) -> None:
+    """The reference's evaluation a seed's runs share: pass@1 0.2, pass@10 0.6, one distinct correct program."""
+    shared = root / "shared" / f"seed{seed}"
+    shared.mkdir(parents=True)
+    before = [{"prompt_id": p, "n": 20, "correct": 0, "pass@1": 0.2, "pass@10": 0.6, "tests": {},
+               "distinct_correct": 1} for p in PROBLEMS]
+    (shared / "eval_before.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
+
+
 def _fake_run(root: Path, study: st.StudyConfig, arm: str, seed: int, p1: float, p10: float, *, pushes: int,
               wall: float, kind: str = "runs", settings=(), grad=(1.0, 1.0), distinct: int = 2) -> None:
     run = st.RunSpec(kind, arm, seed, settings).run_dir(root)
@@ -52,11 +61,7 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
                                           "seeds": [0, 1], "sweep": {"enabled": False},
                                           "long_run": {"seeds": [0, 1]}})
     for seed in (0, 1):
-        shared = tmp_path / "shared" / f"seed{seed}"
-        shared.mkdir(parents=True)
-        before = [{"prompt_id": p, "n": 20, "correct": 0, "pass@1": 0.2, "pass@10": 0.6, "tests": {},
-                   "distinct_correct": 1} for p in PROBLEMS]
-        (shared / "eval_before.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
+        _fake_reference(tmp_path, seed)
         _fake_run(tmp_path, study, "spo", seed, 0.4, 0.9, pushes=1, wall=90, distinct=3)
         _fake_run(tmp_path, study, "spo-online", seed, 0.3, 0.9, pushes=1, wall=80)
         _fake_run(tmp_path, study, "ppo", seed, 0.25, 0.6, pushes=9, wall=120)
@@ -221,11 +226,7 @@ def test_wall_clock_ratios_pair_runs_by_seed(tmp_path):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "ppo"], "seeds": [0, 1],
                                           "sweep": {"enabled": False}})
     for seed in (0, 1):
-        shared = tmp_path / "shared" / f"seed{seed}"
-        shared.mkdir(parents=True)
-        before = [{"prompt_id": p, "n": 20, "correct": 0, "pass@1": 0.2, "pass@10": 0.6, "tests": {},
-                   "distinct_correct": 1} for p in PROBLEMS]
-        (shared / "eval_before.jsonl").write_text("".join(json.dumps(r) + "\n" for r in before))
+        _fake_reference(tmp_path, seed)
     _fake_run(tmp_path, study, "spo", 0, 0.4, 0.9, pushes=1, wall=50)
     _fake_run(tmp_path, study, "spo", 1, 0.4, 0.9, pushes=1, wall=90)
     _fake_run(tmp_path, study, "ppo", 1, 0.3, 0.8, pushes=9, wall=100)  # seed 0 of PPO never finished

@@ -232,7 +232,9 @@ def _stability(arm: ArmRuns, short: ArmRuns | None) -> dict[str, float]:
         after.append(arm.results[s].get("pass@1", {}).get("after", math.nan))
         if short is not None and s in short.results:
             before.append(short.results[s].get("pass@1", {}).get("after", math.nan))
-    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    def mean(xs: list[float]) -> float:
+        return statistics.fmean(xs) if xs else math.nan
+
     return {"grad_norm_growth": mean(growth), "max_abs_log_ratio": max(ratio, default=math.nan),
             "pass@1": mean(after), "pass@1_short": mean(before), "seeds": len(arm.metrics)}
 
