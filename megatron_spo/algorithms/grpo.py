@@ -7,6 +7,11 @@ and the per-token objective, with ratio rho_t = exp(log pi_theta - log pi_behavi
     k3_t = exp(log pi_0 - log pi_theta) - (log pi_0 - log pi_theta) - 1     (>= 0, unbiased KL(pi || pi_0))
 aggregated as "sequence_mean" (mean over a sequence's tokens, then over sequences: the paper) or
 "token_mean" (sum over every response token / their number: DAPO, TRL's default "dapo"-like loss).
+Stale samples (behaviour_correction.py): with old_logp (pi_old, the trainer's policy at the start of the step)
+the ratio is pi_theta / pi_old and each token's whole term (surrogate and KL penalty, both estimates over the
+policy's samples) is weighted by w_t = min(pi_old / mu, C) ("tis") or dropped where pi_old / mu leaves
+[1/C, C] ("mis"); a dropped token still counts in the normaliser. correction "none" with old_logp None is the
+on-policy loss above.
 Shapes: [B, T] per token (mask != 0 on response tokens), [B] per sequence, group [B] long ids.
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_spo.algorithms.behaviour_correction import behaviour_weights, check_correction
 from megatron_spo.algorithms.validation import check_token_inputs, upcast
 
 AGGREGATIONS = ("sequence_mean", "token_mean")
@@ -36,11 +42,19 @@ def grpo_advantages(reward: Tensor, group: Tensor, *, scale_rewards: bool = True
 
 
 def grpo_token_losses(logp: Tensor, behaviour_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor,
-                      mask: Tensor, *, clip_eps_low: float, clip_eps_high: float, kl_coef: float
-                      ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """(per-token losses [B, T] (0 off the mask), valid mask [B, T] bool, per-token stats for metrics)."""
+                      mask: Tensor, *, clip_eps_low: float, clip_eps_high: float, kl_coef: float,
+                      old_logp: Tensor | None = None, correction: str = "none", correction_cap: float = 2.0,
+                      correction_level: str = "token") -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """(per-token losses [B, T] (0 off the mask), valid mask [B, T] bool, per-token stats for metrics).
+
+    old_logp [B, T] (no grad): pi_old for the ratio, required by a correction; without it the ratio is
+    against behaviour_logp. A correction adds stats behaviour_weight, behaviour_corrected and mismatch_k3."""
     where = "grpo_token_losses"
-    tensors = {"logp": logp, "behaviour_logp": behaviour_logp}
+    check_correction(where, correction, correction_cap, correction_level)
+    if correction != "none" and old_logp is None:
+        raise ValueError(f"{where}: behaviour correction '{correction}' needs old_logp (the policy's log-probs "
+                         "at the start of the step)")
+    tensors = {"logp": logp, "behaviour_logp": behaviour_logp, "old_logp": old_logp}
     if ref_logp is not None:
         tensors["ref_logp"] = ref_logp
     valid = check_token_inputs(where, mask, tensors, {"advantages": advantages})
@@ -48,8 +62,9 @@ def grpo_token_losses(logp: Tensor, behaviour_logp: Tensor, ref_logp: Tensor | N
         raise ValueError(f"{where}: clip_eps_low/high must be > 0 and kl_coef >= 0, got {clip_eps_low}, "
                          f"{clip_eps_high}, {kl_coef}")
     logp, behaviour_logp = upcast(logp), upcast(behaviour_logp)
+    denominator = behaviour_logp if old_logp is None else upcast(old_logp).detach()
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    log_ratio = torch.where(valid, logp - behaviour_logp, zero)
+    log_ratio = torch.where(valid, logp - denominator, zero)
     ratio = log_ratio.exp()
     adv = advantages.to(logp.dtype).unsqueeze(1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * adv)
@@ -62,6 +77,11 @@ def grpo_token_losses(logp: Tensor, behaviour_logp: Tensor, ref_logp: Tensor | N
         stats["kl_ref"] = k3.detach()
         if kl_coef > 0:
             per_token = per_token + kl_coef * k3
+    if correction != "none":
+        w, corrected, mismatch = behaviour_weights(old_logp, behaviour_logp, valid, correction=correction,
+                                                   cap=correction_cap, level=correction_level)
+        per_token = per_token * w.to(per_token.dtype)
+        stats.update(behaviour_weight=w, behaviour_corrected=corrected, mismatch_k3=mismatch)
     return torch.where(valid, per_token, zero), valid, stats
 
 

@@ -12,6 +12,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from megatron_spo.algorithms.behaviour_correction import (
+    behaviour_weights,
+    check_correction,
+    correction_metrics,
+)
 from megatron_spo.algorithms.spo import _check_beta
 from megatron_spo.algorithms.validation import check_token_inputs, upcast
 
@@ -128,16 +133,29 @@ def ppo_policy_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     reduction: str = "sequence",
+    old_logp: Tensor | None = None,
+    correction: str = "none",
+    correction_cap: float = 2.0,
+    correction_level: str = "token",
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate -min(w A, clip(w, 1 - eps, 1 + eps_high) A), w = exp(logp - behaviour_logp).
 
     behaviour_logp: the log-probs the rollout engine reported for the sampled tokens (pi_theta_old).
+    Stale samples (behaviour_correction.py): with old_logp (pi_old, no grad) the ratio is exp(logp - old_logp)
+    and a correction ("tis" | "mis") weights each token's term by min(pi_old / mu, C) or drops it where
+    pi_old / mu leaves [1/C, C] (mu = behaviour_logp); metrics then add behaviour_weight, behaviour_corrected
+    and mismatch_kl.
     """
     where = "ppo_policy_loss"
+    check_correction(where, correction, correction_cap, correction_level)
+    if correction != "none" and old_logp is None:
+        raise ValueError(f"{where}: behaviour correction '{correction}' needs old_logp (the policy's log-probs "
+                         "at the start of the step)")
     valid = check_token_inputs(
-        where, mask, {"logp": logp, "behaviour_logp": behaviour_logp, "advantages": advantages}
+        where, mask, {"logp": logp, "behaviour_logp": behaviour_logp, "advantages": advantages, "old_logp": old_logp}
     )
     logp, behaviour_logp, advantages = upcast(logp), upcast(behaviour_logp), upcast(advantages)
+    denominator = behaviour_logp if old_logp is None else upcast(old_logp)
     high = clip_eps if clip_eps_high is None else clip_eps_high
     if not (0 < clip_eps < 1 and high > 0):
         raise ValueError(
@@ -145,12 +163,18 @@ def ppo_policy_loss(
         )
     fvalid = valid.to(logp.dtype)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    log_ratio = torch.where(valid, logp - behaviour_logp.detach(), zero)
+    log_ratio = torch.where(valid, logp - denominator.detach(), zero)
     adv = torch.where(valid, advantages.detach(), zero)
     ratio = log_ratio.exp()
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    extra: dict[str, float] = {}
+    if correction != "none":
+        w, corrected, mismatch = behaviour_weights(old_logp, behaviour_logp, valid, correction=correction,
+                                                   cap=correction_cap, level=correction_level)
+        per_token = per_token * w.to(per_token.dtype)
+        extra = correction_metrics(w, corrected, mismatch, valid)
     loss = _reduce(per_token, valid, reduction, where)
     with torch.no_grad():
         n = fvalid.sum()
@@ -163,7 +187,8 @@ def ppo_policy_loss(
                 (ratio * fvalid).sum() / n,
             ]
         ).tolist()
-    return loss, dict(zip(("loss", "clip_fraction", "approx_kl_old_new", "mean_ratio"), stats, strict=True))
+    return loss, {**dict(zip(("loss", "clip_fraction", "approx_kl_old_new", "mean_ratio"), stats, strict=True)),
+                  **extra}
 
 
 def ppo_value_loss(
