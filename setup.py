@@ -37,7 +37,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "sglang", "liger-kernel"],
         "dali": ["nvidia-dali-cuda120"],
         "wandb": ["wandb"],
-        # TRL's GRPOTrainer as an outside GRPO baseline for benchmarks (megatron_spo/training/trl_grpo.py); it
+        # TRL's GRPOTrainer as an outside GRPO baseline for benchmarks (megatron_spo/experiments/trl_grpo.py); it
         # brings accelerate. 1.16.0 is the version the baseline's settings and its prompt / reward bridging were
         # checked against (tests/test_trl_grpo.py).
         "bench": ["trl==1.16.0"],

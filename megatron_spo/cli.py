@@ -14,7 +14,7 @@ from megatron_spo.config import ConfigError
 
 # name -> ("module:function", one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("megatron_spo.training.quickstart:main", "the CPU quickstart: reference -> Q0 -> SPO training -> pass@k"),
+    "quickstart": ("megatron_spo.experiments.quickstart:main", "the CPU quickstart: reference -> Q0 -> SPO training -> pass@k"),
     "verify": ("megatron_spo.verify:main", "train tabular policies and check KL(pi || pi*) against the exact optimum"),
     "convert": ("megatron_spo.models.convert:main", "convert checkpoints: hf-to-megatron | megatron-to-hf"),
     "check-conversion": ("megatron_spo.models.check_conversion:main",
@@ -28,8 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("megatron_spo.engine_tools.eval:main", "pass@1 / pass@10 of a model on a task"),
     "train": ("megatron_spo.training.launch:main", "train SPO / AGRO / PPO from a config"),
     "plot": ("megatron_spo.training.metrics:plot_main", "PNG plots of a run's metrics.jsonl"),
-    "compare": ("megatron_spo.training.study:main", "SPO vs PPO / GRPO / AGRO / TRL-GRPO: tuned, seeded, report"),
-    "plan": ("megatron_spo.training.capacity:main", "memory / weight-sync / throughput plan for a cluster"),
+    "compare": ("megatron_spo.experiments.study:main", "SPO vs PPO / GRPO / AGRO / TRL-GRPO: tuned, seeded, report"),
+    "plan": ("megatron_spo.planning.capacity:main", "memory / weight-sync / throughput plan for a cluster"),
 }
 
 

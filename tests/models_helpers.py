@@ -111,8 +111,8 @@ def family_worker(hf_dirs: dict[str, str], result_path: str) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_spo.config import ParallelConfig
     from megatron_spo.models.builders import build_policy
+    from megatron_spo.models.config import ParallelConfig
     from megatron_spo.models.hf_checkpoint import HFReader, read_hf_config
     from megatron_spo.models.hf_map import iter_hf_tensors, load_hf_into_model
     from megatron_spo.models.parallel import init_parallel
@@ -214,8 +214,8 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_spo.config import ParallelConfig
     from megatron_spo.models.builders import build_policy, lm_head_weight, mask_padded_logits
+    from megatron_spo.models.config import ParallelConfig
     from megatron_spo.models.hf_checkpoint import HFReader, read_hf_config
     from megatron_spo.models.hf_map import iter_hf_tensors, load_hf_into_model
     from megatron_spo.models.megatron_checkpoint import load_megatron, save_megatron

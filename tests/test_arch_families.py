@@ -18,9 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import models_helpers as mh  # noqa: E402
 
-from megatron_spo.config import ModelConfig  # noqa: E402
 from megatron_spo.models import arch  # noqa: E402
 from megatron_spo.models import hf_checkpoint as hfc  # noqa: E402
+from megatron_spo.models.config import ModelConfig  # noqa: E402
 from megatron_spo.models.hf_map import hf_shapes  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -291,7 +291,7 @@ def test_published_configs_read_with_their_parameter_counts(name):
 
 
 def test_qwen_presets_match_the_published_configs():
-    from megatron_spo.training import capacity
+    from megatron_spo.planning import capacity
 
     for preset, hub in (("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct"), ("qwen3-8b", "Qwen/Qwen3-8B")):
         model, parallel = capacity.load_preset(preset)

@@ -56,8 +56,8 @@ def test_a_run_archives_its_online_trajectories_and_the_next_run_learns_from_the
 
 
 def test_a_selection_matching_nothing_is_refused_in_one_line(tmp_path):
-    from megatron_spo.config import TrainConfig
     from megatron_spo.data.archive import ExperienceArchive
+    from megatron_spo.training.config import TrainConfig
     from megatron_spo.training.sources import build_sampler
 
     archive = ExperienceArchive(tmp_path / "exp", run_id="r7", model="m")

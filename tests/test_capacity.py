@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from megatron_spo.cli import main as cli_main
-from megatron_spo.config import CapacityConfig, ConfigError, ModelConfig, ParallelConfig
-from megatron_spo.training import capacity
+from megatron_spo.config import ConfigError
+from megatron_spo.models.config import ModelConfig, ParallelConfig
+from megatron_spo.planning import capacity
+from megatron_spo.planning.config import CapacityConfig
 
 
 def test_presets_are_the_published_llama31_sizes():

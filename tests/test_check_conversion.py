@@ -119,7 +119,7 @@ def test_tp2_pp2_trainer_layout_checkpoint_and_one_line_errors(converted, tmp_pa
     # a checkpoint written under TP=2 x PP=2 (keys are global: the check reads it at TP=1)
     code = (
         "import sys, warnings; warnings.filterwarnings('ignore')\n"
-        "from megatron_spo.config import ParallelConfig\n"
+        "from megatron_spo.models.config import ParallelConfig\n"
         "from megatron_spo.models.builders import build_policy\n"
         "from megatron_spo.models.hf_checkpoint import HFReader, read_hf_config\n"
         "from megatron_spo.models.hf_map import load_hf_into_model\n"

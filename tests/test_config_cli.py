@@ -7,14 +7,8 @@ import pytest
 
 from megatron_spo.cli import SUBCOMMANDS
 from megatron_spo.cli import main as cli_main
-from megatron_spo.config import (
-    ConfigError,
-    ModelConfig,
-    ParallelConfig,
-    StrictModel,
-    apply_overrides,
-    load_config,
-)
+from megatron_spo.config import ConfigError, StrictModel, apply_overrides, load_config
+from megatron_spo.models.config import ModelConfig, ParallelConfig
 
 
 class Inner(StrictModel):
@@ -130,7 +124,7 @@ def test_every_subcommand_target_is_a_module_path():
 
 
 def test_train_config_refuses_bad_combinations(tmp_path):
-    from megatron_spo.config import TrainConfig
+    from megatron_spo.training.config import TrainConfig
 
     with pytest.raises(ConfigError, match=r"sources.offline: Value error, objective 'advantage' with loss "
                                           r"'cross_entropy' is not supported"):
@@ -152,7 +146,7 @@ def test_a_lone_process_does_not_collide_on_the_default_master_port():
     import socket
 
     code = (
-        "from megatron_spo.config import ModelConfig, ParallelConfig\n"
+        "from megatron_spo.models.config import ModelConfig, ParallelConfig\n"
         "from megatron_spo.models.parallel import destroy_parallel, init_parallel\n"
         "init_parallel(ParallelConfig(), ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128,"
         " num_attention_heads=4, num_query_groups=2, vocab_size=100))\n"
@@ -174,7 +168,7 @@ def test_a_lone_process_does_not_collide_on_the_default_master_port():
 def test_logprobs_settings_reach_the_op_and_are_checked_before_any_model(monkeypatch):
     """train.logprobs: typed, passed to token_logprobs as keyword arguments (unset sizes left to the op's
     defaults), and refused at trainer start, with the field named, where this machine cannot run them."""
-    from megatron_spo.config import TrainConfig
+    from megatron_spo.training.config import TrainConfig
     from megatron_spo.training.trainer import Trainer
 
     cfg = load_config(TrainConfig, None, ["init.hf=x", "logprobs.chunk_size=512", "logprobs.backend=torch"])

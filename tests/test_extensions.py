@@ -15,7 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_helpers import make_tiny_hf, run_spawned  # noqa: E402
 
-from megatron_spo.config import ConfigError, TrainConfig  # noqa: E402
+from megatron_spo.config import ConfigError  # noqa: E402
+from megatron_spo.training.config import TrainConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]

@@ -101,7 +101,7 @@ def test_grpo_learns_the_best_arm_of_a_bandit():
 
 
 def test_grpo_and_ppo_refuse_behaviour_logprobs_of_another_distribution():
-    from megatron_spo.config import TrainConfig
+    from megatron_spo.training.config import TrainConfig
 
     base = dict(init={"hf": "x"})
     for algo in ("grpo", "ppo"):

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from megatron_spo.cli import main as cli
-from megatron_spo.config import SandboxConfig
 from megatron_spo.data.importers import (
     ProblemIndex,
     codecontests_candidates,
@@ -24,6 +23,7 @@ from megatron_spo.data.offline_store import OfflineStore, write_store
 from megatron_spo.data.problems import read_problems_jsonl
 from megatron_spo.data.prompts import make_prompts
 from megatron_spo.data.trajectory import RecordError
+from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rewards.reward import RewardPool
 from megatron_spo.rewards.sandbox import SandboxPool, SandboxUnavailableError
 

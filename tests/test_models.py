@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 import models_helpers as mh  # noqa: E402
 
-from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
+from megatron_spo.config import ConfigError  # noqa: E402
 from megatron_spo.models import hf_checkpoint as hfc  # noqa: E402
+from megatron_spo.models.config import ModelConfig, ParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

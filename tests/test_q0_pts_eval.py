@@ -20,11 +20,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from rollout_helpers import ServerThread  # noqa: E402
 
-from megatron_spo.config import ConfigError, ToolSamplingConfig  # noqa: E402
+from megatron_spo.config import ConfigError  # noqa: E402
 from megatron_spo.data.problems import read_problems_jsonl  # noqa: E402
 from megatron_spo.data.prompts import Prompt, make_prompts  # noqa: E402
 from megatron_spo.data.q0 import read_q0  # noqa: E402
 from megatron_spo.data.trajectory import read_jsonl, validate_record  # noqa: E402
+from megatron_spo.engine_tools.config import ToolSamplingConfig  # noqa: E402
 from megatron_spo.engine_tools.estimate_q0 import estimate_q0  # noqa: E402
 from megatron_spo.engine_tools.eval import ProblemEval, evaluate  # noqa: E402
 from megatron_spo.engine_tools.pts import BisectionSearch, PivotalToken, bisect_oracle, pivotal_token_search  # noqa: E402

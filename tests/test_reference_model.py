@@ -8,10 +8,12 @@ import os
 import pytest
 import torch
 
-from megatron_spo.config import ConfigError, QuickstartModelConfig, ToyCodeTaskConfig, build_config
+from megatron_spo.config import ConfigError, build_config
 from megatron_spo.data import toy_code
 from megatron_spo.data.char_tokenizer import ALPHABET, build_char_tokenizer
-from megatron_spo.training import reference_model as rm
+from megatron_spo.data.config import ToyCodeTaskConfig
+from megatron_spo.experiments import reference_model as rm
+from megatron_spo.experiments.config import QuickstartModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from megatron_spo.config import SandboxConfig
 from megatron_spo.data.tasks import Problem
 from megatron_spo.rewards.code_reward import extract_program
+from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rewards.math_answer import (
     SympyJudge,
     answers_match,

@@ -18,9 +18,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import FaultyServer, ServerThread, make_tiny_llama, perturbed_state_dict  # noqa: E402
 
-from megatron_spo.config import ConfigError, RolloutConfig, build_config  # noqa: E402
+from megatron_spo.config import ConfigError, build_config  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout.client import EngineClient, EngineError, post_json  # noqa: E402
+from megatron_spo.rollout.config import RolloutConfig  # noqa: E402
 from megatron_spo.rollout.local_engine import LocalEngine, Req  # noqa: E402
 from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
 from megatron_spo.rollout.protocol import (  # noqa: E402

@@ -17,9 +17,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import engine_env, make_tiny_llama, perturbed_state_dict  # noqa: E402
 
-from megatron_spo.config import RolloutConfig  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout.client import get_json, post_json  # noqa: E402
+from megatron_spo.rollout.config import RolloutConfig  # noqa: E402
 from megatron_spo.rollout.fleet import Fleet  # noqa: E402
 from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
 from megatron_spo.rollout.weight_sync import WeightBroadcaster, WeightSyncError

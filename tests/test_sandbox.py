@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from megatron_spo.config import SandboxConfig
 from megatron_spo.rewards._sandbox_host import processes_of_uid
+from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rewards.sandbox import (
     SandboxPool,
     SandboxUnavailableError,

@@ -25,10 +25,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import sglang_source as sgl  # noqa: E402
 from rollout_helpers import ServerThread, engine_env, make_tiny_llama, perturbed_state_dict  # noqa: E402
 
-from megatron_spo.config import RolloutConfig, ToolSamplingConfig  # noqa: E402
+from megatron_spo.engine_tools.config import ToolSamplingConfig  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout import client as client_module  # noqa: E402
 from megatron_spo.rollout import weight_sync  # noqa: E402
+from megatron_spo.rollout.config import RolloutConfig  # noqa: E402
 from megatron_spo.rollout.local_engine import LocalEngine, Req  # noqa: E402
 from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
 from megatron_spo.rollout.protocol import SAMPLING_EPS, TOP_K_ALL, ProtocolError, SamplingParams  # noqa: E402

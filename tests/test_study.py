@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron_spo.config import ConfigError, apply_overrides, build_config
-from megatron_spo.training import study as st
-from megatron_spo.training.quickstart import QuickstartConfig, split_problems
-from megatron_spo.training.study_report import two_way_bootstrap, write_report
+from megatron_spo.experiments import study as st
+from megatron_spo.experiments.quickstart import QuickstartConfig, split_problems
+from megatron_spo.experiments.study_report import two_way_bootstrap, write_report
 
 PROBLEMS = [f"p{i}" for i in range(40)]
 
@@ -134,7 +134,7 @@ def test_finished_runs_are_skipped_and_failures_named(tmp_path, monkeypatch):
                     f"{tmp_path / 'runs' / 'spo' / 'default_seed1' / 'quickstart.log'}"]
     why = "megatron_spo.training.trainer.TrainingDiverged: step 86: mean sequence log(pi/pi_0) = 51"
     assert st.failure(failed, tmp_path) == why
-    from megatron_spo.training.study_report import _score
+    from megatron_spo.experiments.study_report import _score
 
     assert _score({"validation": None, "failure": why}) == "diverged (step 86)"
     # a failed run is not started again (its settings diverge), unless asked
@@ -157,7 +157,7 @@ def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):
     assert sweep["validation_problems"] == test["validation_problems"] == 30  # same training problems
     assert sweep["train"] == {"steps": 30, "online_fraction": 1.0, "lr": 1e-4} and sweep["algo"] == "spo"
     cfg = build_config(QuickstartConfig, test)
-    from megatron_spo.training.reference_model import task_from_config
+    from megatron_spo.experiments.reference_model import task_from_config
 
     split = split_problems(cfg, task_from_config(cfg.reference))
     ids = {role: {p.id for p in ps} for role, ps in split.items()}
@@ -180,7 +180,7 @@ def test_bad_study_settings_fail_naming_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"eval_splits \['validation'\] with validation_problems 0: nothing"):
         build_config(QuickstartConfig, {"eval_splits": ["validation"]})
     cfg = build_config(QuickstartConfig, {"validation_problems": 120})
-    from megatron_spo.training.reference_model import task_from_config
+    from megatron_spo.experiments.reference_model import task_from_config
 
     with pytest.raises(ConfigError, match="validation_problems 120 leaves nothing to train on .the task has 120"):
         split_problems(cfg, task_from_config(cfg.reference))
@@ -208,7 +208,7 @@ def test_arms_of_one_seed_at_other_betas_get_the_shared_samples_with_their_own_q
     train on Q0 at its own beta (offline samples included), not the beta of the arm that sampled them."""
     from megatron_spo.data.q0 import q0_from_counts
     from megatron_spo.data.trajectory import Trajectory, read_jsonl, write_jsonl
-    from megatron_spo.training.quickstart import build_offline_set
+    from megatron_spo.experiments.quickstart import build_offline_set
 
     sampled_at = q0_from_counts(3, 12, 0.5)
     write_jsonl([Trajectory(prompt_id="num-001", prompt_tokens=[1, 2], response_tokens=[3, 4], reward=0.0,

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned, train_with_failing_pushes
 
-from megatron_spo.config import ConfigError, TrainConfig
+from megatron_spo.config import ConfigError
+from megatron_spo.training.config import TrainConfig
 from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names, plot_run
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, split_to_count
 

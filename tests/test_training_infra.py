@@ -144,8 +144,8 @@ def test_metrics_file_is_json_lines(tmp_path):
 
 def test_online_source_gives_up_with_a_reason_when_no_rollouts_arrive():
     """A fleet that stopped answering ends the run after rollout.wait_timeout_s instead of hanging it."""
-    from megatron_spo.config import RolloutConfig
     from megatron_spo.net import free_port
+    from megatron_spo.rollout.config import RolloutConfig
     from megatron_spo.rollout.manager import Prompt, RolloutManager
     from megatron_spo.training.online import OnlineSource
 

@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer as a benchmark baseline (megatron_spo/training/trl_grpo.py): the same prompt tokens, the same
+"""TRL's GRPOTrainer as a benchmark baseline (megatron_spo/experiments/trl_grpo.py): the same prompt tokens, the same
 rewards, and a short run that trains, logs and saves a checkpoint our tools load."""
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from megatron_spo.config import QuickstartModelConfig, SandboxConfig, ToyCodeTaskConfig  # noqa: E402
 from megatron_spo.data.char_tokenizer import build_char_tokenizer  # noqa: E402
+from megatron_spo.data.config import ToyCodeTaskConfig  # noqa: E402
 from megatron_spo.data.prompts import Prompt, make_prompts  # noqa: E402
+from megatron_spo.experiments import trl_grpo  # noqa: E402
+from megatron_spo.experiments.config import QuickstartModelConfig  # noqa: E402
+from megatron_spo.experiments.quickstart import QuickstartConfig  # noqa: E402
+from megatron_spo.experiments.reference_model import build_reference, task_from_config  # noqa: E402
+from megatron_spo.rewards.config import SandboxConfig  # noqa: E402
 from megatron_spo.rewards.reward import RewardPool  # noqa: E402
-from megatron_spo.training import trl_grpo  # noqa: E402
-from megatron_spo.training.quickstart import QuickstartConfig  # noqa: E402
-from megatron_spo.training.reference_model import build_reference, task_from_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import ServerThread, make_tiny_llama, perturbed_state_dict  # noqa: E402
 
-from megatron_spo.config import RolloutConfig  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout.client import post_json  # noqa: E402
+from megatron_spo.rollout.config import RolloutConfig  # noqa: E402
 from megatron_spo.rollout.local_engine import (  # noqa: E402
     FLUSH_REFUSED,
     NO_SESSION,

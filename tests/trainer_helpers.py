@@ -65,8 +65,8 @@ def make_tiny_hf(path: str, seed: int = 0, num_layers: int = 2) -> str:
 def train_and_dump(runs: list[tuple[dict, str]]) -> None:
     """One rank: for each (config, out_file), train with the deterministic online source, then save the
     full HF-named weights to out_file. The runs share the processes (one spawn for several trainings)."""
-    from megatron_spo.config import TrainConfig
     from megatron_spo.models.hf_map import iter_hf_tensors
+    from megatron_spo.training.config import TrainConfig
     from megatron_spo.training.trainer import Trainer
 
     for i, (cfg_data, out_file) in enumerate(runs):
@@ -108,7 +108,7 @@ def train_with_failing_pushes(cfg_data: dict, failures: int, out_file: str) -> N
     """One rank: train; rank 0's pushes fail ``failures`` times; rank 0 writes its pushes and the error."""
     import json
 
-    from megatron_spo.config import TrainConfig
+    from megatron_spo.training.config import TrainConfig
     from megatron_spo.training.trainer import Trainer
 
     source = FailingPushSource(failures)

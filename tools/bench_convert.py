@@ -70,7 +70,7 @@ def make_shaped_checkpoint(out: Path, preset: str) -> None:
 
     from megatron_spo.models.hf_checkpoint import HFStreamWriter, write_hf_config
     from megatron_spo.models.hf_map import hf_shapes
-    from megatron_spo.training.capacity import load_preset
+    from megatron_spo.planning.capacity import load_preset
 
     cfg, _ = load_preset(preset)
     gen = torch.Generator().manual_seed(0)
@@ -217,7 +217,7 @@ def main() -> None:
 
     if args.shape:
         from megatron_spo.models.check_conversion import memory_estimate
-        from megatron_spo.training.capacity import load_preset
+        from megatron_spo.planning.capacity import load_preset
 
         cfg, _ = load_preset(args.shape)
         print(json.dumps({"shape": args.shape, "check_memory": memory_estimate(cfg, 2, 64, 8192)["formula"]}))

@@ -15,7 +15,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_spo.config import SandboxConfig
+from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rewards.sandbox import SandboxPool, outputs_match
 
 PROGRAMS = [

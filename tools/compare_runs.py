@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_spo.training.quickstart import paired_bootstrap  # noqa: E402
+from megatron_spo.experiments.quickstart import paired_bootstrap  # noqa: E402
 
 
 def per_problem(run: Path) -> dict[str, dict]:

@@ -470,10 +470,11 @@ def _tokenizer_and_problems(args) -> tuple[Any, list]:
     (--task/--data, else the config's task: the trainer's prompt set)."""
     cfg = None
     if args.config:
-        from megatron_spo.config import TrainConfig, load_config
+        from megatron_spo.config import load_config
+        from megatron_spo.data.config import TrainTaskView
 
-        cfg = load_config(TrainConfig, args.config)
-    path = args.tokenizer or (cfg.init.hf if cfg is not None else None)
+        cfg = load_config(TrainTaskView, args.config)
+    path = args.tokenizer or (cfg.init_hf if cfg is not None else None)
     if not path:
         raise ValueError("give --tokenizer DIR (the policy's tokenizer) or --config with init.hf")
     from transformers import AutoTokenizer
@@ -493,7 +494,7 @@ def _tokenizer_and_problems(args) -> tuple[Any, list]:
 
 
 def _reward_pool(args, problems: Sequence[Any]):
-    from megatron_spo.config import SandboxConfig
+    from megatron_spo.rewards.config import SandboxConfig
     from megatron_spo.rewards.reward import RewardPool
     from megatron_spo.rewards.sandbox import SandboxPool
 

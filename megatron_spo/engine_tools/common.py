@@ -20,10 +20,11 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from megatron_spo.config import ConfigError, ToolSamplingConfig
+from megatron_spo.config import ConfigError
 from megatron_spo.data.problems import load_problems, problems_from_task_config
 from megatron_spo.data.prompts import Prompt, make_prompts
 from megatron_spo.data.result_log import ResultLog
+from megatron_spo.engine_tools.config import ToolSamplingConfig
 from megatron_spo.rollout.protocol import Completion, SamplingParams
 
 
@@ -165,9 +166,10 @@ def apply_train_config(args: argparse.Namespace, parser: argparse.ArgumentParser
     Then check that the task and the engine URL are known."""
     args.task_config = None
     if getattr(args, "config", None):
-        from megatron_spo.config import TrainConfig, load_config
+        from megatron_spo.config import load_config
+        from megatron_spo.engine_tools.config import TrainConfigView
 
-        cfg = load_config(TrainConfig, args.config)
+        cfg = load_config(TrainConfigView, args.config)
         args.task_config = cfg.task if args.task is None else None
         args.task = args.task or cfg.task.kind
         args.tokenizer = args.tokenizer or cfg.init.hf
@@ -218,7 +220,7 @@ def load_tokenizer(path: str | None, engine_url: str) -> Any:
 
 def reward_pool_from_args(args: argparse.Namespace, problems: Sequence[Any], *, hidden: bool = False):
     """A RewardPool; a sandbox pool is started only when some problem is code. Close with close_reward_pool."""
-    from megatron_spo.config import SandboxConfig
+    from megatron_spo.rewards.config import SandboxConfig
     from megatron_spo.rewards.reward import RewardPool, needs_sandbox
     from megatron_spo.rewards.sandbox import SandboxPool
     from megatron_spo.run_layout import children_ignore_preemption_signals

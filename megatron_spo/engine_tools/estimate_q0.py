@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_spo.config import Q0Config, ToolSamplingConfig, build_config
+from megatron_spo.config import build_config
 from megatron_spo.data.prompts import Prompt
 from megatron_spo.data.q0 import Q0Estimate, q0_from_counts
 from megatron_spo.data.result_log import ResultLog, json_line
@@ -35,6 +35,7 @@ from megatron_spo.engine_tools.common import (
     sampling_from_args,
     score_all,
 )
+from megatron_spo.engine_tools.config import Q0Config, ToolSamplingConfig
 from megatron_spo.fsutil import write_lines_atomic
 from megatron_spo.rollout.protocol import Completion
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_spo.config import EvalConfig, ToolSamplingConfig, build_config
+from megatron_spo.config import build_config
 from megatron_spo.data.prompts import Prompt
 from megatron_spo.data.result_log import ResultLog
 from megatron_spo.engine_tools.common import (
@@ -35,6 +35,7 @@ from megatron_spo.engine_tools.common import (
     sampling_from_args,
     score_all,
 )
+from megatron_spo.engine_tools.config import EvalConfig, ToolSamplingConfig
 from megatron_spo.eval.passk import pass_at_k
 
 

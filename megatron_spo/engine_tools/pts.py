@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_spo.config import PTSConfig, ToolSamplingConfig, build_config
+from megatron_spo.config import build_config
 from megatron_spo.data.q0 import read_q0
 from megatron_spo.data.result_log import ResultLog
 from megatron_spo.data.trajectory import Trajectory, validate_record
@@ -44,6 +44,7 @@ from megatron_spo.engine_tools.common import (
     sampling_from_args,
     score_all,
 )
+from megatron_spo.engine_tools.config import PTSConfig, ToolSamplingConfig
 
 GAP_TOLERANCE = 1e-9  # |0.3 - 0.1| is 0.19999999999999998 in floats: a gap of exactly threshold recurses
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_spo.config import ConfigError
+from megatron_spo.models.config import ModelConfig, ParallelConfig
 from megatron_spo.models.cpu_shims import apply_cpu_shims
 from megatron_spo.models.spec import Backend, layer_spec
 

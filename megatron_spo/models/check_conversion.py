@@ -33,8 +33,9 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from megatron_spo.config import ConfigError, ModelConfig
+from megatron_spo.config import ConfigError
 from megatron_spo.memory import BASELINE_BYTES, GB, MemoryPreflightError, preflight, release_large_frees
+from megatron_spo.models.config import ModelConfig
 
 SHAPE_FIELDS = ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "head_dim", "vocab_size", "qkv_bias", "qk_layernorm", "tie_word_embeddings")
@@ -438,7 +439,7 @@ def _megatron_layer(layer, x, rope):
 
 
 def _parallel():
-    from megatron_spo.config import ParallelConfig
+    from megatron_spo.models.config import ParallelConfig
 
     return ParallelConfig()
 

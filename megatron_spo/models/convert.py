@@ -32,9 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_spo.config import ConfigError
 from megatron_spo.fsutil import fsync_path, fsync_tree
 from megatron_spo.memory import MemoryPreflightError
+from megatron_spo.models.config import ModelConfig, ParallelConfig
 from megatron_spo.models.hf_checkpoint import (
     HFCheckpointError,
     HFReader,

@@ -23,10 +23,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_spo.config import ConfigError, ModelConfig
+from megatron_spo.config import ConfigError
 from megatron_spo.fsutil import fsync_path
 from megatron_spo.models.arch import architecture, architecture_of_hf, supported_hf_classes
 from megatron_spo.models.arch.base import HFConfigFields, UnsupportedHFConfig
+from megatron_spo.models.config import ModelConfig
 from megatron_spo.models.hf_map import hf_shapes
 
 SUPPORTED_ARCHITECTURES = tuple(supported_hf_classes())

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from megatron_spo.config import ModelConfig
 from megatron_spo.models.arch import architecture
 from megatron_spo.models.arch.base import (  # noqa: F401  (re-exported: the names every family shares)
     EMBED,
@@ -37,6 +36,7 @@ from megatron_spo.models.arch.base import (  # noqa: F401  (re-exported: the nam
     LM_HEAD_RULE,
     Rule,
 )
+from megatron_spo.models.config import ModelConfig
 
 
 # ---------------------------------------------------------------------------------------------

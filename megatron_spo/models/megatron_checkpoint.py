@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_spo.config import ModelConfig
+from megatron_spo.models.config import ModelConfig
 
 MODEL_CONFIG_NAME = "model_config.json"
 # The sharded-strategy format every save here writes (megatron's default, loadable by any megatron-core).

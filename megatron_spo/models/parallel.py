@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_spo.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_spo.config import ConfigError
+from megatron_spo.models.config import ModelConfig, ParallelConfig
 from megatron_spo.models.cpu_shims import apply_cpu_shims
 from megatron_spo.net import free_port
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Literal
 
 from megatron_spo import extras
-from megatron_spo.config import ConfigError, ModelConfig
+from megatron_spo.config import ConfigError
+from megatron_spo.models.config import ModelConfig
 
 Backend = Literal["transformer_engine", "local"]
 

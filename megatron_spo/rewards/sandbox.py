@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_spo.config import SandboxConfig
+from megatron_spo.rewards.config import SandboxConfig
 
 logger = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_spo.config import RolloutConfig
 from megatron_spo.data.prompts import Prompt
 from megatron_spo.data.trajectory import FIELDS as RECORD_FIELDS
 from megatron_spo.data.trajectory import Trajectory as TrajectoryRecord
 from megatron_spo.rollout.client import EngineClient, EngineError
+from megatron_spo.rollout.config import RolloutConfig
 from megatron_spo.rollout.protocol import Completion, SamplingParams
 
 log = logging.getLogger("megatron_spo.rollout")

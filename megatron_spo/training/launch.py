@@ -12,7 +12,8 @@ import argparse
 import os
 import sys
 
-from megatron_spo.config import TrainConfig, load_config
+from megatron_spo.config import load_config
+from megatron_spo.training.config import TrainConfig
 from megatron_spo.training.trainer import Trainer, _model_config_from_init
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_spo.config import ConfigError, TrainConfig
+from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import TrainBatch, collate, split_by_token_budget
+from megatron_spo.training.config import TrainConfig
 
 
 def shard(trajs: list, dp_rank: int, dp_size: int) -> list:

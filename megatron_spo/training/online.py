@@ -17,8 +17,9 @@ import threading
 import time
 from typing import Any
 
-from megatron_spo.config import ConfigError, TrainConfig
+from megatron_spo.config import ConfigError
 from megatron_spo.run_layout import children_ignore_preemption_signals
+from megatron_spo.training.config import TrainConfig
 
 log = logging.getLogger("megatron_spo.online")
 

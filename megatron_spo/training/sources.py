@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
-from megatron_spo.config import TrainConfig
 from megatron_spo.data.batching import OfflineCursor, source_counts
+from megatron_spo.training.config import TrainConfig
 
 
 class OfflineSource:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_spo.config import ConfigError, LogprobsConfig, TrainConfig, dump_config
+from megatron_spo.config import ConfigError, dump_config
 from megatron_spo.data.batching import (
     TrainBatch,
 )
@@ -36,6 +36,7 @@ from megatron_spo.run_layout import CheckpointDir, PreemptionHandler
 from megatron_spo.training import checkpoint
 from megatron_spo.training import loss as losses
 from megatron_spo.training.algos import StepInputs
+from megatron_spo.training.config import LogprobsConfig, TrainConfig
 from megatron_spo.training.metrics import MetricsLogger, progress_line
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, pad_rows, shard
 from megatron_spo.training.sources import build_archive, build_sampler

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from megatron_spo.config import ModelConfig, RopeScaling
+from megatron_spo.models.config import ModelConfig, RopeScaling
 
 Shape = tuple[int, ...]
 

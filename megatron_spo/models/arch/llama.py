@@ -1,8 +1,8 @@
 """Llama 2 / 3 / 3.1 / 3.2 / 3.3 (``LlamaForCausalLM``): GQA, SwiGLU, no biases, 'llama3' RoPE scaling,
 tied embeddings in the 3.2 1B/3B models."""
 
-from megatron_spo.config import ModelConfig
 from megatron_spo.models.arch.base import Architecture, HFConfigFields, common_model_fields
+from megatron_spo.models.config import ModelConfig
 
 
 def _read(f: HFConfigFields) -> dict:

@@ -1,13 +1,13 @@
 """Mistral 7B v0.2 / v0.3 and relatives (``MistralForCausalLM``): Llama's layer, optional explicit
 head_dim. A sliding window shorter than the context (v0.1's 4096) changes attention and is refused."""
 
-from megatron_spo.config import ModelConfig
 from megatron_spo.models.arch.base import (
     Architecture,
     HFConfigFields,
     UnsupportedHFConfig,
     common_model_fields,
 )
+from megatron_spo.models.config import ModelConfig
 
 TRANSFORMERS_DEFAULT_WINDOW = 4096  # MistralConfig applies this when config.json has no sliding_window
 

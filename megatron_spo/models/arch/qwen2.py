@@ -1,8 +1,8 @@
 """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): Llama's layer plus biases on q, k and v (not o); tied heads
 in the 0.5B-3B models, untied from 7B. Sliding-window attention (off in every released config) is refused."""
 
-from megatron_spo.config import ModelConfig
 from megatron_spo.models.arch.base import Architecture, HFConfigFields, common_model_fields
+from megatron_spo.models.config import ModelConfig
 
 
 def _read(f: HFConfigFields) -> dict:

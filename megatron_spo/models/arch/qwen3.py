@@ -1,8 +1,8 @@
 """Qwen3 dense (``Qwen3ForCausalLM``): no biases, per-head RMSNorm on queries and keys before RoPE, and a
 head_dim (128) independent of hidden_size / heads. MoE (Qwen3MoeForCausalLM) is another architecture."""
 
-from megatron_spo.config import ModelConfig
 from megatron_spo.models.arch.base import Architecture, HFConfigFields, common_model_fields
+from megatron_spo.models.config import ModelConfig
 
 DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has no head_dim
 

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_spo.config import QuickstartModelConfig, load_config
+from megatron_spo.config import load_config
 from megatron_spo.data import toy_code
 from megatron_spo.data.char_tokenizer import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
+from megatron_spo.experiments.config import QuickstartModelConfig
 
 REFERENCE_VERSION = 2  # bump when the SFT recipe changes (part of the cache key)
 BUILD_INFO = "build_info.json"
@@ -74,7 +75,7 @@ def reference_hf_config(cfg: QuickstartModelConfig, tokenizer):
     quickstart can start from any registered architecture (``reference.architecture``)."""
     from transformers import AutoConfig
 
-    from megatron_spo.config import ModelConfig
+    from megatron_spo.models.config import ModelConfig
     from megatron_spo.models.hf_checkpoint import model_config_to_hf_config
 
     model_cfg = ModelConfig(

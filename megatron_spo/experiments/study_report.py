@@ -240,8 +240,8 @@ def _stability(arm: ArmRuns, short: ArmRuns | None) -> dict[str, float]:
 
 
 def load_arms(study, root: Path, chosen: dict, kind: str, names: list[str]) -> list[ArmRuns]:
-    from megatron_spo.training.quickstart import QuickstartTrainConfig
-    from megatron_spo.training.study import RunSpec
+    from megatron_spo.experiments.quickstart import QuickstartTrainConfig
+    from megatron_spo.experiments.study import RunSpec
 
     arms = []
     for name in names:
@@ -261,7 +261,7 @@ def load_arms(study, root: Path, chosen: dict, kind: str, names: list[str]) -> l
 
 
 def write_report(study, root: Path, chosen: dict) -> Path:
-    from megatron_spo.training.study import ARMS
+    from megatron_spo.experiments.study import ARMS
 
     arms = load_arms(study, root, chosen, "runs", study.arms)
     long = load_arms(study, root, chosen, "long", [a for a in study.long_run.arms if a in study.arms])

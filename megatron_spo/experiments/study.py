@@ -145,7 +145,7 @@ def quickstart_overrides(study: StudyConfig, spec: RunSpec, root: Path) -> list[
 
 def _check_quickstart(study: StudyConfig) -> None:
     """Fail now, naming the field, rather than after an hour of runs."""
-    from megatron_spo.training.quickstart import QuickstartConfig
+    from megatron_spo.experiments.quickstart import QuickstartConfig
 
     for arm in study.arms:
         spec = RunSpec("runs", arm, study.seeds[0], ())
@@ -223,8 +223,8 @@ def choose(study: StudyConfig, root: Path, log, run: bool = True) -> dict[str, d
 
 def run_study(study: StudyConfig, log=print) -> Path:
     """Sweep, runs, long runs; then the report. Returns the report's path."""
-    from megatron_spo.training.quickstart import QuickstartTrainConfig
-    from megatron_spo.training.study_report import write_report
+    from megatron_spo.experiments.quickstart import QuickstartTrainConfig
+    from megatron_spo.experiments.study_report import write_report
 
     root = Path(study.out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -251,7 +251,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     study = build_config(StudyConfig, apply_overrides({}, args.overrides), "compare")
     if args.report_only:
-        from megatron_spo.training.study_report import write_report
+        from megatron_spo.experiments.study_report import write_report
 
         root = Path(study.out_dir)
         chosen = choose(study, root, print, run=False) if study.sweep.enabled else {a: {"settings": {}}

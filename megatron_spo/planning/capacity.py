@@ -47,15 +47,9 @@ from typing import Literal
 
 import yaml
 
-from megatron_spo.config import (
-    CapacityConfig,
-    ConfigError,
-    ModelConfig,
-    ParallelConfig,
-    RopeScaling,
-    apply_overrides,
-    build_config,
-)
+from megatron_spo.config import ConfigError, apply_overrides, build_config
+from megatron_spo.models.config import ModelConfig, ParallelConfig, RopeScaling
+from megatron_spo.planning.config import CapacityConfig
 
 GB = 1e9
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

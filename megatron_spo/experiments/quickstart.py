@@ -3,7 +3,7 @@
     megatron-spo quickstart [algo=spo|agro|ppo] [key.path=value ...]
 
 1. build (or reuse from the cache) a tiny Llama reference for a generated code task: SFT on the project's
-   own problems (megatron_spo/training/reference_model.py);
+   own problems (megatron_spo/experiments/reference_model.py);
 2. convert it HF -> Megatron (dist_checkpointing) for the trainer;
 3. start local engines behind the real sglang-router;
 4. evaluate pass@1 / pass@10 of the reference on held-out problems (sandboxed execution, hidden tests);
@@ -28,22 +28,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from megatron_spo.config import (
-    AlgoName,
-    GRPOConfig,
-    LossName,
-    Objective,
-    PPOConfig,
-    QuickstartModelConfig,
-    RolloutConfig,
-    SandboxConfig,
-    StrictModel,
-    ToolSamplingConfig,
-    TrainConfig,
-    build_config,
-    dump_config,
-)
+from megatron_spo.config import StrictModel, build_config, dump_config
 from megatron_spo.config import apply_overrides as _apply_overrides
+from megatron_spo.engine_tools.config import ToolSamplingConfig
+from megatron_spo.experiments.config import QuickstartModelConfig
+from megatron_spo.rewards.config import SandboxConfig
+from megatron_spo.rollout.config import RolloutConfig
+from megatron_spo.training.config import AlgoName, GRPOConfig, LossName, Objective, PPOConfig, TrainConfig
 
 
 class QuickstartTrainConfig(StrictModel):
@@ -299,6 +290,7 @@ def run(cfg: QuickstartConfig) -> dict:
     from megatron_spo.data.prompts import make_prompts
     from megatron_spo.engine_tools.estimate_q0 import estimate_q0
     from megatron_spo.engine_tools.eval import evaluate
+    from megatron_spo.experiments.reference_model import build_reference, task_from_config
     from megatron_spo.models.convert import hf_to_megatron
     from megatron_spo.rewards.reward import RewardPool
     from megatron_spo.rewards.sandbox import SandboxPool
@@ -306,7 +298,6 @@ def run(cfg: QuickstartConfig) -> dict:
     from megatron_spo.rollout.fleet import Fleet
     from megatron_spo.training.launch import launch
     from megatron_spo.training.metrics import plot_run
-    from megatron_spo.training.reference_model import build_reference, task_from_config
 
     console = _console()
     out = Path(cfg.out_dir) / cfg.algo
@@ -424,7 +415,7 @@ def run(cfg: QuickstartConfig) -> dict:
 
 def train_with_trl(cfg: QuickstartConfig, ref: Path, prompts, rewards, out: Path) -> Path:
     """trainer=trl: TRL's GRPOTrainer with this quickstart's settings; returns the trained HF checkpoint."""
-    from megatron_spo.training.trl_grpo import train_trl_grpo
+    from megatron_spo.experiments.trl_grpo import train_trl_grpo
 
     t = cfg.train
     return train_trl_grpo(ref, prompts, rewards, out, steps=t.steps, lr=t.lr, beta=t.grpo.kl_coef,

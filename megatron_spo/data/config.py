@@ -1,0 +1,70 @@
+"""The task's configs: which prompts (a task kind or the generated toy task) and which offline records
+(by provenance) a run reads."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator, AliasPath, Field
+
+from megatron_spo.config import ConfigView, StrictModel
+
+
+class ToyCodeTaskConfig(StrictModel):
+    """The generated task (megatron_spo/data/toy_code.py): problems, tests per problem, the split."""
+
+    seed: int = 0
+    num_problems: int = Field(240, ge=6)
+    heldout_fraction: float = Field(0.5, gt=0, lt=1, description="120 held-out problems by default: enough for a "
+                                    "95% interval of about +-0.05 on pass@1")
+    num_tests: int = Field(5, gt=0, description="reward tests per problem")
+    num_hidden_tests: int = Field(5, gt=0, description="evaluation-only tests per problem")
+    max_solutions: int = Field(16, gt=0, description="reference programs kept per problem")
+    num_sft_problems: int = Field(900, ge=0, description="extra pipelines seen only in SFT (teach the prompt language)")
+
+
+
+def _task_kind(value: str) -> str:
+    from megatron_spo.data.tasks import TASK_KINDS
+
+    if value not in TASK_KINDS:
+        raise ValueError(f"unknown task kind '{value}' (choose from {', '.join(TASK_KINDS)})")
+    return value
+
+
+
+TaskKindName = Annotated[str, AfterValidator(_task_kind)]
+
+
+
+class ProvenanceSelect(StrictModel):
+    """Which records of an offline source to train on, by provenance (data/trajectory.py Provenance): each
+    given list must contain the record's value (None = any). assume_kind: the kind of records without
+    provenance (stores written before it existed)."""
+
+    kinds: list[str] | None = None
+    models: list[str] | None = None
+    run_ids: list[str] | None = None
+    assume_kind: str | None = None
+
+
+
+class TaskConfig(StrictModel):
+    """The prompts of the online source, and their Q0 estimates."""
+
+    kind: TaskKindName = "codecontests"
+    reward: str | None = Field(None, description="a custom reward hook 'package.module:function' (problem, "
+                               "completion_text) -> float, used for every problem instead of the kind's own")
+    paths: list[str] = Field(default_factory=list, description="parquet / jsonl files (not for 'toy')")
+    dedup_against: list[str] = Field(default_factory=list, description="TACO test files to remove from training")
+    toy: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
+    q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0); else q0 = 0")
+    max_prompt_tokens: int = Field(2048, gt=0)
+    limit: int | None = Field(None, gt=0, description="use only the first N training problems")
+
+
+class TrainTaskView(ConfigView):
+    """What the data importers read of a training config: its task and the policy's tokenizer (init.hf)."""
+
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    init_hf: str | None = Field(None, validation_alias=AliasPath("init", "hf"))

@@ -1,0 +1,60 @@
+"""The quickstart reference model's config: a tiny HF model and its SFT on the toy task
+(experiments/reference_model.py)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from megatron_spo.config import StrictModel
+from megatron_spo.data.config import ToyCodeTaskConfig
+
+
+class QuickstartModelConfig(StrictModel):
+    """A tiny HF model of a registered family (Llama by default; character vocabulary) and its supervised
+    fine-tuning on the toy task.
+
+    Half the SFT targets carry their family's input-parsing slip (slip_fraction; toy_code.with_input_slip), so
+    the reference fails on about 40% of its samples whatever the problem, for a reason RL can remove on
+    problems it never trains on. swap_fraction adds problem-specific noise (a neighbour's solution) instead.
+    """
+
+    task: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
+    architecture: str = Field("llama", description="model family (models/arch/): llama | qwen2 | qwen3 | mistral")
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(3, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    max_position_embeddings: int = Field(256, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_epsilon: float = Field(1e-5, gt=0)
+    seed: int = 0
+    sft_steps: int = Field(600, ge=0)
+    batch_size: int = Field(32, gt=0, description="sequences per SFT step")
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    swap_fraction: float = Field(0.0, ge=0, lt=1, description="SFT targets replaced by a neighbour's solution")
+    slip_fraction: float = Field(0.5, ge=0, lt=1, description="SFT targets with their family's input-parsing "
+                                 "slip (a generic error RL can remove on unseen problems too)")
+    num_threads: int = Field(2, gt=0, description="torch CPU threads during SFT (not part of the cache key)")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> QuickstartModelConfig:
+        from megatron_spo.models.arch import registry
+
+        if self.architecture not in registry():
+            raise ValueError(f"architecture: unknown architecture '{self.architecture}' "
+                             f"(supported: {', '.join(registry())})")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        return self

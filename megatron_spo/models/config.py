@@ -1,0 +1,159 @@
+"""The model's configs: its architecture (one family of models/arch/), where its weights come from,
+and its parallel layout."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from megatron_spo.config import ConfigError, StrictModel
+
+
+class RopeScaling(StrictModel):
+    """Llama 3.1 frequency-dependent RoPE scaling (HF rope_type 'llama3')."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, gt=0)
+
+
+
+class ModelConfig(StrictModel):
+    """A pre-norm RoPE decoder (RMSNorm, SwiGLU, GQA) of one registered family (models/arch/).
+
+    ``architecture`` names the family (its config.json model_type); the feature fields say what the
+    family's layer has beyond Llama's: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), a head_dim
+    not equal to hidden_size / heads (``kv_channels``, megatron's name; Qwen3)."""
+
+    architecture: str = Field("llama", description="model family (models/arch/): llama | qwen2 | qwen3 | mistral ...")
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_query_groups: int = Field(gt=0, description="key/value heads (GQA); = heads for MHA")
+    kv_channels: int | None = Field(None, gt=0, description="head_dim when not hidden_size / num_attention_heads")
+    qkv_bias: bool = Field(False, description="biases on q, k and v (Qwen2)")
+    qk_layernorm: bool = Field(False, description="per-head RMSNorm on queries and keys (Qwen3)")
+    vocab_size: int = Field(gt=0, description="tokenizer vocabulary; padded for TP at build time")
+    max_position_embeddings: int = Field(4096, gt=0)
+    rope_theta: float = Field(500000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+    norm_epsilon: float = Field(1e-5, gt=0)
+    tie_word_embeddings: bool = False
+    make_vocab_size_divisible_by: int = Field(128, gt=0)
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    fp8: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_features(cls, data):
+        """Feature fields left out take the family's values (architecture: qwen3 implies qk_layernorm)."""
+        if isinstance(data, dict) and isinstance(data.get("architecture"), str):
+            from megatron_spo.models.arch import registry
+
+            family = registry().get(data["architecture"])
+            if family is not None:
+                data = {**family.features, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)  # one spelling of the default head_dim, so configs compare
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads} "
+                f"(set kv_channels for a head_dim of its own)"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_query_groups {self.num_query_groups}"
+            )
+        from megatron_spo.models.arch import architecture  # the registry (imports nothing heavy)
+
+        try:
+            problem = architecture(self.architecture).check(self)
+        except ValueError as err:  # unknown family: the registry's message lists the known ones
+            raise ValueError(f"architecture: {err}") from None
+        if problem:
+            raise ValueError(f"architecture {self.architecture!r}: {problem}")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
+        """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by * TP (megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_parameters(self) -> int:
+        """Parameters of the unpadded model (embeddings + layers + final norm + LM head)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * d if self.qk_layernorm else 0)
+        mlp = 3 * h * f
+        layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
+
+
+class InitConfig(StrictModel):
+    hf: str | None = Field(None, description="HF Llama directory: model config, tokenizer, and weights")
+    megatron: str | None = Field(None, description="megatron checkpoint of the same model (converted once)")
+
+
+
+class ParallelConfig(StrictModel):
+    tensor_model_parallel_size: int = Field(1, gt=0)
+    pipeline_model_parallel_size: int = Field(1, gt=0)
+    virtual_pipeline_model_parallel_size: int | None = Field(None, gt=0)
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+    def data_parallel_size(self, world_size: int) -> int:
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % mp:
+            raise ConfigError(
+                f"parallel: world size {world_size} is not divisible by tensor_model_parallel_size "
+                f"{self.tensor_model_parallel_size} x pipeline_model_parallel_size "
+                f"{self.pipeline_model_parallel_size} = {mp}"
+            )
+        return world_size // mp
+
+    def check(self, model: ModelConfig, world_size: int | None = None) -> None:
+        """Refuse a layout that cannot work, before any process group is built."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if model.num_attention_heads % tp:
+            raise ConfigError(
+                f"parallel.tensor_model_parallel_size {tp} does not divide model.num_attention_heads "
+                f"{model.num_attention_heads}"
+            )
+        if model.num_query_groups % tp:
+            raise ConfigError(
+                f"parallel.tensor_model_parallel_size {tp} does not divide model.num_query_groups "
+                f"{model.num_query_groups}"
+            )
+        if model.ffn_hidden_size % tp:
+            raise ConfigError(
+                f"parallel.tensor_model_parallel_size {tp} does not divide model.ffn_hidden_size "
+                f"{model.ffn_hidden_size}"
+            )
+        stages = pp * (self.virtual_pipeline_model_parallel_size or 1)
+        if model.num_layers % stages:
+            raise ConfigError(
+                f"parallel: pipeline_model_parallel_size {pp} x virtual_pipeline_model_parallel_size "
+                f"{self.virtual_pipeline_model_parallel_size or 1} = {stages} does not divide model.num_layers "
+                f"{model.num_layers}"
+            )
+        if self.virtual_pipeline_model_parallel_size and pp == 1:
+            raise ConfigError("parallel.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
+        if world_size is not None:
+            self.data_parallel_size(world_size)

@@ -1,0 +1,236 @@
+"""The training config: one ``TrainConfig`` assembling every floor's section, the training-only sections
+(sources, optimizer, batch, algorithms, checkpoints, logging) and the checks against the algorithm
+registry (training/algos/) and the SPO objectives and losses (algorithms/spo.py).
+
+    cfg = load_config(TrainConfig, "examples/quickstart.yaml", ["model.num_layers=4", "algo=ppo"])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from megatron_spo.config import StrictModel
+from megatron_spo.data.config import ProvenanceSelect, TaskConfig
+from megatron_spo.models.config import InitConfig, ModelConfig, ParallelConfig
+from megatron_spo.rewards.config import SandboxConfig
+from megatron_spo.rollout.config import FleetEndpoints, RolloutConfig
+
+
+def _objective(value: str) -> str:
+    from megatron_spo.algorithms.spo import OBJECTIVES
+
+    if value not in OBJECTIVES:
+        raise ValueError(f"unknown objective '{value}' (choose from {', '.join(OBJECTIVES)})")
+    return value
+
+
+
+def _loss_name(value: str) -> str:
+    """A regression loss of algorithms/spo.py REGRESSION_LOSSES, or a hook 'package.module:function' with
+    its signature L(pred_q, target_q, beta, eps) (imported when the trainer starts)."""
+    from megatron_spo.algorithms.spo import LOSSES
+    from megatron_spo.hooks import is_hook
+
+    if value not in LOSSES and not is_hook(value):
+        raise ValueError(f"unknown loss '{value}' (choose from {', '.join(LOSSES)}, or a hook "
+                         "'package.module:function')")
+    return value
+
+
+
+def _algo_name(value: str) -> str:
+    """A registered algorithm (training/algos/) or a hook 'package.module:Class'."""
+    from megatron_spo.hooks import is_hook
+
+    if not is_hook(value):
+        from megatron_spo.training.algos import algorithm_class
+
+        algorithm_class(value, field="algo")
+    return value
+
+
+
+Objective = Annotated[str, AfterValidator(_objective)]
+
+
+
+LossName = Annotated[str, AfterValidator(_loss_name)]
+
+
+
+AlgoName = Annotated[str, AfterValidator(_algo_name)]
+
+
+
+class SourceConfig(StrictModel):
+    """One data source of the training batch. The source named 'online' is the rollout buffer; any other
+    source reads trajectories from `path` (a JSONL file or an offline-store directory), optionally only those
+    of some provenance (`select`)."""
+
+    weight: float = Field(1.0, ge=0, description="share of each batch's trajectories")
+    path: str | None = None
+    select: ProvenanceSelect | None = None
+    objective: Objective = "terminal"
+    loss: LossName = "cross_entropy"
+
+    @model_validator(mode="after")
+    def _check_pair(self) -> SourceConfig:
+        from megatron_spo.algorithms.spo import UNSUPPORTED
+
+        why = UNSUPPORTED.get((self.objective, self.loss))
+        if why:
+            raise ValueError(f"objective '{self.objective}' with loss '{self.loss}' is not supported ({why})")
+        return self
+
+
+
+class OptimizerConfig(StrictModel):
+    lr: float = Field(6e-8, gt=0, description="paper: 6e-8 for Llama-3.1-8B, constant after warm-up")
+    warmup_steps: int = Field(200, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, gt=0)
+    value_lr: float | None = Field(None, gt=0, description="PPO value model (default: lr)")
+
+
+
+class BatchConfig(StrictModel):
+    sequences_per_step: int = Field(128, gt=0, description="global batch: trajectories per optimizer step")
+    max_tokens_per_micro_batch: int = Field(16384, gt=0, description="padded tokens per micro-batch")
+    max_seq_length: int = Field(4096, gt=1, description="prompt + response tokens; longer ones are refused")
+
+
+
+class LogprobsConfig(StrictModel):
+    """How the trainer runs the fused LM-head log-prob op (megatron_spo.ops.token_logprobs)."""
+
+    backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="per-block softmax kernels: auto = Triton on a GPU when installed, else torch")
+    fp8: bool = Field(False, description="LM-head logits GEMM in FP8 E4M3 (per-tensor scales; softmax statistics "
+                      "and gradient GEMMs keep their precision); needs a GPU of compute capability >= 8.9")
+    chunk_size: int | None = Field(None, gt=0, description="tokens per block (default min(N, 4096))")
+    max_block_bytes: int | None = Field(None, ge=4096, description="bytes of one fp32 logits block "
+                                        "(default 64 MiB on CPU, 512 MiB on a GPU)")
+
+    def op_kwargs(self) -> dict:
+        """Keyword arguments for token_logprobs (unset sizes left to its defaults)."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+
+class PPOConfig(StrictModel):
+    clip_eps: float = Field(0.2, gt=0)
+    value_clip_eps: float | None = Field(0.2, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda. 1 (verl's default): every token's advantage "
+                       "carries the terminal reward, G - V_t. At 0.95 a fresh critic's noise dominates the early "
+                       "tokens (0.95^60 ~ 0.05 of the reward reaches token 0 of a 60-token answer): quickstart PPO "
+                       "pass@1 +0.035 at 0.95, +0.137 at 1 (README)")
+    whiten_advantages: bool = True
+    critic_warmup_steps: int = Field(0, ge=0, description="first steps train only the value model (verl's "
+                                     "critic_warmup): a fresh value head makes GAE advantages noise")
+
+
+
+class GRPOConfig(StrictModel):
+    """GRPO (training/algos/grpo.py): TRL's GRPOTrainer defaults where it has them."""
+
+    clip_eps: float = Field(0.2, gt=0, description="lower clip of the importance ratio: 1 - clip_eps")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip 1 + clip_eps_high (DAPO); default clip_eps")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL(pi || pi_0) penalty; TRL's default beta is 0.0")
+    scale_rewards: bool = Field(True, description="divide group-centred rewards by the group std")
+    aggregation: Literal["sequence_mean", "token_mean"] = Field(
+        "token_mean", description="token_mean: over all response tokens of the batch (DAPO / TRL); "
+        "sequence_mean: per sequence, then over sequences (the GRPO paper)")
+
+
+
+class AGROConfig(StrictModel):
+    on_policy: bool = False
+
+
+
+class ArchiveConfig(StrictModel):
+    """The trainer's experience archive (data/archive.py): every online trajectory it trains on, kept for
+    later runs (SPO learns from them offline)."""
+
+    enabled: bool = True
+    path: str | None = Field(None, description="an offline store; default RUN_DIR/experience")
+    run_id: str | None = Field(None, description="provenance run id of the archived records; default the "
+                               "run_dir's name")
+    rows_per_shard: int = Field(4096, gt=0, description="records per shard (also flushed at every checkpoint)")
+
+
+
+class CheckpointConfig(StrictModel):
+    interval: int = Field(100, gt=0, description="save every this many steps (and on SIGTERM / SIGUSR1)")
+    keep_last: int = Field(2, gt=0)
+    dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
+    export_hf: bool = Field(True, description="write the final policy as an HF directory RUN_DIR/hf")
+
+
+
+class LoggingConfig(StrictModel):
+    wandb_project: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    progress: bool = True
+    max_log_ratio: float | None = Field(
+        50.0, gt=0, description="stop when the mean sequence log(pi / pi_0) exceeds this (a collapse; FIELD-NOTES)"
+    )
+    policy_entropy: bool = Field(
+        True, description="log the policy's mean per-token entropy (nats) from its log-prob pass: no extra GEMM"
+    )
+
+
+
+class TrainConfig(StrictModel):
+    run_dir: str = "runs/spo"
+    seed: int = 1234
+    steps: int = Field(100_000, gt=0)
+    algo: AlgoName = Field("spo", description="spo | agro | ppo | grpo (training/algos/) or 'package.module:Class'")
+    beta: float = Field(1.0 / math.log(100000.0), gt=0, description="KL strength; paper 1/log(1e5)")
+    model_update_interval: int = Field(10, gt=0, description="steps between weight pushes to the rollout fleet")
+    init: InitConfig = Field(default_factory=InitConfig)
+    model: ModelConfig | None = Field(None, description="default: read from init.hf/config.json")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    logprobs: LogprobsConfig = Field(default_factory=LogprobsConfig)
+    sources: dict[str, SourceConfig] = Field(default_factory=lambda: {"online": SourceConfig()})
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    agro: AGROConfig = Field(default_factory=AGROConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    archive: ArchiveConfig = Field(default_factory=ArchiveConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    fleet: FleetEndpoints = Field(default_factory=FleetEndpoints)
+    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
+    sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig())
+    nproc: int = Field(1, gt=0, description="trainer processes when launched without torchrun/srun")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if not self.sources:
+            raise ValueError("sources: at least one data source is needed")
+        if sum(s.weight for s in self.sources.values()) <= 0:
+            raise ValueError("sources: the weights must have a positive sum")
+        for name, src in self.sources.items():
+            if name == "online" and src.path is not None:
+                raise ValueError("sources.online.path: the online source reads the rollout buffer, not a path")
+            if name != "online" and src.path is None:
+                raise ValueError(f"sources.{name}.path: an offline source needs a path")
+        from megatron_spo.hooks import is_hook
+
+        if not is_hook(self.algo):  # a hook is loaded (and checked) when the trainer starts
+            from megatron_spo.training.algos import algorithm_class
+
+            algorithm_class(self.algo).check_config(self)
+        if self.init.hf is None and self.init.megatron is None:
+            raise ValueError("init: give init.hf (an HF model directory) or init.megatron (a converted checkpoint)")
+        return self
