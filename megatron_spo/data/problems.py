@@ -2,7 +2,7 @@
 training prompt set a TaskConfig names.
 
     problems = load_problems("toy", split="train")
-    problems = load_problems("jsonl", "problems.jsonl")
+    problems = load_problems("jsonl", ["mine/*.jsonl"])          # files, globs; extra fields -> metadata
     problems = problems_from_task_config(train_config.task)
 """
 
@@ -10,16 +10,29 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 
-def read_problems_jsonl(path: str | Path) -> list:
-    """Problems from a JSONL file, one per line: {id, prompt, tests: [[stdin, stdout], ...], hidden_tests?,
-    kind? ("code" | "math"), answer?, time_limit_s?, memory_mb?}."""
+KNOWN_FIELDS = ("id", "prompt", "tests", "hidden_tests", "kind", "answer", "time_limit_s", "memory_mb", "source",
+                "metadata")
+
+
+def read_problems_jsonl(paths: str | Path | Sequence[str | Path]) -> list:
+    """Problems from JSONL files (a path, a glob or a list of them), one per line: {id, prompt, tests: [[stdin,
+    stdout], ...], hidden_tests?, kind? ("code" | "math"), answer?, time_limit_s?, memory_mb?, source?,
+    metadata?}. Any other field (difficulty, tags, ...) goes into the problem's ``metadata`` dict, which rewards
+    (a custom reward hook gets the problem) read as ``problem.metadata``."""
+    from megatron_spo.data.tasks import expand_paths
+
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    return [p for path in expand_paths([str(i) for i in items]) for p in _read_one_jsonl(path)]
+
+
+def _read_one_jsonl(path: str) -> list:
     from megatron_spo.data.tasks import Problem
 
     problems = []
-    allowed = {"id", "prompt", "tests", "hidden_tests", "kind", "answer", "time_limit_s", "memory_mb", "source"}
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -34,9 +47,6 @@ def read_problems_jsonl(path: str | Path) -> list:
             for name in ("id", "prompt"):
                 if not isinstance(row.get(name), str) or not row[name]:
                     raise ValueError(f"{where}: field '{name}' must be a non-empty string")
-            unknown = sorted(set(row) - allowed)
-            if unknown:
-                raise ValueError(f"{where}: field '{unknown[0]}': unknown (known: {', '.join(sorted(allowed))})")
             tests = {}
             for name in ("tests", "hidden_tests"):
                 value = row.get(name) or []
@@ -49,14 +59,18 @@ def read_problems_jsonl(path: str | Path) -> list:
                 raise ValueError(f"{where}: field 'kind' must be 'code' or 'math', got {kind!r}")
             if kind == "math" and not isinstance(row.get("answer"), str):
                 raise ValueError(f"{where}: field 'answer' is required (a string) for a math problem")
+            metadata = row.get("metadata") or {}
+            if not isinstance(metadata, dict):
+                raise ValueError(f"{where}: field 'metadata' must be a JSON object")
+            metadata = {**{k: v for k, v in row.items() if k not in KNOWN_FIELDS}, **metadata}
             problems.append(Problem(id=row["id"], prompt=row["prompt"], tests=tests["tests"],
                                     hidden_tests=tests["hidden_tests"], kind=kind, answer=row.get("answer"),
                                     source=row.get("source", "jsonl"), time_limit_s=row.get("time_limit_s"),
-                                    memory_mb=row.get("memory_mb")))
+                                    memory_mb=row.get("memory_mb"), metadata=metadata))
     return problems
 
 
-def load_problems(task: str, data: str | None = None, *, split: str = "all", toy_seed: int = 0) -> list:
+def load_problems(task: str, data: str | Sequence[str] | None = None, *, split: str = "all", toy_seed: int = 0) -> list:
     """Problems of a task kind (data/tasks.py TASK_KINDS): the generated toy task (split train | heldout | all),
     or a file (glob) of CodeContests / TACO / MATH in their published schemas, or a problems JSONL."""
     from megatron_spo.data.tasks import TASK_KINDS

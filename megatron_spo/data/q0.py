@@ -51,3 +51,33 @@ def read_q0(path: str | Path, beta: float | None = None) -> dict[str, Q0Estimate
         return {key: Q0Estimate(r["s0"], r["q0"], r["n"], r["correct"]) for key, r in records.items()}
     except KeyError as err:
         raise ValueError(f"{path}: not an estimate-q0 output (a record lacks {err})") from None
+
+
+ESTIMATE_HINT = "run `megatron-spo estimate-q0 CONFIG --out q0.jsonl` and set task.q0_path: q0.jsonl"
+
+
+def q0_table(path: str | Path | None, beta: float) -> dict[str, float] | None:
+    """prompt_id -> Q0 at ``beta`` from an estimate-q0 file; None when there is no file (path None)."""
+    if path is None:
+        return None
+    return {pid: est.q0 for pid, est in read_q0(path, beta=beta).items()}
+
+
+def fill_missing_q0(records: list, table: dict[str, float] | None, *, where: str, q0_path: str | None) -> int:
+    """Give every record without q0 its prompt's Q0 from ``table`` (in place); returns how many were filled.
+    A record whose prompt the table lacks (or no table at all) is a ValueError, one line naming ``where`` (the
+    source), the file and the first such prompt id: a Q0 of 0 would be the largest value rewards in {0, -1} allow,
+    not a neutral one."""
+    lacking = [r for r in records if r.q0 is None]
+    if not lacking:
+        return 0
+    if table is None:
+        raise ValueError(f"{where}: {len(lacking)} of {len(records)} records have no q0 (first: prompt "
+                         f"'{lacking[0].prompt_id}') and task.q0_path is not set; {ESTIMATE_HINT}")
+    unknown = sorted({str(r.prompt_id) for r in lacking if str(r.prompt_id) not in table})
+    if unknown:
+        raise ValueError(f"{where}: {len(unknown)} prompt(s) of records without q0 are not in task.q0_path "
+                         f"{q0_path} (first: '{unknown[0]}'); estimate Q0 for them (megatron-spo estimate-q0)")
+    for r in lacking:
+        r.q0 = table[str(r.prompt_id)]
+    return len(lacking)

@@ -66,7 +66,8 @@ class TaskFormatError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Reading files
 # ---------------------------------------------------------------------------------------------
-def _expand(paths: str | Sequence[str]) -> list[str]:
+def expand_paths(paths: str | Sequence[str]) -> list[str]:
+    """Files of a path, a glob, or a list of them (each must match something)."""
     items = [paths] if isinstance(paths, str) else list(paths)
     files: list[str] = []
     for item in items:
@@ -81,7 +82,7 @@ def read_rows(paths: str | Sequence[str], cache_dir: str | None = None) -> Itera
     """(file, row index, row dict) for every row of parquet / json / jsonl files, via ``datasets``."""
     import datasets
 
-    for path in _expand(paths):
+    for path in expand_paths(paths):
         fmt = "parquet" if path.endswith(".parquet") else "json"
         ds = datasets.load_dataset(fmt, data_files=path, split="train", cache_dir=cache_dir)
         for i, row in enumerate(ds):

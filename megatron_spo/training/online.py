@@ -59,10 +59,33 @@ async def _stats(manager) -> dict[str, float]:
     return manager.stats()  # read on the loop thread: the manager's state is not thread-safe
 
 
+def online_q0_table(cfg: TrainConfig, prompts: list) -> dict[str, float] | None:
+    """prompt_id -> Q0 of every training prompt from task.q0_path (None: no file and the algorithm reads no Q0).
+    An algorithm that reads Q0 (SPO) is refused without the file or with a prompt missing from it, in one
+    line: Q0 = 0 is the largest value rewards in {0, -1} allow, not a neutral default."""
+    from megatron_spo.data.q0 import ESTIMATE_HINT, q0_table
+    from megatron_spo.training.sources import algorithm_needs_q0
+
+    table = q0_table(cfg.task.q0_path, cfg.beta)
+    if not algorithm_needs_q0(cfg):
+        return table
+    if table is None:
+        raise ConfigError(f"task.q0_path: algo {cfg.algo} needs Q0 for every online prompt and none is set; "
+                          f"{ESTIMATE_HINT}")
+    missing = [p.prompt_id for p in prompts if p.prompt_id not in table]
+    if missing:
+        raise ConfigError(f"task.q0_path: {len(missing)} of {len(prompts)} training prompts have no Q0 in "
+                          f"{cfg.task.q0_path} (first: '{missing[0]}'); estimate Q0 on this task (megatron-spo "
+                          "estimate-q0 with the same config)")
+    return table
+
+
 class OnlineSource:
     """RolloutManager running on its own event loop thread; take(k) is thread-safe and blocking."""
 
-    def __init__(self, manager, *, q0: dict[str, float], on_close=None):
+    def __init__(self, manager, *, q0: dict[str, float] | None, on_close=None):
+        """q0: prompt_id -> Q0 attached to every trajectory taken (a prompt it lacks is an error); None: the
+        algorithm reads no Q0 and trajectories carry none."""
         self.manager = manager
         self.q0 = q0
         self._on_close = on_close or []
@@ -124,11 +147,7 @@ class OnlineSource:
                                             master_address=weight_sync_address(), disk_dir=r.weight_sync_dir,
                                             engine_tp_sizes=None if tp is None else [tp] * len(endpoints.engine_urls),
                                             pause_mode=r.weight_sync_pause)
-        q0 = {}
-        if cfg.task.q0_path:
-            from megatron_spo.data.q0 import read_q0
-
-            q0 = {pid: est.q0 for pid, est in read_q0(cfg.task.q0_path, beta=cfg.beta).items()}
+        q0 = online_q0_table(cfg, prompts)
         source = cls(manager, q0=q0,
                      on_close=[rewards.close] + [c.close for c in (sandbox, broadcaster) if c is not None])
         source.broadcaster = broadcaster
@@ -158,8 +177,12 @@ class OnlineSource:
             raise RuntimeError(f"online source: no batch of {k} trajectories within {timeout_s:g} s "
                                f"(rollout.wait_timeout_s); rollout counters: {stats}{sync}") from None
         out = [t for g in groups for t in g][:k]
-        for t in out:
-            t.q0 = self.q0.get(str(t.prompt_id), 0.0)
+        if self.q0 is not None:
+            for t in out:
+                if str(t.prompt_id) not in self.q0:
+                    raise RuntimeError(f"online source: prompt '{t.prompt_id}' has no Q0 in the Q0 table "
+                                       "(task.q0_path)")
+                t.q0 = self.q0[str(t.prompt_id)]
         return out
 
     def push_weights(self, version: int, named_tensors) -> dict[str, float]:

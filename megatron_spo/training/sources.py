@@ -14,8 +14,11 @@ from megatron_spo.training.config import TrainConfig
 class OfflineSource:
     """Trajectories from a JSONL file or an offline store, drawn in resumable shuffled epochs."""
 
-    def __init__(self, name: str, path: str, seed: int, select=None):
-        """select: a ProvenanceSelect (config) or None: only records of that provenance are drawn."""
+    def __init__(self, name: str, path: str, seed: int, select=None, *, q0: dict[str, float] | None = None,
+                 q0_path: str | None = None, needs_q0: bool = False):
+        """select: a ProvenanceSelect (config) or None: only records of that provenance are drawn.
+        needs_q0: the algorithm reads Q0 (SPO): records without q0 take their prompt's from ``q0`` (the table
+        of task.q0_path), or the source is refused naming the prompt."""
         from megatron_spo.data.trajectory import load_trajectories
 
         self.name = name
@@ -32,6 +35,14 @@ class OfflineSource:
             if not self.records:
                 raise ConfigError(f"sources.{name}.select: none of the {total} records of {path} match "
                                   f"{select.model_dump(exclude_none=True)}")
+        if needs_q0:
+            from megatron_spo.config import ConfigError
+            from megatron_spo.data.q0 import fill_missing_q0
+
+            try:
+                fill_missing_q0(self.records, q0, where=f"sources.{name} ({path})", q0_path=q0_path)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         for r in self.records:
             r.source = name  # the source name selects the loss, whatever the file said
         self.cursor = OfflineCursor(len(self.records), seed=seed)
@@ -68,10 +79,22 @@ class BatchSampler:
                 s.load_state_dict(state[name])
 
 
+def algorithm_needs_q0(cfg: TrainConfig) -> bool:
+    """Whether cfg's algorithm reads each trajectory's Q0 (SPO; a hooked class by its ``uses_q0`` flag)."""
+    from megatron_spo.training.algos import algorithm_class
+
+    return algorithm_class(cfg.algo).uses_q0
+
+
 def build_sampler(cfg: TrainConfig, online_source=None):
     """(BatchSampler over cfg.sources, the online source or None). online_source: the 'online' source to use
     (default: OnlineSource.from_config(cfg), the rollout manager over cfg.fleet)."""
     sources, online = {}, None
+    needs_q0, q0 = algorithm_needs_q0(cfg), None
+    if needs_q0 and any(name != "online" for name in cfg.sources):
+        from megatron_spo.data.q0 import q0_table
+
+        q0 = q0_table(cfg.task.q0_path, cfg.beta)
     for name, src in cfg.sources.items():
         if name == "online":
             if online_source is None:
@@ -80,7 +103,8 @@ def build_sampler(cfg: TrainConfig, online_source=None):
                 online_source = OnlineSource.from_config(cfg)
             online = sources[name] = online_source
         else:
-            sources[name] = OfflineSource(name, src.path, seed=cfg.seed, select=src.select)
+            sources[name] = OfflineSource(name, src.path, seed=cfg.seed, select=src.select, q0=q0,
+                                          q0_path=cfg.task.q0_path, needs_q0=needs_q0)
     return BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()}), online
 
 

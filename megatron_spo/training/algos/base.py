@@ -14,9 +14,12 @@ convention (a float is a mean over sequences, a (mean, weight) pair a weighted m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+log = logging.getLogger("megatron_spo.algos")
 
 
 @dataclass
@@ -53,13 +56,23 @@ class Algorithm:
     on_policy: ClassVar[bool] = False  # only the online source; weights pushed every step
     # importance ratios against the engines' log-probs: those must be of the distribution that sampled
     uses_behaviour_logprobs: ClassVar[bool] = False
+    # its loss reads each trajectory's Q0 (SPO): every prompt it trains on needs one, from task.q0_path or the
+    # record itself (training/online.py, training/sources.py refuse a missing one; Q0 = 0 is not neutral)
+    uses_q0: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg = cfg
 
     @classmethod
+    def required_update_interval(cls, cfg) -> int | None:
+        """The model_update_interval (steps between weight pushes) this algorithm needs under ``cfg``; None: any.
+        On-policy algorithms sample from the policy they train, so they need a push every step."""
+        return 1 if cls.on_policy else None
+
+    @classmethod
     def check_config(cls, cfg) -> None:
-        """Refuse a TrainConfig this algorithm cannot run (ValueError naming the field)."""
+        """Refuse a TrainConfig this algorithm cannot run (ValueError naming the field); set what it needs and
+        the user left unset (model_update_interval, with a logged line)."""
         if cls.on_policy and set(cfg.sources) != {"online"}:
             raise ValueError(f"algo {cls.name} is on-policy: use only the 'online' source "
                              f"(got {', '.join(sorted(cfg.sources))})")
@@ -69,6 +82,19 @@ class Algorithm:
                              f"engines' log-probs, which are of the distribution that sampled: set "
                              f"rollout.temperature_range [1.0, 1.0] and rollout.top_p 1.0 (got "
                              f"{list(r.temperature_range)}, top_p {r.top_p})")
+        cls._enforce_update_interval(cfg)
+
+    @classmethod
+    def _enforce_update_interval(cls, cfg) -> None:
+        need = cls.required_update_interval(cfg)
+        if need is None or cfg.model_update_interval == need:
+            return
+        if "model_update_interval" in cfg.model_fields_set:
+            raise ValueError(f"model_update_interval: algo {cls.name} needs a weight push every {need} step(s) "
+                             f"(it samples from the policy it trains), got {cfg.model_update_interval}")
+        log.warning("model_update_interval: %d for algo %s (it needs a weight push every %d step(s); the default "
+                    "was %d)", need, cls.name, need, cfg.model_update_interval)
+        cfg.__dict__["model_update_interval"] = need  # no re-validation: we are inside the config's validator
 
     def update(self, step: StepInputs) -> Update:
         raise NotImplementedError

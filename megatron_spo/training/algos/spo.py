@@ -84,6 +84,7 @@ def resolve_loss(name: str, field: str):
 
 class SPO(Algorithm):
     name = "spo"
+    uses_q0 = True
 
     def __init__(self, cfg):
         super().__init__(cfg)
