@@ -11,7 +11,6 @@ bf16 rounding per GEMM operand), as tests/test_ops_logprobs.py argues; Triton an
 from __future__ import annotations
 
 import torch
-
 from gpu_result import PartResult, part_main
 
 NAMES = ("logp", "entropy", "grad_hidden", "grad_weight")

@@ -12,7 +12,6 @@ is loaded into both models; the logits and the gradients of the mean next-token 
 from __future__ import annotations
 
 import torch
-
 from gpu_result import PartResult, part_main
 
 BF16_ERROR_RATIO = 3.0

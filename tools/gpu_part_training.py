@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from gpu_result import PartResult, part_main
 
 ALGOS = ("spo", "grpo", "ppo")
