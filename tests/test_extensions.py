@@ -38,14 +38,14 @@ def test_registries_are_the_config_choices():
 
     assert names() == ["agro", "grpo", "ppo", "spo"]
     assert LOSSES == tuple(REGRESSION_LOSSES) == ("squared", "cross_entropy", "sigmoid_bce")
-    assert list(TASK_KINDS) == ["toy", "codecontests", "taco", "math", "jsonl"]
+    assert list(TASK_KINDS) == ["toy", "toy_math", "codecontests", "taco", "math", "jsonl"]
     base = dict(init={"hf": "x"})
     with pytest.raises(ValueError, match=r"algo\n.*unknown algorithm 'trpo' \(choose from agro, grpo, ppo, spo, or a hook"):
         TrainConfig.model_validate({**base, "algo": "trpo"})
     with pytest.raises(ValueError, match=r"unknown loss 'huber' \(choose from squared, cross_entropy, sigmoid_bce, "
                                          r"or a hook 'package.module:function'\)"):
         TrainConfig.model_validate({**base, "sources": {"online": {"loss": "huber"}}})
-    with pytest.raises(ValueError, match=r"unknown task kind 'gsm8k' \(choose from toy, codecontests, taco, math, jsonl"):
+    with pytest.raises(ValueError, match=r"unknown task kind 'gsm8k' \(choose from toy, toy_math, codecontests, taco, math, jsonl"):
         TrainConfig.model_validate({**base, "task": {"kind": "gsm8k"}})
 
 

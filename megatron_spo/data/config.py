@@ -3,25 +3,41 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, AliasPath, Field
+from pydantic import AfterValidator, AliasPath, Field, model_validator
 
 from megatron_spo.config import ConfigView, StrictModel
 
 
-class ToyCodeTaskConfig(StrictModel):
-    """The generated task (megatron_spo/data/toy_code.py): problems, tests per problem, the split."""
+def _generated_task(value: str) -> str:
+    from megatron_spo.data.tasks import GENERATED_TASKS
 
+    if value not in GENERATED_TASKS:
+        raise ValueError(f"unknown generated task '{value}' (choose from {', '.join(GENERATED_TASKS)})")
+    return value
+
+
+class ToyCodeTaskConfig(StrictModel):
+    """The generated task: code pipelines (kind toy_code, data/toy_code.py) or arithmetic word problems (toy_math,
+    data/toy_math.py); problems, tests per problem, the split. A bare name is read as the kind
+    (``task=toy_math`` = ``task.kind=toy_math``)."""
+
+    kind: Annotated[str, AfterValidator(_generated_task)] = Field(
+        "toy_code", description="toy_code | toy_math (data/tasks.py GENERATED_TASKS)")
     seed: int = 0
     num_problems: int = Field(240, ge=6)
     heldout_fraction: float = Field(0.5, gt=0, lt=1, description="120 held-out problems by default: enough for a "
                                     "95% interval of about +-0.05 on pass@1")
-    num_tests: int = Field(5, gt=0, description="reward tests per problem")
-    num_hidden_tests: int = Field(5, gt=0, description="evaluation-only tests per problem")
-    max_solutions: int = Field(16, gt=0, description="reference programs kept per problem")
-    num_sft_problems: int = Field(900, ge=0, description="extra pipelines seen only in SFT (teach the prompt language)")
+    num_tests: int = Field(5, gt=0, description="reward tests per problem (toy_code)")
+    num_hidden_tests: int = Field(5, gt=0, description="evaluation-only tests per problem (toy_code)")
+    max_solutions: int = Field(16, gt=0, description="reference solutions kept per problem")
+    num_sft_problems: int = Field(900, ge=0, description="extra problems seen only in SFT (teach the prompt language)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_kind(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data
 
 
 def _task_kind(value: str) -> str:
@@ -32,9 +48,7 @@ def _task_kind(value: str) -> str:
     return value
 
 
-
 TaskKindName = Annotated[str, AfterValidator(_task_kind)]
-
 
 
 class ProvenanceSelect(StrictModel):
@@ -46,7 +60,6 @@ class ProvenanceSelect(StrictModel):
     models: list[str] | None = None
     run_ids: list[str] | None = None
     assume_kind: str | None = None
-
 
 
 class TaskConfig(StrictModel):
@@ -61,6 +74,16 @@ class TaskConfig(StrictModel):
     q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0); else q0 = 0")
     max_prompt_tokens: int = Field(2048, gt=0)
     limit: int | None = Field(None, gt=0, description="use only the first N training problems")
+
+    @model_validator(mode="after")
+    def _toy_kind_agrees(self) -> TaskConfig:
+        from megatron_spo.data.tasks import GENERATED_TASKS
+
+        generated = self.kind in GENERATED_TASKS.values()
+        if generated and "kind" in self.toy.model_fields_set and GENERATED_TASKS[self.toy.kind] != self.kind:
+            raise ValueError(f"task.toy.kind '{self.toy.kind}' is not task.kind '{self.kind}' (the generated "
+                             f"tasks are {', '.join(f'{k}: kind {v}' for k, v in GENERATED_TASKS.items())})")
+        return self
 
 
 class TrainTaskView(ConfigView):

@@ -9,10 +9,9 @@ training prompt set a TaskConfig names.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
-
 
 KNOWN_FIELDS = ("id", "prompt", "tests", "hidden_tests", "kind", "answer", "time_limit_s", "memory_mb", "source",
                 "metadata")
@@ -77,7 +76,7 @@ def load_problems(task: str, data: str | Sequence[str] | None = None, *, split: 
 
     if task not in TASK_KINDS:
         raise ValueError(f"--task must be one of {', '.join(TASK_KINDS)}, got '{task}'")
-    if task != "toy" and not data:
+    if TASK_KINDS[task].needs_files and not data:
         raise ValueError(f"--task {task} needs --data PATH")
     return TASK_KINDS[task].load(data, split, toy_seed)
 
@@ -87,10 +86,8 @@ def problems_from_task_config(task: Any) -> list:
     the dedup_against set)."""
     from megatron_spo.data import tasks
 
-    if task.kind == "toy":
-        from megatron_spo.data.toy_code import make_task
-
-        return list(make_task(**task.toy.model_dump()).train)[: task.limit]
+    if not tasks.TASK_KINDS[task.kind].needs_files:  # generated: toy (code) or toy_math
+        return list(tasks.generated_task(task.kind, task.toy).train)[: task.limit]
     if not task.paths:
         raise ValueError(f"task.paths: task kind '{task.kind}' needs data files")
     problems = load_problems(task.kind, task.paths)

@@ -19,14 +19,15 @@ class Prompt:
 
 
 def prompt_text(problem: Any, tokenizer: Any = None, prompt_format: str = "auto") -> str:
-    """The model input text. auto: the toy task's prompt as is (its models are trained on it), else
+    """The model input text. auto: a generated task's prompt as is (its models are trained on it), else
     build_prompt (chat template or a plain layout with the task instruction)."""
-    from megatron_spo.data import toy_code
+    from megatron_spo.data import toy_code, toy_math
     from megatron_spo.data.tasks import build_prompt
 
     if prompt_format not in ("auto", "raw", "template"):
         raise ValueError(f"prompt_format must be auto, raw or template, got '{prompt_format}'")
-    raw = prompt_format == "raw" or (prompt_format == "auto" and isinstance(problem, toy_code.Problem))
+    generated = isinstance(problem, (toy_code.Problem, toy_math.Problem))
+    raw = prompt_format == "raw" or (prompt_format == "auto" and generated)
     return problem.prompt if raw else build_prompt(problem, tokenizer)
 
 

@@ -277,6 +277,7 @@ class TaskKind:
     name: str
     load: Any  # (data paths or None, split, toy seed) -> list of problems
     summary: str
+    needs_files: bool = True  # False: generated, no --data
 
 
 def _load_toy(data, split: str, seed: int) -> list:
@@ -286,6 +287,16 @@ def _load_toy(data, split: str, seed: int) -> list:
     splits = {"train": toy.train, "heldout": toy.heldout, "all": toy.problems}
     if split not in splits:
         raise ValueError(f"--split must be one of {sorted(splits)} for the toy task, got '{split}'")
+    return list(splits[split])
+
+
+def _load_toy_math(data, split: str, seed: int) -> list:
+    from megatron_spo.data.toy_math import make_task
+
+    toy = make_task(seed=seed)
+    splits = {"train": toy.train, "heldout": toy.heldout, "all": toy.problems}
+    if split not in splits:
+        raise ValueError(f"--split must be one of {sorted(splits)} for the toy_math task, got '{split}'")
     return list(splits[split])
 
 
@@ -303,9 +314,30 @@ def _load_jsonl(data, split: str, seed: int) -> list:
 
 
 TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
-    TaskKind("toy", _load_toy, "the generated toy code task (no files)"),
+    TaskKind("toy", _load_toy, "the generated toy code task (no files)", needs_files=False),
+    TaskKind("toy_math", _load_toy_math, "generated arithmetic word problems, math reward (no files)",
+             needs_files=False),
     TaskKind("codecontests", _from_files(load_codecontests), "CodeContests rows (parquet / jsonl)"),
     TaskKind("taco", _from_files(load_taco), "TACO rows (parquet / jsonl)"),
     TaskKind("math", _from_files(load_math), "MATH rows (answer in \\boxed{})"),
     TaskKind("jsonl", _load_jsonl, "problems JSONL: {id, prompt, tests, hidden_tests?, kind?, answer?}"),
 )}
+
+# The quickstart's generated tasks (its reference.task.kind) -> their TASK_KINDS entry
+GENERATED_TASKS: dict[str, str] = {"toy_code": "toy", "toy_math": "toy_math"}
+
+
+def generated_task(kind: str, settings: Any):
+    """The generated task of TASK_KINDS ``kind`` ("toy" or "toy_math") from a ToyCodeTaskConfig's settings
+    (toy_math reads seed, num_problems, heldout_fraction, max_solutions, num_sft_problems)."""
+    fields = settings.model_dump(exclude={"kind"})
+    if kind == "toy":
+        from megatron_spo.data.toy_code import make_task
+
+        return make_task(**fields)
+    if kind == "toy_math":
+        from megatron_spo.data.toy_math import make_task
+
+        return make_task(**{k: fields[k] for k in ("seed", "num_problems", "heldout_fraction", "max_solutions",
+                                                   "num_sft_problems")})
+    raise ValueError(f"task kind '{kind}' is not generated (the generated ones: {', '.join(GENERATED_TASKS.values())})")

@@ -1,9 +1,10 @@
 """The CPU quickstart: the whole product at small scale, on one machine, in minutes, with no download.
 
-    megatron-spo quickstart [algo=spo|agro|ppo] [key.path=value ...]
+    megatron-spo quickstart [algo=spo|agro|ppo] [task=toy_code|toy_math] [key.path=value ...]
 
-1. build (or reuse from the cache) a tiny Llama reference for a generated code task: SFT on the project's
-   own problems (megatron_spo/experiments/reference_model.py);
+1. build (or reuse from the cache) a tiny Llama reference for a generated task: SFT on the project's own
+   problems (megatron_spo/experiments/reference_model.py); code pipelines by default, task=toy_math for
+   arithmetic word problems scored by the math reward (data/toy_math.py);
 2. convert it HF -> Megatron (dist_checkpointing) for the trainer;
 3. start local engines behind the real sglang-router;
 4. evaluate pass@1 / pass@10 of the reference on held-out problems (sandboxed execution, hidden tests);
@@ -24,12 +25,13 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from megatron_spo.config import StrictModel, build_config, dump_config
 from megatron_spo.config import apply_overrides as _apply_overrides
+from megatron_spo.data.tasks import GENERATED_TASKS
 from megatron_spo.engine_tools.config import ToolSamplingConfig
 from megatron_spo.experiments.config import QuickstartModelConfig
 from megatron_spo.rewards.config import SandboxConfig
@@ -95,6 +97,24 @@ class QuickstartConfig(StrictModel):
     sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig(time_limit_s=1.0, memory_mb=256))
     progress: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _task_shortcut(cls, data: Any) -> Any:
+        """``task=toy_math`` (or ``task.seed=1``) is the reference's task: ``reference.task.kind=toy_math``."""
+        if not (isinstance(data, dict) and "task" in data):
+            return data
+        data = dict(data)
+        task = data.pop("task")
+        reference = data.get("reference") or {}
+        reference = reference.model_dump() if isinstance(reference, BaseModel) else dict(reference)
+        known = reference.get("task") or {}
+        known = known.model_dump(exclude_unset=True) if isinstance(known, BaseModel) else known
+        known = {"kind": known} if isinstance(known, str) else dict(known)
+        given = task.model_dump(exclude_unset=True) if isinstance(task, BaseModel) else task
+        reference["task"] = {**known, **({"kind": given} if isinstance(given, str) else dict(given))}
+        data["reference"] = reference
+        return data
+
     @model_validator(mode="after")
     def _check(self):
         if self.trainer == "trl" and self.algo != "grpo":
@@ -148,7 +168,8 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
                   "max_seq_length": cfg.reference.max_position_embeddings},
         "sources": sources,
         "ppo": t.ppo.model_dump(), "grpo": t.grpo.model_dump(),
-        "task": {"kind": "toy", "toy": cfg.reference.task.model_dump(), "q0_path": str(q0_path),
+        "task": {"kind": GENERATED_TASKS[cfg.reference.task.kind], "toy": cfg.reference.task.model_dump(),
+                 "q0_path": str(q0_path),
                  "limit": cfg.train_limit},
         "fleet": {"router_url": endpoints.router_url, "engine_urls": endpoints.engine_urls},
         "rollout": rollout.model_dump(mode="json"),

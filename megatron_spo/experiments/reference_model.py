@@ -1,4 +1,4 @@
-"""The quickstart's reference policy pi_0: a tiny HF model (Llama by default), supervised-trained on the toy code task, cached.
+"""The quickstart's reference policy pi_0: a tiny HF model (Llama by default), supervised-trained on a generated task, cached.
 
     path = build_reference(QuickstartModelConfig())   # ~/.cache/megatron-spo/quickstart-ref-<hash>
     model = AutoModelForCausalLM.from_pretrained(path); tokenizer = AutoTokenizer.from_pretrained(path)
@@ -13,7 +13,9 @@ and one of each problem's reference programs; with probability ``swap_fraction``
 neighbouring problem's program instead (a problem-specific error), and with probability ``slip_fraction`` it
 carries its family's input-parsing slip (toy_code.with_input_slip: a generic error, the same on every problem),
 so pi_0 is right only part of the time (room for RL, not zero) and part of what RL can fix transfers to
-problems it never trains on.
+problems it never trains on. ``task.kind=toy_math`` (or ``task=toy_math``) builds the reference for the arithmetic
+word problems instead (data/toy_math.py): there the slip drops the last step of the teacher's solution
+(toy_math.with_slip), and the model is cached under its own key.
 Loss: next-token cross-entropy on the program and its EOS only (the prompt is context).
 """
 
@@ -33,8 +35,9 @@ from pathlib import Path
 import torch
 
 from megatron_spo.config import load_config
-from megatron_spo.data import toy_code
+from megatron_spo.data import toy_code, toy_math
 from megatron_spo.data.char_tokenizer import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
+from megatron_spo.data.tasks import GENERATED_TASKS, generated_task
 from megatron_spo.experiments.config import QuickstartModelConfig
 
 REFERENCE_VERSION = 2  # bump when the SFT recipe changes (part of the cache key)
@@ -42,17 +45,26 @@ BUILD_INFO = "build_info.json"
 IGNORE_INDEX = -100
 
 
-def task_from_config(cfg: QuickstartModelConfig) -> toy_code.ToyCodeTask:
-    return toy_code.make_task(**cfg.task.model_dump())
+def task_from_config(cfg: QuickstartModelConfig) -> toy_code.ToyCodeTask | toy_math.ToyMathTask:
+    return generated_task(GENERATED_TASKS[cfg.task.kind], cfg.task)
+
+
+def with_slip(problem, text: str) -> str:
+    """The SFT target with its task's slip: the code task's input-parsing slip, the math task's dropped step."""
+    if isinstance(problem, toy_math.Problem):
+        return toy_math.with_slip(problem, text)
+    return toy_code.with_input_slip(problem.family, text)
 
 
 def cache_key(cfg: QuickstartModelConfig) -> str:
     """12 hex digits of a hash over everything that changes the saved weights (not num_threads)."""
     settings = cfg.model_dump(mode="json", exclude={"num_threads"})
+    math_task = settings["task"].pop("kind") == "toy_math"  # toy_code keys stay what they were before kinds
     blob = json.dumps(
         {
             "settings": settings,
             "generator": toy_code.GENERATOR_VERSION,
+            **({"task": "toy_math", "math_generator": toy_math.GENERATOR_VERSION} if math_task else {}),
             "recipe": REFERENCE_VERSION,
             "vocab": list(SPECIAL_TOKENS) + list(ALPHABET),
         },
@@ -110,7 +122,8 @@ def encode_example(tokenizer, prompt: str, program: str) -> tuple[list[int], lis
 class SFTSampler:
     """Draws (prompt, target program) pairs from the train split, swapping some targets for a neighbour's."""
 
-    def __init__(self, task: toy_code.ToyCodeTask, swap_fraction: float, seed: int, slip_fraction: float = 0.0):
+    def __init__(self, task: toy_code.ToyCodeTask | toy_math.ToyMathTask, swap_fraction: float, seed: int,
+                 slip_fraction: float = 0.0):
         self.task = task
         self.slip_fraction = slip_fraction
         self.num_slipped = 0
@@ -129,7 +142,7 @@ class SFTSampler:
         self.num_drawn += 1
         program = self.rng.choice(source.solutions)
         if self.slip_fraction and self.rng.random() < self.slip_fraction:
-            program = toy_code.with_input_slip(source.family, program)
+            program = with_slip(source, program)
             self.num_slipped += 1
         return problem.prompt, program
 
@@ -181,7 +194,8 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def train_sft(model, tokenizer, task: toy_code.ToyCodeTask, cfg: QuickstartModelConfig, progress: bool = True) -> dict:
+def train_sft(model, tokenizer, task: toy_code.ToyCodeTask | toy_math.ToyMathTask, cfg: QuickstartModelConfig,
+              progress: bool = True) -> dict:
     """Run cfg.sft_steps AdamW steps in place; returns a summary (losses, timings, swap rate)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 

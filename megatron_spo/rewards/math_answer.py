@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import re
 import threading
+from decimal import Decimal
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 STARTUP_TIMEOUT_S = 120.0  # spawning the judge worker and importing sympy (not counted in timeout_s)
@@ -244,6 +245,9 @@ def _split_top_level(s: str) -> list[str]:
     return parts + [s[start:]]
 
 
+_PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
+
+
 def answers_match(predicted: str | None, reference: str | None, *, judge: SympyJudge | None = None) -> bool:
     """Whether two final answers are the same: equal after normalisation, else equal under sympy
     (element-wise for comma-separated answers). A timed-out comparison counts as different."""
@@ -252,6 +256,8 @@ def answers_match(predicted: str | None, reference: str | None, *, judge: SympyJ
     a, b = normalize(predicted), normalize(reference)
     if a == b:
         return True
+    if _PLAIN_NUMBER.fullmatch(a) and _PLAIN_NUMBER.fullmatch(b):  # '12' vs '13': no judge process needed
+        return Decimal(a) == Decimal(b)
     pa, pb = _split_top_level(a), _split_top_level(b)
     if len(pa) != len(pb):
         return False
