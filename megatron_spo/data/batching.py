@@ -44,6 +44,9 @@ class TrainBatch:
     source: list[str]  # [B]
     policy_version: torch.Tensor  # [B] long
     behaviour_logp: torch.Tensor  # [B, L] float (0 where not given)
+    # [B] float: the temperature and top-p the behaviour log-probs were sampled at (NaN: none, or unknown)
+    behaviour_temperature: torch.Tensor
+    behaviour_top_p: torch.Tensor
     mc_positions: torch.Tensor  # [B, K] long positions in L (-1 = none)
     mc_success: torch.Tensor  # [B, K] float success probabilities S_t
 
@@ -132,9 +135,27 @@ def collate(trajectories: Sequence[TrajectoryLike], pad_id: int, length: int | N
         source=[tr.source for tr in trajectories],
         policy_version=torch.tensor([int(tr.policy_version) for tr in trajectories], dtype=torch.long),
         behaviour_logp=behaviour,
+        behaviour_temperature=torch.tensor([sampling_settings(tr)[0] for tr in trajectories]),
+        behaviour_top_p=torch.tensor([sampling_settings(tr)[1] for tr in trajectories]),
         mc_positions=mc_positions,
         mc_success=mc_success,
     )
+
+
+def sampling_settings(traj) -> tuple[float, float]:
+    """(temperature, top_p) its behaviour log-probs were taken at: NaN, NaN when it has none or they are unknown.
+    Greedy samples (T = 0) report the raw log-probs: temperature 1. Online trajectories carry the settings
+    themselves (rollout/manager.py), records in their provenance."""
+    if getattr(traj, "behaviour_logprobs", None) is None:
+        return math.nan, math.nan
+    prov = getattr(traj, "provenance", None)
+    t = getattr(traj, "temperature", None)
+    p = getattr(traj, "top_p", None)
+    if t is None and prov is not None:
+        t, p = getattr(prov, "temperature", None), getattr(prov, "top_p", None)
+    if t is None:
+        return math.nan, math.nan
+    return (float(t) or 1.0), (math.nan if p is None else float(p))
 
 
 def _mc_fields(mc: Any) -> tuple[int, float]:

@@ -178,12 +178,21 @@ class CheckpointConfig(StrictModel):
 class LoggingConfig(StrictModel):
     wandb_project: str | None = None
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    wandb_entity: str | None = Field(None, description="wandb team or user (default: wandb's own default)")
+    wandb_name: str | None = Field(None, description="wandb run name (default: the run directory's name)")
+    wandb_group: str | None = Field(None, description="wandb group, e.g. one per sweep or study")
+    wandb_tags: list[str] = Field(default_factory=list, description="wandb tags")
     progress: bool = True
     max_log_ratio: float | None = Field(
         50.0, gt=0, description="stop when the mean sequence log(pi / pi_0) exceeds this (a collapse; FIELD-NOTES)"
     )
     policy_entropy: bool = Field(
         True, description="log the policy's mean per-token entropy (nats) from its log-prob pass: no extra GEMM"
+    )
+    max_logprob_gap: float | None = Field(
+        0.1, gt=0, description="warn (one line naming the step) when the mean per-token |log-prob| gap between "
+        "the engines and the trainer on samples of the current weights exceeds this: a broken weight push, "
+        "conversion or precision mismatch (training/logprob_gap.py; bf16 noise is ~1e-2)"
     )
 
 

@@ -53,6 +53,9 @@ PANELS: dict[str, tuple[str, ...]] = {
     "weight sync engines (per push)": ("weight_sync/engines_updated", "weight_sync/engines_failed",
                                        "weight_sync/engines_resynced"),
     "weight sync failures": ("weight_sync/failed",),
+    "engine vs trainer log-prob gap (per token)": ("logprob_gap/mean_abs", "logprob_gap/max_abs",
+                                                   "logprob_gap/mismatch_kl"),
+    "log-prob gap: samples measured (current weights: 1)": ("logprob_gap/sequences", "logprob_gap/current"),
     "grad norm": ("grad_norm", "grad_norm/*"),
     "learning rate": ("lr",),
     "online samples per step": ("samples/online",),
@@ -97,6 +100,9 @@ class MetricsLogger:
         run_name: str | None = None,
         config: dict | None = None,
         resume_from_step: int | None = None,
+        wandb_entity: str | None = None,
+        wandb_group: str | None = None,
+        wandb_tags: Iterable[str] = (),
     ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -115,7 +121,8 @@ class MetricsLogger:
                 raise RuntimeError("metrics: wandb_project is set but the wandb package is not installed "
                                    "(pip install -e .[wandb])")
             os.environ.setdefault("WANDB_DIR", str(self.run_dir))
-            self._wandb_run = wandb.init(project=wandb_project, name=run_name, mode=wandb_mode,
+            self._wandb_run = wandb.init(project=wandb_project, entity=wandb_entity, name=run_name,
+                                         group=wandb_group, tags=list(wandb_tags) or None, mode=wandb_mode,
                                          config=config or {}, dir=str(self.run_dir), resume="allow",
                                          id=(run_name or self.run_dir.name).replace("/", "-"))
 

@@ -37,6 +37,8 @@ from megatron_spo.training import checkpoint
 from megatron_spo.training import loss as losses
 from megatron_spo.training.algos import StepInputs
 from megatron_spo.training.config import LogprobsConfig, TrainConfig
+from megatron_spo.training.logprob_gap import GapPass, GapTally, gap_metrics, gap_warning, measured_rows
+from megatron_spo.training.logprob_gap import tally as gap_tally
 from megatron_spo.training.metrics import MetricsLogger, progress_line
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, pad_rows, shard
 from megatron_spo.training.sources import build_archive, build_sampler
@@ -121,6 +123,8 @@ class Trainer:
         self.ckpt = CheckpointDir(cfg.checkpoint.dir or self.run_dir / "checkpoints", cfg.checkpoint.keep_last)
         self.step = 0
         self.policy_version = 0
+        self._gap_pass: GapPass | None = None  # the log-prob gap of this step's first policy pass
+        self._holds_pushed_weights = True  # the policy is still the version last pushed (no update since)
         self.sampler = None
         self.online = None
         self.archive = None
@@ -129,10 +133,13 @@ class Trainer:
             self.archive = build_archive(cfg)
         self.pad_id = 0
         self._resume()
+        log_cfg = cfg.logging
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0,
-                                     wandb_project=cfg.logging.wandb_project if cfg.logging.wandb_mode != "disabled"
-                                     else None, wandb_mode=cfg.logging.wandb_mode,
-                                     config=cfg.model_dump(mode="json"), resume_from_step=self.step)
+                                     wandb_project=log_cfg.wandb_project if log_cfg.wandb_mode != "disabled" else None,
+                                     wandb_mode=log_cfg.wandb_mode, run_name=log_cfg.wandb_name,
+                                     wandb_entity=log_cfg.wandb_entity, wandb_group=log_cfg.wandb_group,
+                                     wandb_tags=log_cfg.wandb_tags, config=cfg.model_dump(mode="json"),
+                                     resume_from_step=self.step)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -248,6 +255,9 @@ class Trainer:
         from megatron_spo.models.builders import output_hidden_states
 
         fb = get_forward_backward_func()
+        gap = None  # the first policy log-prob pass of a step measures the engines' log-prob gap
+        if output == "logp" and chunks is self.policy and self._gap_pass is not None:
+            gap, self._gap_pass = self._gap_pass, None
         seq_len = max(mb.input_ids.shape[1] for mb in mbs)
         mbs_size = max(mb.num_sequences for mb in mbs)
         virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
@@ -269,7 +279,10 @@ class Trainer:
                 return out, None
             out, entropy = out[:mb.num_sequences], None
             if output == "logp":
-                out, entropy = self._token_logprobs(model, out, mb.targets, mb.loss_mask, want_entropy)
+                hidden = out
+                out, entropy = self._token_logprobs(model, hidden, mb.targets, mb.loss_mask, want_entropy)
+                if gap is not None:
+                    self._measure_gap(gap, model, hidden, mb, out)
             return out, partial(_loss_wrapper, loss_fn, index, mb, entropy=entropy)
 
         n_global = self.cfg.batch.sequences_per_step
@@ -296,6 +309,22 @@ class Trainer:
                        forward_only=forward_only)
         return store if self.is_last_stage else []
 
+    def _measure_gap(self, gap: GapPass, chunk, hidden: torch.Tensor, mb: TrainBatch, logp: torch.Tensor) -> None:
+        """Add this micro-batch's engine-vs-trainer log-prob gap (training/logprob_gap.py) to gap. The engines
+        report log softmax(logits / T): rows sampled at T != 1 get the trainer's log-probs of hidden / T (one
+        no-grad LM-head pass over those rows' response tokens; logits are linear in the hidden state)."""
+        rows, current, kl = measured_rows(mb, gap.version)
+        if not bool(rows.any()):
+            return
+        temperature = mb.behaviour_temperature.to(hidden.device)
+        if bool((temperature[rows] != 1.0).any()):
+            scale = torch.where(rows, temperature, torch.ones_like(temperature)).to(hidden.dtype)
+            with torch.no_grad():
+                logp, _ = self._token_logprobs(chunk, hidden.detach() / scale[:, None, None], mb.targets,
+                                               mb.loss_mask * rows[:, None].to(mb.loss_mask.dtype))
+        gap.current = gap.current.add(gap_tally(logp, mb.behaviour_logp, mb.loss_mask, current, kl))
+        gap.every = gap.every.add(gap_tally(logp, mb.behaviour_logp, mb.loss_mask, rows, kl))
+
     def _collect(self, store: list, n: int) -> list:
         """Per-micro-batch outputs of a forward-only pass, indexed by micro-batch (last pipeline stage;
         other stages get Nones, which is all they need: the loss runs on the last stage only)."""
@@ -313,6 +342,7 @@ class Trainer:
                             keep_groups=self.algorithm.keeps_prompt_groups, device=self.device)
 
         t_fb = time.perf_counter()
+        gap = self._gap_pass = GapPass(self.policy_version if self._holds_pushed_weights else None)
         ref = self.forward("reference", mbs, "logp")
         lr = self.lr_at(self.step, cfg.optimizer.lr)
         rates = {"policy": lr, "value": self.lr_at(self.step, cfg.optimizer.value_lr or cfg.optimizer.lr)}
@@ -329,7 +359,8 @@ class Trainer:
         if self.step % cfg.model_update_interval == 0:
             t_sync = self.sync_weights()
 
-        metrics = self._reduce_metrics(metrics_store)
+        self._gap_pass = None
+        metrics = self._reduce_metrics(metrics_store, gap)
         if self.rank == 0 and self.online is not None and hasattr(self.online, "stats"):
             metrics.update(self.online.stats())
             metrics.update(self._sync_metrics)
@@ -356,6 +387,9 @@ class Trainer:
             # sample below T=1 (rollout.temperature_range) or from a stale policy
             metrics["kl"] = metrics["mean_seq_log_ratio/online"]
         self.metrics.log(self.step, metrics)
+        warning = gap_warning(self.step, metrics, cfg.logging.max_logprob_gap)
+        if warning and self.rank == 0:
+            print(warning, flush=True)
         limit = cfg.logging.max_log_ratio
         if limit is not None and abs(metrics.get("mean_seq_log_ratio", 0.0)) > limit:
             raise TrainingDiverged(f"step {self.step}: mean sequence log(pi/pi_0) = "
@@ -385,25 +419,31 @@ class Trainer:
         for group in optimizer.param_groups:
             group["lr"] = lr
         ok, grad_norm, _ = optimizer.step()
+        self._holds_pushed_weights &= model != "policy"
         if not ok:
             raise TrainingDiverged(f"step {self.step}: the optimizer skipped the update (non-finite gradients)")
         return store, float(grad_norm or 0.0)
 
-    def _reduce_metrics(self, store: list) -> dict[str, float]:
+    def _reduce_metrics(self, store: list, gap: GapPass | None = None) -> dict[str, float]:
         """The loss metrics of the global batch (losses.metric_sums over micro-batches and data-parallel ranks),
-        delivered on rank 0."""
+        and the log-prob gap of gap's tallies, delivered on rank 0."""
         local: dict[str, list[float]] = {}
+        local_gap = (GapTally(), GapTally())
         if self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0:
             local = losses.metric_sums(store)
+            if gap is not None:
+                local_gap = (gap.current, gap.every)
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, local)
+        dist.all_gather_object(gathered, (local, local_gap))
         total: dict[str, list[float]] = {}
-        for part in gathered:
+        current, every = GapTally(), GapTally()
+        for part, (part_current, part_every) in gathered:
+            current, every = current.add(part_current), every.add(part_every)
             for k, (s, n) in part.items():
                 t = total.setdefault(k, [0.0, 0.0])
                 t[0] += s
                 t[1] += n
-        return {k: s / n for k, (s, n) in total.items() if n}
+        return {**{k: s / n for k, (s, n) in total.items() if n}, **gap_metrics(current, every)}
 
     # -- weights to the fleet ------------------------------------------------------------------
     def sync_weights(self, new_version: bool = True) -> float:
@@ -427,6 +467,7 @@ class Trainer:
                       and (getattr(self.online, "last_sync_error", None) or "no engine took it")]
             dist.broadcast_object_list(missed, src=0)
             if not missed[0]:
+                self._holds_pushed_weights = True
                 break
             if attempt == attempts:
                 raise RuntimeError(f"weight sync to version {self.policy_version} reached no engine in {attempts} "
