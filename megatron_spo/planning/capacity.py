@@ -484,6 +484,23 @@ def validate_on_cpu() -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
+TRAIN_KEYS = ("init", "batch", "sources", "algo", "rollout")  # a training config, not a plan-only YAML
+
+
+def train_config_shape(path: str, data: dict) -> dict:
+    """The CapacityConfig fields a training config fixes (its batch, sequence length, micro-batch token budget,
+    online share, rollout length, push interval; validate.capacity_shape), {} for a plan-only YAML; the file's
+    `plan:` section and the command line's overrides win over them."""
+    if not any(key in data for key in TRAIN_KEYS):
+        return {}
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.validate import capacity_shape
+
+    cfg = build_config(TrainConfig, {k: v for k, v in data.items() if k != "plan"}, str(path))
+    world = (data.get("plan") or {}).get("trainer_gpus", CapacityConfig().trainer_gpus)
+    return capacity_shape(cfg, world)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo plan", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama3.1-70b", help=f"{' | '.join(BUILTIN_PRESETS)} (or examples/models/NAME.yaml)")
@@ -527,7 +544,8 @@ def main(argv: list[str]) -> int:
         updates["virtual_pipeline_model_parallel_size"] = args.vpp or None
     if updates:
         parallel = build_config(ParallelConfig, {**parallel.model_dump(), **updates}, "command line")
-    shape = build_config(CapacityConfig, apply_overrides(dict(data.get("plan", {})), args.overrides),
+    from_train = train_config_shape(args.config, data) if args.config else {}
+    shape = build_config(CapacityConfig, apply_overrides({**from_train, **data.get("plan", {})}, args.overrides),
                          args.config or "command line")
     plan = make_plan(model, parallel, shape)
     if args.json:

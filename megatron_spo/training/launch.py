@@ -94,7 +94,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo train", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config (see examples/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6 algo=ppo")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config as `megatron-spo validate` does, spawn nothing, exit 1 on a problem")
+    args = parser.parse_intermixed_args(argv)
+    if args.dry_run:
+        from megatron_spo.validate import print_report, validate_file
+
+        return print_report(validate_file(args.config, args.overrides), args.config, "megatron-spo train --dry-run")
     cfg = load_config(TrainConfig, args.config, args.overrides)
     from megatron_spo.memory import MemoryPreflightError
 
