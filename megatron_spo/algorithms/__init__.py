@@ -1,4 +1,4 @@
-"""The math of SPO, AGRO and PPO: pure torch, no megatron, no I/O (MATH.md).
+"""The math of the algorithms, one module each: pure torch, no megatron, no I/O (MATH.md).
 
 Every loss takes token log-probs [B, T] of the sampled tokens, a response mask [B, T] and per-sequence
 tensors [B], validates them cheaply, and returns (scalar loss, dict of float metrics).

@@ -8,10 +8,15 @@ file read_q0 reads: {prompt_id, s0, q0, n, correct, beta} per line.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_spo.data.result_log import ResultLog
+
+# The SPO paper's KL strength, 1/log(1e5) ~ 0.0869. Q0 is a soft value at beta, so a Q0 file and the training
+# that reads it must share beta: the trainer and the tools take this one default.
+PAPER_BETA = 1.0 / math.log(100000.0)
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 from pydantic import Field, model_validator
 
 from megatron_spo.config import ConfigView, StrictModel
 from megatron_spo.data.config import TaskConfig
+from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.models.config import InitConfig
 from megatron_spo.rollout.config import FleetEndpoints
 
@@ -33,14 +32,12 @@ class ToolSamplingConfig(StrictModel):
         return self
 
 
-
 class Q0Config(StrictModel):
     """Monte-Carlo S0 / Q0 per prompt from reference samples (SPO paper 3.1.3: 800 samples at T = 1)."""
 
     samples: int = Field(800, gt=0, description="samples per prompt")
-    beta: float = Field(1.0 / math.log(100000.0), gt=0)
+    beta: float = Field(PAPER_BETA, gt=0)
     sampling: ToolSamplingConfig = Field(default_factory=ToolSamplingConfig)
-
 
 
 class PTSConfig(StrictModel):
@@ -59,7 +56,6 @@ class PTSConfig(StrictModel):
             raise ValueError(f"max_rollouts ({self.max_rollouts}) < rollouts_per_point ({self.rollouts_per_point}): "
                              "not one estimate fits the budget")
         return self
-
 
 
 class EvalConfig(StrictModel):
@@ -85,4 +81,4 @@ class TrainConfigView(ConfigView):
     task: TaskConfig = Field(default_factory=TaskConfig)
     init: InitConfig = Field(default_factory=InitConfig)
     fleet: FleetEndpoints = Field(default_factory=FleetEndpoints)
-    beta: float = Field(1.0 / math.log(100000.0), gt=0)
+    beta: float = Field(PAPER_BETA, gt=0)

@@ -19,7 +19,7 @@ class QuickstartModelConfig(StrictModel):
     """
 
     task: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
-    architecture: str = Field("llama", description="model family (models/arch/): llama | qwen2 | qwen3 | mistral")
+    architecture: str = Field("llama", description="model family: a module of models/arch/ (its model_type)")
     hidden_size: int = Field(128, gt=0)
     num_layers: int = Field(3, gt=0)
     num_attention_heads: int = Field(4, gt=0)
@@ -43,11 +43,12 @@ class QuickstartModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_heads(self) -> QuickstartModelConfig:
-        from megatron_spo.models.arch import registry
+        from megatron_spo.models.arch import architecture
 
-        if self.architecture not in registry():
-            raise ValueError(f"architecture: unknown architecture '{self.architecture}' "
-                             f"(supported: {', '.join(registry())})")
+        try:
+            architecture(self.architecture)
+        except ValueError as err:  # the registry's message lists the known families
+            raise ValueError(f"architecture: {err}") from None
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"

@@ -21,7 +21,6 @@ class RopeScaling(StrictModel):
     original_max_position_embeddings: int = Field(8192, gt=0)
 
 
-
 class ModelConfig(StrictModel):
     """A pre-norm RoPE decoder (RMSNorm, SwiGLU, GQA) of one registered family (models/arch/).
 
@@ -29,7 +28,7 @@ class ModelConfig(StrictModel):
     family's layer has beyond Llama's: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), a head_dim
     not equal to hidden_size / heads (``kv_channels``, megatron's name; Qwen3)."""
 
-    architecture: str = Field("llama", description="model family (models/arch/): llama | qwen2 | qwen3 | mistral ...")
+    architecture: str = Field("llama", description="model family: a module of models/arch/ (its model_type)")
     num_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     ffn_hidden_size: int = Field(gt=0)
@@ -104,11 +103,9 @@ class ModelConfig(StrictModel):
         return self.vocab_size * h + self.num_layers * layer + h + head
 
 
-
 class InitConfig(StrictModel):
     hf: str | None = Field(None, description="HF Llama directory: model config, tokenizer, and weights")
     megatron: str | None = Field(None, description="megatron checkpoint of the same model (converted once)")
-
 
 
 class ParallelConfig(StrictModel):

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from megatron_spo.config import ConfigError, StrictModel
+from megatron_spo.rollout.protocol import SYNC_PAUSE_MODES
 
 
 class FleetEndpoints(StrictModel):
@@ -31,7 +32,6 @@ class FleetEndpoints(StrictModel):
             except ValueError:
                 raise ConfigError(f"ENGINE_TP={os.environ['ENGINE_TP']!r} is not an integer") from None
         return FleetEndpoints(router_url=router, engine_urls=engines, engine_tp_size=tp)
-
 
 
 class RolloutConfig(StrictModel):
@@ -62,7 +62,7 @@ class RolloutConfig(StrictModel):
     weight_sync_attempts: int = Field(3, gt=0, description="times a push that reached no engine is sent "
                                       "before the run stops (a push some engines took is not repeated: the "
                                       "others catch up at the next push)")
-    weight_sync_pause: Literal["retract", "abort"] = Field(
+    weight_sync_pause: Literal[SYNC_PAUSE_MODES] = Field(
         "retract", description="how a weight push pauses the engines: retract (requests in flight resume under "
         "the new weights; their samples then span two versions) or abort (they end and are sent again)")
     mixed_version_policy: Literal["tag", "drop"] = Field(

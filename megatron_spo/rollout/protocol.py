@@ -239,6 +239,8 @@ def parse_generate_response(body: Any, num_prompts: int, n: int) -> list[list[Co
 # UpdateWeightsFromDistributedReqInput)
 # --------------------------------------------------------------------------------------------------
 PAUSE_MODES = ("abort", "retract", "in_place")
+# A weight push pauses with these: in_place leaves requests running, and SGLang then refuses the flush.
+SYNC_PAUSE_MODES = tuple(mode for mode in PAUSE_MODES if mode != "in_place")
 
 
 @dataclass

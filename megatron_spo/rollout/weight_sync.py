@@ -42,6 +42,7 @@ import torch
 from megatron_spo.net import free_port
 from megatron_spo.rollout.client import get_json, post_json
 from megatron_spo.rollout.protocol import (
+    SYNC_PAUSE_MODES,
     InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
@@ -239,7 +240,6 @@ def receive_broadcast(group, names: list[str], dtypes: list[str], shapes: list[l
 # -------------------------------------------------------------------------------------------------
 # SGLang answers these with {"message", "status"} (pause/continue) or an empty body (abort), not {"success"}
 REPLIES_WITHOUT_SUCCESS = frozenset({"/pause_generation", "/continue_generation", "/abort_request"})
-SYNC_PAUSE_MODES = ("retract", "abort")  # in_place leaves requests running: SGLang then refuses the flush
 
 
 @dataclass

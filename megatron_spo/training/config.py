@@ -7,13 +7,13 @@ registry (training/algos/) and the SPO objectives and losses (algorithms/spo.py)
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
 from megatron_spo.config import StrictModel
 from megatron_spo.data.config import ProvenanceSelect, TaskConfig
+from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.models.config import InitConfig, ModelConfig, ParallelConfig
 from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rollout.config import FleetEndpoints, RolloutConfig
@@ -25,7 +25,6 @@ def _objective(value: str) -> str:
     if value not in OBJECTIVES:
         raise ValueError(f"unknown objective '{value}' (choose from {', '.join(OBJECTIVES)})")
     return value
-
 
 
 def _loss_name(value: str) -> str:
@@ -40,29 +39,21 @@ def _loss_name(value: str) -> str:
     return value
 
 
-
 def _algo_name(value: str) -> str:
-    """A registered algorithm (training/algos/) or a hook 'package.module:Class'."""
-    from megatron_spo.hooks import is_hook
+    """A registered algorithm (training/algos/) or a hook 'package.module:Class' (imported by the trainer)."""
+    from megatron_spo.training.algos import algorithm_class
 
-    if not is_hook(value):
-        from megatron_spo.training.algos import algorithm_class
-
-        algorithm_class(value, field="algo")
+    algorithm_class(value, field="algo", load_hooks=False)
     return value
-
 
 
 Objective = Annotated[str, AfterValidator(_objective)]
 
 
-
 LossName = Annotated[str, AfterValidator(_loss_name)]
 
 
-
 AlgoName = Annotated[str, AfterValidator(_algo_name)]
-
 
 
 class SourceConfig(StrictModel):
@@ -86,7 +77,6 @@ class SourceConfig(StrictModel):
         return self
 
 
-
 class OptimizerConfig(StrictModel):
     lr: float = Field(6e-8, gt=0, description="paper: 6e-8 for Llama-3.1-8B, constant after warm-up")
     warmup_steps: int = Field(200, ge=0)
@@ -98,12 +88,10 @@ class OptimizerConfig(StrictModel):
     value_lr: float | None = Field(None, gt=0, description="PPO value model (default: lr)")
 
 
-
 class BatchConfig(StrictModel):
     sequences_per_step: int = Field(128, gt=0, description="global batch: trajectories per optimizer step")
     max_tokens_per_micro_batch: int = Field(16384, gt=0, description="padded tokens per micro-batch")
     max_seq_length: int = Field(4096, gt=1, description="prompt + response tokens; longer ones are refused")
-
 
 
 class LogprobsConfig(StrictModel):
@@ -122,7 +110,6 @@ class LogprobsConfig(StrictModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-
 class PPOConfig(StrictModel):
     clip_eps: float = Field(0.2, gt=0)
     value_clip_eps: float | None = Field(0.2, gt=0)
@@ -134,7 +121,6 @@ class PPOConfig(StrictModel):
     whiten_advantages: bool = True
     critic_warmup_steps: int = Field(0, ge=0, description="first steps train only the value model (verl's "
                                      "critic_warmup): a fresh value head makes GAE advantages noise")
-
 
 
 class GRPOConfig(StrictModel):
@@ -149,10 +135,8 @@ class GRPOConfig(StrictModel):
         "sequence_mean: per sequence, then over sequences (the GRPO paper)")
 
 
-
 class AGROConfig(StrictModel):
     on_policy: bool = False
-
 
 
 class ArchiveConfig(StrictModel):
@@ -166,13 +150,11 @@ class ArchiveConfig(StrictModel):
     rows_per_shard: int = Field(4096, gt=0, description="records per shard (also flushed at every checkpoint)")
 
 
-
 class CheckpointConfig(StrictModel):
     interval: int = Field(100, gt=0, description="save every this many steps (and on SIGTERM / SIGUSR1)")
     keep_last: int = Field(2, gt=0)
     dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
     export_hf: bool = Field(True, description="write the final policy as an HF directory RUN_DIR/hf")
-
 
 
 class LoggingConfig(StrictModel):
@@ -196,13 +178,13 @@ class LoggingConfig(StrictModel):
     )
 
 
-
 class TrainConfig(StrictModel):
     run_dir: str = "runs/spo"
     seed: int = 1234
     steps: int = Field(100_000, gt=0)
-    algo: AlgoName = Field("spo", description="spo | agro | ppo | grpo (training/algos/) or 'package.module:Class'")
-    beta: float = Field(1.0 / math.log(100000.0), gt=0, description="KL strength; paper 1/log(1e5)")
+    algo: AlgoName = Field("spo", description="a registered algorithm (training/algos/) or a hook "
+                           "'package.module:Class'")
+    beta: float = Field(PAPER_BETA, gt=0, description="KL strength; paper 1/log(1e5)")
     model_update_interval: int = Field(10, gt=0, description="steps between weight pushes to the rollout fleet")
     init: InitConfig = Field(default_factory=InitConfig)
     model: ModelConfig | None = Field(None, description="default: read from init.hf/config.json")
@@ -234,12 +216,11 @@ class TrainConfig(StrictModel):
                 raise ValueError("sources.online.path: the online source reads the rollout buffer, not a path")
             if name != "online" and src.path is None:
                 raise ValueError(f"sources.{name}.path: an offline source needs a path")
-        from megatron_spo.hooks import is_hook
+        from megatron_spo.training.algos import algorithm_class
 
-        if not is_hook(self.algo):  # a hook is loaded (and checked) when the trainer starts
-            from megatron_spo.training.algos import algorithm_class
-
-            algorithm_class(self.algo).check_config(self)
+        algo = algorithm_class(self.algo, load_hooks=False)  # a hook is loaded (and checked) by the trainer
+        if algo is not None:
+            algo.check_config(self)
         if self.init.hf is None and self.init.megatron is None:
             raise ValueError("init: give init.hf (an HF model directory) or init.megatron (a converted checkpoint)")
         return self

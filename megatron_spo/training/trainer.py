@@ -1,4 +1,4 @@
-"""The trainer: one loop for SPO, AGRO and PPO on megatron-core, from one CPU process to 128 GPUs.
+"""The trainer: one loop for every registered algorithm, on megatron-core, from one CPU process to 128 GPUs.
 
     megatron-spo train CONFIG.yaml [key.path=value ...]
 
@@ -52,14 +52,12 @@ class TrainingDiverged(RuntimeError):
 
 def make_algorithm(cfg: TrainConfig):
     """The configured algorithm object: a registered one, or a hook 'package.module:Class' loaded now (its
-    config check runs here; registered ones were checked when the config was built)."""
-    from megatron_spo.hooks import is_hook
+    config check runs here; for a registered one it repeats the check the config ran, which changes nothing)."""
     from megatron_spo.training.algos import algorithm_class
 
     try:
         cls = algorithm_class(cfg.algo)
-        if is_hook(cfg.algo):
-            cls.check_config(cfg)
+        cls.check_config(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return cls(cfg)

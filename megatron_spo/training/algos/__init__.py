@@ -1,7 +1,8 @@
 """The algorithm registry: one module per algorithm, each an ``Algorithm`` subclass (base.py).
 
     cls = algorithm_class("spo")                   # or a hook "my_package.module:MyAlgorithm"
-    names()                                        # ["agro", "ppo", "spo"]: config choices derive from this
+    names()                                        # every registered name, sorted: the config's choices and
+                                                   # its error messages derive from this, never a list by hand
 
 Adding an algorithm = one new module here defining a subclass with a ``name`` (+ its tests); a user's own is
 named in the config as ``algo: package.module:Class`` and loaded at start-up.
@@ -35,12 +36,15 @@ def names() -> list[str]:
     return list(registry())
 
 
-def algorithm_class(name: str, field: str = "algo") -> type[Algorithm]:
-    """A registered algorithm, or a hook 'package.module:Class' (a subclass of Algorithm); ValueError naming
-    the field otherwise."""
+def algorithm_class(name: str, field: str = "algo", *, load_hooks: bool = True) -> type[Algorithm] | None:
+    """The one lookup of an algorithm name: a registered algorithm, or a hook 'package.module:Class' (a
+    subclass of Algorithm) imported now; for a hook with load_hooks=False, None (building a config does not
+    import user code: the trainer does when it starts). ValueError naming the field otherwise."""
     from megatron_spo.hooks import is_hook, load_hook
 
     if is_hook(name):
+        if not load_hooks:
+            return None
         cls = load_hook(name, field=field, want="class")
         if not issubclass(cls, Algorithm):
             raise ValueError(f"{field}: '{name}' is not a subclass of megatron_spo.training.algos.Algorithm")
