@@ -137,7 +137,7 @@ def test_the_sft_sampler_slips_the_configured_fraction_of_math_targets():
     assert abs(slipped / 4000 - 0.5) < 0.03
 
 
-def test_a_tiny_math_reference_builds_through_the_real_path_under_its_own_key(tmp_path):
+def test_a_tiny_math_reference_builds_through_the_real_path_under_its_own_key(tmp_path, monkeypatch):
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -159,6 +159,19 @@ def test_a_tiny_math_reference_builds_through_the_real_path_under_its_own_key(tm
     prompt = rm.task_from_config(cfg).heldout[0].prompt
     logits = model(**tok(prompt, return_tensors="pt")).logits[0, -1]
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+    # `--eval N`: transformers' sampling gives n texts per prompt; each is scored by the math reward
+    from megatron_spo.experiments import reference_eval
+
+    heldout = rm.task_from_config(cfg).heldout[:3]
+    texts = reference_eval.sample_completions(model, tok, [p.prompt for p in heldout], 2, temperature=1.0,
+                                              top_p=1.0, max_new_tokens=5, seed=0, batch_problems=2)
+    assert [len(t) for t in texts] == [2, 2, 2] and all(len(x) <= 5 for t in texts for x in t)
+    # one right and three slipped answers per problem: pass@1 0.25, pass@2 0.5, exactly
+    fake = [[p.solutions[0]] + [toy_math.with_slip(p, p.solutions[0])] * 3 for p in heldout]
+    monkeypatch.setattr(reference_eval, "sample_completions", lambda *a, **k: fake)
+    result = reference_eval.evaluate_reference(path, heldout, n=4, ks=(1, 2))
+    assert result.mean == {1: 0.25, 2: 0.5} and [p.correct for p in result.problems] == [1, 1, 1]
 
 
 def test_the_quickstart_takes_the_task_and_trains_on_it(tmp_path):

@@ -308,6 +308,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft_steps=400 task.seed=1")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--eval", type=int, default=0, metavar="N", help="then print held-out pass@1 / pass@10 "
+                        "from N samples per problem at T 0.4 (transformers' sampling; 0: no evaluation)")
     args = parser.parse_args(argv)
     config_path = args.config
     overrides = list(args.overrides)
@@ -318,6 +320,13 @@ def main(argv: list[str]) -> int:
     path = build_reference(cfg, args.cache_dir, force=args.force)
     info = read_build_info(path)
     print(f"{path}  ({info['num_parameters']} parameters, SFT {info['sft_seconds']} s, final loss {info['final_loss']:.3f})")
+    if args.eval:
+        from megatron_spo.experiments.reference_eval import evaluate_reference
+
+        heldout = task_from_config(cfg).heldout
+        result = evaluate_reference(path, heldout, n=args.eval, ks=(1, min(10, args.eval)), threads=cfg.num_threads)
+        print(f"{cfg.task.kind} held-out ({len(heldout)} problems x {args.eval} samples, T 0.4): "
+              + ", ".join(f"pass@{k} {v:.3f}" for k, v in result.mean.items()))
     return 0
 
 
