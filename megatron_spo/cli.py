@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("megatron_spo.engine_tools.eval:main", "pass@1 / pass@10 of a model on a task"),
     "validate": ("megatron_spo.validate:main", "check a training config (paths, stores, Q0, hooks, layout, memory) "
                  "before an allocation"),
-    "train": ("megatron_spo.training.launch:main", "train SPO / AGRO / PPO from a config"),
+    "train": ("megatron_spo.training.launch:main", "train a policy from a config (algo: any registered algorithm)"),
     "plot": ("megatron_spo.training.metrics:plot_main", "PNG plots of a run's metrics.jsonl"),
     "compare": ("megatron_spo.experiments.study:main", "SPO vs PPO / GRPO / AGRO / TRL-GRPO: tuned, seeded, report"),
     "plan": ("megatron_spo.planning.capacity:main", "memory / weight-sync / throughput plan for a cluster"),

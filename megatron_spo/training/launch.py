@@ -33,7 +33,6 @@ def _preflight_cpu(cfg: TrainConfig, nproc: int) -> None:
     that cannot fit. (GPU memory is planned by `megatron-spo plan`.)"""
     import torch
 
-    from megatron_spo.hooks import is_hook
     from megatron_spo.memory import BASELINE_BYTES, DTYPE_BYTES, preflight
     from megatron_spo.training.algos import algorithm_class
 
@@ -43,7 +42,8 @@ def _preflight_cpu(cfg: TrainConfig, nproc: int) -> None:
     item = DTYPE_BYTES[model.params_dtype]
     trained = item + 4 + (0 if item == 4 else 4) + 8  # weights, main grads, fp32 master (16-bit only), Adam m, v
     per_model = model.num_parameters()
-    value_model = not is_hook(cfg.algo) and algorithm_class(cfg.algo).uses_value_model
+    algo = algorithm_class(cfg.algo, load_hooks=False)  # a hook's value model is not counted here
+    value_model = algo is not None and algo.uses_value_model
     need = per_model * (trained + item) + (per_model * trained if value_model else 0)
     stages = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
     replicas = max(1, nproc // stages)  # data-parallel copies on this machine
