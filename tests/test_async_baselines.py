@@ -202,3 +202,124 @@ def test_stale_samples_with_tis_reach_the_fresh_optimum_as_fast_and_without_corr
     assert reach["tis"] <= 1.3 * reach["fresh"]
     assert reach["none"] >= 3 * reach["tis"]
     assert _kl(pstar, torch.stack(runs["none"][-50:]).mean(0)) > 1e-3
+
+
+# -- the trainer: GRPO with TIS and weights pushed every 10 steps ------------------------------------------------
+def _trainer_cfg(root, hf, name, algo, tp=1):
+    section = {"behaviour_correction": "tis", "correction_cap": 1.02}
+    return dict(run_dir=str(root / name), steps=2, algo=algo, beta=0.5, init={"hf": hf},
+                parallel={"tensor_model_parallel_size": tp}, optimizer={"lr": 1e-3, "warmup_steps": 2},
+                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 64, "max_seq_length": 64},
+                model_update_interval=10, checkpoint={"interval": 100}, logging={"progress": False},
+                rollout={"temperature_range": [1.0, 1.0], "top_p": 1.0}, **{algo: section})
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory):
+    from trainer_helpers import make_tiny_hf, run_spawned
+
+    root = tmp_path_factory.mktemp("async")
+    hf = make_tiny_hf(str(root / "tiny"))
+    run_spawned([(_trainer_cfg(root, hf, f"single-{a}", a), str(root / f"single-{a}.pt")) for a in ("grpo", "ppo")], 1)
+    run_spawned([(_trainer_cfg(root, hf, "tp2-grpo", "grpo", tp=2), str(root / "tp2-grpo.pt"))], 2)
+    return root, hf
+
+
+def _records(root, name):
+    import json
+
+    return [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_trainer_runs_grpo_and_ppo_with_tis_pushing_every_10_steps(async_runs):
+    """Two steps with model_update_interval 10 (no push: policy_version stays 0). Step 1's behaviour weights come
+    from the recomputed pi_old = the initial model: here from the HF model in plain torch (fp64) on the same 8
+    trajectories against the source's mu = -4 per token, truncated at C = 1.02 (rho of the 41 tokens spans 0.66-1.10)."""
+    from trainer_helpers import DeterministicSource
+    from transformers import LlamaForCausalLM
+
+    from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names
+
+    root, hf = async_runs
+    model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float64).eval()
+    rho = []
+    for traj in DeterministicSource().take(8):
+        ids = torch.tensor([traj.prompt_tokens + traj.response_tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0], -1)[len(traj.prompt_tokens) - 1 : -1]
+        chosen = logp.gather(1, torch.tensor(traj.response_tokens).unsqueeze(1)).squeeze(1)
+        rho += (chosen - torch.tensor(traj.behaviour_logprobs, dtype=torch.float64)).exp().tolist()
+    want_w = sum(min(r, 1.02) for r in rho) / len(rho)
+    want_kl = sum(r - 1 - math.log(r) for r in rho) / len(rho)
+    assert 0 < sum(r > 1.02 for r in rho) < len(rho)  # some tokens truncated, not all
+    grpo = _records(root, "single-grpo")
+    assert [r["step"] for r in grpo] == [1, 2] and [r["policy_version"] for r in grpo] == [0.0, 0.0]
+    assert grpo[0]["behaviour_weight"] == pytest.approx(want_w, rel=1e-5)
+    assert grpo[0]["behaviour_corrected"] == pytest.approx(sum(r > 1.02 for r in rho) / len(rho), rel=1e-6)
+    assert grpo[0]["mismatch_kl"] == pytest.approx(want_kl, rel=1e-4)
+    assert grpo[1]["behaviour_weight"] != pytest.approx(want_w, rel=1e-5)  # step 2: pi_old is the updated policy
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in grpo)
+    ppo = _records(root, "single-ppo")
+    assert [r["policy_version"] for r in ppo] == [0.0, 0.0]
+    # PPO's metrics are per-sequence means of per-sequence token means: only the range is exact here
+    assert 0 < ppo[0]["behaviour_weight"] < 1.02 and 0 < ppo[0]["behaviour_corrected"] < 1
+    logged = {k for r in grpo + ppo for k in r} - UNPLOTTED  # every metric lands in a plot panel
+    assert {"behaviour_weight", "mismatch_kl"} <= logged
+    assert logged == {n for title in PANELS for n in panel_names(title, logged)}
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_grpo_with_tis_trains_alike_at_tp2(async_runs):
+    root, _ = async_runs
+    for a, b in zip(_records(root, "single-grpo"), _records(root, "tp2-grpo")):
+        for key in ("loss", "behaviour_weight", "mismatch_kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    single, tp2 = torch.load(root / "single-grpo.pt"), torch.load(root / "tp2-grpo.pt")
+    for k in single:
+        torch.testing.assert_close(tp2[k], single[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_behaviour_correction_frees_the_update_interval():
+    from megatron_spo.training.algos.grpo import GRPO
+    from megatron_spo.training.algos.ppo import PPO
+    from megatron_spo.training.config import TrainConfig
+
+    base = dict(init={"hf": "x"}, rollout={"temperature_range": [1.0, 1.0], "top_p": 1.0})
+    for algo, cls in (("grpo", GRPO), ("ppo", PPO)):
+        assert cls.required_update_interval(TrainConfig.model_validate({**base, "algo": algo,
+                                                                        "model_update_interval": 1})) == 1
+        cfg = TrainConfig.model_validate({**base, "algo": algo, "model_update_interval": 10,
+                                          algo: {"behaviour_correction": "mis", "correction_level": "sequence"}})
+        assert cls.required_update_interval(cfg) is None
+        with pytest.raises(ValueError, match=rf"model_update_interval: algo {algo} needs a weight push every 1 step"):
+            TrainConfig.model_validate({**base, "algo": algo, "model_update_interval": 10})
+        # the engines' log-probs must still be of the distribution that sampled
+        with pytest.raises(ValueError, match=rf"rollout.temperature_range: algo {algo} takes importance ratios"):
+            TrainConfig.model_validate({**base, "algo": algo, "rollout": {}, algo: {"behaviour_correction": "tis"}})
+
+
+def test_the_quickstart_runs_grpo_with_tis_at_interval_10(tmp_path):
+    """`megatron-spo quickstart algo=grpo train.model_update_interval=10 grpo.behaviour_correction=tis`: the
+    trainer's config pushes every 10 steps with TIS; without the correction GRPO and PPO still push every step."""
+    from megatron_spo.config import apply_overrides, build_config
+    from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
+
+    endpoints = type("E", (), {"router_url": "http://127.0.0.1:1", "engine_urls": ["http://127.0.0.1:2"]})()
+
+    def trainer_cfg(*overrides):
+        cfg = build_config(QuickstartConfig, apply_overrides({}, list(overrides)), "quickstart")
+        return train_config(cfg, tmp_path, tmp_path / "ref", tmp_path / "init", endpoints, tmp_path / "q0.jsonl", None)
+
+    tis = trainer_cfg("algo=grpo", "train.model_update_interval=10", "grpo.behaviour_correction=tis")
+    assert (tis.model_update_interval, tis.grpo.behaviour_correction, tis.grpo.correction_cap) == (10, "tis", 2.0)
+    assert tuple(tis.rollout.temperature_range) == (1.0, 1.0) and tis.rollout.max_staleness == 20
+    same = trainer_cfg("algo=grpo", "train.grpo.behaviour_correction=tis", "train.grpo.correction_cap=3")
+    assert (same.model_update_interval, same.grpo.correction_cap) == (10, 3.0)
+    ppo = trainer_cfg("algo=ppo", "ppo.behaviour_correction=mis", "ppo.correction_level=sequence")
+    assert (ppo.model_update_interval, ppo.ppo.behaviour_correction, ppo.ppo.correction_level) == (10, "mis", "sequence")
+    assert trainer_cfg("algo=grpo", "train.model_update_interval=10").model_update_interval == 1
+    assert trainer_cfg("algo=ppo").model_update_interval == 1

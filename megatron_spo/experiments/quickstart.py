@@ -49,7 +49,8 @@ class QuickstartTrainConfig(StrictModel):
     online_fraction: float = Field(0.5, ge=0, le=1, description="the rest of each SPO batch is offline data")
     objective: Objective = "terminal"
     loss: LossName = "squared"
-    model_update_interval: int = Field(10, gt=0, description="SPO: 10 (paper); PPO always uses 1")
+    model_update_interval: int = Field(10, gt=0, description="SPO: 10 (paper); PPO and GRPO use 1 unless their "
+                                       "behaviour_correction (tis | mis) is on")
     temperature_range: tuple[float, float] = (0.7, 1.0)
     max_new_tokens: int = Field(96, gt=0)
     nproc: int = Field(1, gt=0)
@@ -115,6 +116,25 @@ class QuickstartConfig(StrictModel):
         data["reference"] = reference
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _algo_section_shortcut(cls, data: Any) -> Any:
+        """``grpo.behaviour_correction=tis`` (or ``ppo.X``) is the trainer's section: ``train.grpo.behaviour_correction``."""
+        if not (isinstance(data, dict) and ({"grpo", "ppo"} & data.keys())):
+            return data
+        data = dict(data)
+        train = data.get("train") or {}
+        train = train.model_dump(exclude_unset=True) if isinstance(train, BaseModel) else dict(train)
+        for name in ("grpo", "ppo"):
+            if name in data:
+                given = data.pop(name)
+                given = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else given
+                known = train.get(name) or {}
+                known = known.model_dump(exclude_unset=True) if isinstance(known, BaseModel) else known
+                train[name] = {**known, **given} if isinstance(given, dict) else given
+        data["train"] = train
+        return data
+
     @model_validator(mode="after")
     def _check(self):
         if self.trainer == "trl" and self.algo != "grpo":
@@ -153,13 +173,16 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
                                          "objective": t.objective, "loss": t.loss}
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
         sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss}}
+    # on-policy algorithms push every step, unless their behaviour correction takes stale samples (the
+    # algorithm reads its own section, train.grpo / train.ppo)
+    interval = algo.required_update_interval(t) or t.model_update_interval
     rollout = RolloutConfig(samples_per_prompt=t.samples_per_prompt, max_new_tokens=t.max_new_tokens,
                             temperature_range=(1.0, 1.0) if algo.on_policy else t.temperature_range, top_p=1.0,
                             max_inflight_requests=2 * cfg.engines, buffer_groups=4 * t.prompts_per_step,
                             max_staleness=2 * t.model_update_interval, stale_policy="drop", seed=cfg.seed)
     data = {
         "run_dir": str(out / "train"), "seed": cfg.seed, "steps": t.steps, "algo": cfg.algo, "beta": t.beta,
-        "model_update_interval": 1 if algo.on_policy else t.model_update_interval,
+        "model_update_interval": interval,
         "init": {"hf": str(ref), "megatron": str(megatron_init)},
         "parallel": {"tensor_model_parallel_size": t.tensor_model_parallel_size,
                      "pipeline_model_parallel_size": t.pipeline_model_parallel_size},

@@ -121,6 +121,14 @@ class PPOConfig(StrictModel):
     whiten_advantages: bool = True
     critic_warmup_steps: int = Field(0, ge=0, description="first steps train only the value model (verl's "
                                      "critic_warmup): a fresh value head makes GAE advantages noise")
+    behaviour_correction: Literal["none", "tis", "mis"] = Field(
+        "none", description="stale samples (algorithms/behaviour_correction.py): the ratio against the policy at "
+        "the start of the step (one more forward pass), each token weighted by min(pi_old/mu, C) (tis) or dropped "
+        "outside [1/C, C] (mis); weights may then be pushed every model_update_interval steps. none: on-policy, "
+        "a push every step")
+    correction_cap: float = Field(2.0, gt=1, description="C of behaviour_correction")
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="sequence: one ratio pi_old/mu per sequence, the geometric mean of its tokens'")
 
 
 class GRPOConfig(StrictModel):
@@ -133,6 +141,14 @@ class GRPOConfig(StrictModel):
     aggregation: Literal["sequence_mean", "token_mean"] = Field(
         "token_mean", description="token_mean: over all response tokens of the batch (DAPO / TRL); "
         "sequence_mean: per sequence, then over sequences (the GRPO paper)")
+    behaviour_correction: Literal["none", "tis", "mis"] = Field(
+        "none", description="stale samples (algorithms/behaviour_correction.py): the ratio against the policy at "
+        "the start of the step (one more forward pass), each token weighted by min(pi_old/mu, C) (tis) or dropped "
+        "outside [1/C, C] (mis); weights may then be pushed every model_update_interval steps. none: on-policy, "
+        "a push every step")
+    correction_cap: float = Field(2.0, gt=1, description="C of behaviour_correction")
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="sequence: one ratio pi_old/mu per sequence, the geometric mean of its tokens'")
 
 
 class AGROConfig(StrictModel):

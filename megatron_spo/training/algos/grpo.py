@@ -4,12 +4,16 @@ Micro-batches keep whole prompt groups (the advantages need the group), the beha
 sampling distribution (T = 1, top-p 1), and the loss is normalised over the WHOLE step: sequence_mean divides
 by the step's sequences, token_mean by its response tokens, however micro-batches and data-parallel ranks cut
 it (the trainer scales each micro-batch loss by n_mb / n_global; this returns the sum over that).
+With grpo.behaviour_correction (tis | mis) samples may be stale: the step first recomputes the policy's own
+log-probs pi_old (one forward pass), the ratio is taken against them and each token weighted by pi_old / mu
+(algorithms/behaviour_correction.py), so weights need not be pushed every step (as slime / AReaL / verl run it).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from megatron_spo.algorithms.behaviour_correction import correction_metrics
 from megatron_spo.algorithms.grpo import aggregate, grpo_advantages, grpo_token_losses
 from megatron_spo.data.batching import TrainBatch
 from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
@@ -17,12 +21,14 @@ from megatron_spo.training.algos.spo import seq_log_ratio_by_source
 
 
 def grpo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, cfg, *, global_sequences: int,
-                    global_response_tokens: int) -> tuple[Tensor, dict]:
+                    global_response_tokens: int, old_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+    """old_logp [B, L]: the policy's log-probs at the start of the step (with grpo.behaviour_correction)."""
     g = cfg.grpo
     adv = grpo_advantages(batch.reward, batch.group, scale_rewards=g.scale_rewards).to(logp.device)
     per_token, valid, stats = grpo_token_losses(
         logp, batch.behaviour_logp, ref_logp, adv, batch.loss_mask, clip_eps_low=g.clip_eps,
-        clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef)
+        clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef, old_logp=old_logp,
+        correction=g.behaviour_correction, correction_cap=g.correction_cap, correction_level=g.correction_level)
     total, _ = aggregate(per_token, valid, g.aggregation)
     n_mb = batch.num_sequences
     normaliser = global_sequences if g.aggregation == "sequence_mean" else global_response_tokens
@@ -35,6 +41,10 @@ def grpo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, cfg, *, g
                      "advantage_abs": float(adv.abs().mean())}
     if "kl_ref" in stats:
         metrics["kl_ref_k3"] = (float((stats["kl_ref"] * valid).sum()) / max(tokens, 1), tokens)
+    if "behaviour_weight" in stats:
+        corrected = correction_metrics(stats["behaviour_weight"], stats["behaviour_corrected"],
+                                       stats["mismatch_k3"], valid)
+        metrics.update({k: (v, tokens) for k, v in corrected.items()})
     by_source = seq_log_ratio_by_source(batch, logp, ref_logp)
     metrics.update(by_source)
     metrics["mean_seq_log_ratio"] = sum(v * n for v, n in by_source.values()) / batch.num_sequences
@@ -47,8 +57,16 @@ class GRPO(Algorithm):
     on_policy = True
     uses_behaviour_logprobs = True
 
+    @classmethod
+    def required_update_interval(cls, cfg) -> int | None:
+        """Every step, unless the behaviour correction makes stale samples usable."""
+        return None if cfg.grpo.behaviour_correction != "none" else 1
+
     def update(self, step: StepInputs) -> Update:
+        old = [None] * len(step.micro_batches)
+        if self.cfg.grpo.behaviour_correction != "none":
+            old = step.forward("policy", "logp")
         reports, grad_norm = step.optimize("policy", "logp", lambda i, mb, logp: grpo_batch_loss(
             mb, logp, step.ref[i], self.cfg, global_sequences=step.global_sequences,
-            global_response_tokens=step.global_response_tokens))
+            global_response_tokens=step.global_response_tokens, old_logp=old[i]))
         return Update(reports, grad_norm)
