@@ -191,3 +191,14 @@ def test_the_quickstart_takes_the_task_and_trains_on_it(tmp_path):
     assert train == list(toy_math.make_task(seed=2).train)
     with pytest.raises(ValueError, match="unknown generated task 'toy_text'"):
         build_config(QuickstartConfig, {"task": "toy_text"})
+
+
+def test_the_study_passes_the_task_to_every_run(tmp_path):
+    from megatron_spo.config import apply_overrides, build_config
+    from megatron_spo.experiments.quickstart import QuickstartConfig
+    from megatron_spo.experiments.study import RunSpec, StudyConfig, quickstart_overrides
+
+    study = build_config(StudyConfig, apply_overrides({}, ["quickstart.task=toy_math", "arms=[spo,grpo]"]))
+    for spec in (RunSpec("sweep", "grpo", 0, (("train.lr", 1e-4),)), RunSpec("runs", "spo", 1, ())):
+        args = quickstart_overrides(study, spec, tmp_path)
+        assert build_config(QuickstartConfig, apply_overrides({}, args)).reference.task.kind == "toy_math"

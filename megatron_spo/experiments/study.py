@@ -1,7 +1,7 @@
 """`megatron-spo compare`: SPO against its baselines on the quickstart task, equally tuned, over seeds.
 
     megatron-spo compare [out_dir=outputs/compare] [arms=[spo,ppo]] [seeds=[0,1,2]] [sweep.enabled=false]
-                         [quickstart.train.steps=90 ...] [--report-only]
+                         [quickstart.train.steps=90 ...] [quickstart.task=toy_math] [--report-only]
 
 1. sweep: every arm gets the same grid (sweep.lrs x its own coefficient) on a validation split of the
    training problems (held out of training, disjoint from the held-out test problems), at sweep.seed; the best
@@ -49,6 +49,9 @@ ARMS: dict[str, Arm] = {
     "agro": Arm("agro", (), "train.beta", (0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.grpo.kl_coef", (0.0, 0.04), "GRPO on megatron-core"),
+    "grpo-tis": Arm("grpo", ("train.model_update_interval=10", "train.grpo.behaviour_correction=tis"),
+                    "train.grpo.kl_coef", (0.0, 0.04), "asynchronous GRPO: pushes every 10 steps like SPO, stale "
+                    "samples weighted by min(pi_old / mu, 2) (TIS, as slime / AReaL / verl run it)"),
     "trl-grpo": Arm("grpo", ("trainer=trl",), "train.grpo.kl_coef", (0.0, 0.04),
                     "TRL's GRPOTrainer (outside reference)"),
 }
