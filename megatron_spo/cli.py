@@ -7,7 +7,9 @@ arguments (prog "megatron-spo NAME"). Modules are imported only when their subco
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import math
 import sys
 
 from megatron_spo.config import ConfigError
@@ -35,6 +37,30 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _number(kind, check, what: str):
+    """An argparse ``type=`` that parses ``kind`` and refuses nan / inf and values failing ``check``:
+    argparse turns the ArgumentTypeError into one line naming the flag."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(value) or not check(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, lambda v: v > 0, "a positive integer")
+non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+finite_float = _number(float, lambda v: True, "a finite number")
+non_negative_float = _number(float, lambda v: v >= 0, "a finite number >= 0")
+positive_float = _number(float, lambda v: v > 0, "a finite number > 0")
+
+
 def usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
     rows = "\n".join(f"  {n.ljust(width)}  {h}" for n, (_, h) in SUBCOMMANDS.items())
@@ -48,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"megatron-spo: unknown subcommand '{name}'\n\n{usage()}", file=sys.stderr)
+        print(f"megatron-spo: unknown subcommand {name[:80]!r} (megatron-spo --help lists them)", file=sys.stderr)
         return 2
     target, _ = SUBCOMMANDS[name]
     module_name, func_name = target.split(":")

@@ -11,11 +11,19 @@ nothing of the project, so any floor can build its config on it.
 from __future__ import annotations
 
 import re
+import reprlib
+import types
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -23,7 +31,30 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    """Unknown keys are errors; floats must be finite (no .inf / .nan); a bool is no number (``steps: true``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _number_only(field.annotation):
+                raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        return value
+
+
+def _number_only(annotation: Any) -> bool:
+    """Whether a field's type is a number (int / float, optional or constrained) that pydantic would let
+    True / False into as 1 / 0."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _number_only(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(args) and all(_number_only(a) for a in args)
+    return isinstance(annotation, type) and issubclass(annotation, (int, float)) and annotation is not bool
 
 
 class ConfigView(StrictModel):
@@ -34,6 +65,9 @@ class ConfigView(StrictModel):
 
 
 M = TypeVar("M", bound=BaseModel)
+QUOTE_CHARS = 80  # longest value an error line quotes
+MAX_CONFIG_BYTES = 4 << 20  # a config file is text a person wrote: 4 MiB is far beyond any
+MAX_CONFIG_NODES = 100_000  # values after alias expansion (a 558-byte alias bomb expands to ~10^9)
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -49,8 +83,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = parse_yaml(raw) if raw.strip() else ""
+    except _Refused as err:
+        raise ConfigError(f"override {quote(item)}: {err.problem}") from None
+    except (yaml.YAMLError, RecursionError):
         value = raw
     if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
         value = float(value)  # YAML 1.1 reads '2e-5' (no dot) as a string
@@ -82,9 +118,20 @@ def format_validation_error(err: ValidationError, source: str | None = None) -> 
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         got = e.get("input")
-        tail = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {got!r})"
+        tail = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {quote(got)})"
         lines.append(f"{source + ': ' if source else ''}{loc}: {msg}{tail}")
     return "; ".join(lines)
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error line never carries a whole hostile value.
+    Containers are cut while they are written, so a huge (or alias-shared) value costs no memory."""
+    cut = reprlib.Repr()
+    cut.maxstring = cut.maxother = limit
+    cut.maxlist = cut.maxdict = cut.maxtuple = cut.maxset = 8
+    cut.maxlevel = 3
+    text = cut.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def build_config(cls: type[M], data: dict, source: str | None = None) -> M:
@@ -100,15 +147,7 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: list[st
     source = None
     if path is not None:
         source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{path}' does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}{where}: invalid YAML ({getattr(err, 'problem', err)})") from None
+        loaded = read_yaml(path)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -116,6 +155,92 @@ def load_config(cls: type[M], path: str | Path | None = None, overrides: list[st
         data = loaded
     apply_overrides(data, overrides or [])
     return build_config(cls, data, source)
+
+
+def read_yaml(path: str | Path, max_bytes: int = MAX_CONFIG_BYTES, max_nodes: int = MAX_CONFIG_NODES) -> Any:
+    """A YAML (or JSON) file we did not write, parsed safely: at most ``max_bytes``, no duplicate keys,
+    and at most ``max_nodes`` values once aliases are expanded (an alias bomb is refused before it is built).
+    Raises ConfigError naming the file (and line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' does not exist" if not p.is_dir() else f"config '{path}' is a folder")
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise ConfigError(f"{path}: {size} bytes, more than a config may hold ({max_bytes})")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    try:
+        return parse_yaml(text, max_nodes)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        what = problem if isinstance(err, _Refused) else f"invalid YAML ({problem})"
+        raise ConfigError(f"{path}{where}: {what}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply") from None
+
+
+def parse_yaml(text: str, max_nodes: int = MAX_CONFIG_NODES) -> Any:
+    """``yaml.safe_load`` without duplicate keys or alias bombs (yaml.YAMLError otherwise)."""
+    loader = _StrictYamlLoader(text, max_nodes)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """Valid YAML that a config may not be (duplicate keys, an alias bomb)."""
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys and caps the size of the value aliases would expand to."""
+
+    def __init__(self, text: str, max_nodes: int):
+        super().__init__(text)
+        self.max_nodes = max_nodes
+        self._sizes: dict[int, int] = {}
+
+    def compose_document(self):
+        node = super().compose_document()
+        if self._expanded_size(node) > self.max_nodes:
+            raise _Refused(problem=f"more than {self.max_nodes} values once its aliases (*name) are expanded")
+        return node
+
+    def _expanded_size(self, node) -> int:
+        """Values the node stands for with aliases copied out (memoised per node, so shared nodes are counted
+        without being walked again: linear in the document, not in the expansion)."""
+        key = id(node)
+        if key not in self._sizes:
+            self._sizes[key] = 0  # a self-referencing anchor counts once
+            if isinstance(node, yaml.SequenceNode):
+                total = 1 + sum(self._expanded_size(child) for child in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                total = 1 + sum(self._expanded_size(k) + self._expanded_size(v) for k, v in node.value)
+            else:
+                total = 1
+            self._sizes[key] = min(total, self.max_nodes + 1)
+        return self._sizes[key]
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}  # key -> line it first appears on
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base': its keys may be overridden here
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                    seen[key] = first or key_node.start_mark.line + 1
+                except TypeError:
+                    continue  # an unhashable key: the base class reports it
+                if first is not None:
+                    raise _Refused(problem=f"duplicate key {quote(key)} (first on line {first})",
+                                   problem_mark=key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 def dump_config(cfg: BaseModel) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_spo.cli import finite_float
 from megatron_spo.data.trajectory import (
     PROVENANCE_KINDS,
     ImportReport,
@@ -408,7 +409,8 @@ def main(argv: list[str]) -> int:
     b.add_argument("--out", required=True, help="the new store")
     b.add_argument("--verdict", default="pass", choices=["pass", "fail", "all"],
                    help="keep passing (reward >= --pass-reward), failing, or all records")
-    b.add_argument("--pass-reward", type=float, default=PASS_REWARD)
+    b.add_argument("--pass-reward", type=finite_float, default=PASS_REWARD,
+                   help=f"a record passes when its reward is at least this (default {PASS_REWARD})")
     b.add_argument("--kind", default=None, help="only these provenance kinds (comma-separated)")
     b.add_argument("--model", default=None, help="only these producing models (comma-separated)")
     b.add_argument("--run-id", default=None, help="only these runs (comma-separated)")
@@ -424,7 +426,8 @@ def main(argv: list[str]) -> int:
     s = sub.add_parser("stats", help="per-source counts, prompts and pass rates of stores / JSONL files")
     s.add_argument("inputs", nargs="+")
     s.add_argument("--by", default="kind", help=f"group by these fields (comma-separated: {', '.join(GROUP_FIELDS)})")
-    s.add_argument("--pass-reward", type=float, default=PASS_REWARD)
+    s.add_argument("--pass-reward", type=finite_float, default=PASS_REWARD,
+                   help=f"a record passes when its reward is at least this (default {PASS_REWARD})")
     s.add_argument("--assume-kind", default=None, choices=PROVENANCE_KINDS)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     for p in (b, s):
@@ -437,9 +440,7 @@ def main(argv: list[str]) -> int:
         if args.op == "build":
             decode = None
             if args.tokenizer and not args.no_dedup:
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(args.tokenizer)
+                tok = importers.load_tokenizer(args.tokenizer)
 
                 def decode(batch):
                     return tok.batch_decode(batch, skip_special_tokens=True)

@@ -321,14 +321,15 @@ def load_trajectories(path: str | Path, *, skip_invalid: bool = False) -> list[T
 def main(argv: list[str]) -> int:
     import argparse
 
+    from megatron_spo.cli import non_negative_float, positive_float
     from megatron_spo.data.offline_store import OfflineStore, write_store
 
     parser = argparse.ArgumentParser(prog="megatron-spo trajectories",
                                      description="Convert and check trajectory files (JSONL <-> offline store).")
     sub = parser.add_subparsers(dest="op", required=True)
     imp = sub.add_parser("import", help="JSONL file(s) -> a new or existing offline store (appends shards)")
-    imp.add_argument("inputs", nargs="+")
-    imp.add_argument("store")
+    imp.add_argument("inputs", nargs="+", help="trajectory JSONL files (one record a line)")
+    imp.add_argument("store", help="the offline store folder (created, or appended to)")
     imp.add_argument("--rows-per-shard", type=int, default=65536)
     g = imp.add_argument_group("provenance", "given to every record that has none (records keep their own); "
                                "created = the time of the import")
@@ -336,14 +337,14 @@ def main(argv: list[str]) -> int:
                    help="e.g. reference for estimate-q0 --trajectories-out, pts for pts output")
     g.add_argument("--model", default=None, help="the producing model")
     g.add_argument("--run-id", default=None, help="the producing run")
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--temperature", type=non_negative_float, default=None, help="the sampling temperature")
+    g.add_argument("--top-p", type=positive_float, default=None, help="the sampling top-p, in (0, 1]")
     g.add_argument("--origin", default=None, help="a label of the input (default: the file name)")
     exp = sub.add_parser("export", help="offline store -> JSONL")
-    exp.add_argument("store")
-    exp.add_argument("output")
+    exp.add_argument("store", help="the offline store folder")
+    exp.add_argument("output", help="the JSONL file to write")
     chk = sub.add_parser("check", help="validate a JSONL file or a store and print counts")
-    chk.add_argument("path")
+    chk.add_argument("path", help="a JSONL file or an offline store folder")
     for p in (imp, exp, chk):
         p.add_argument("--skip-invalid", action="store_true", help="skip bad records (counted and reported)")
     args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_spo.cli import positive_int
 from megatron_spo.config import build_config
 from megatron_spo.data.prompts import Prompt
 from megatron_spo.data.result_log import ResultLog
@@ -161,11 +162,14 @@ def main(argv: list[str]) -> int:
     add_task_args(parser, default_split="heldout")
     parser.add_argument("--out", required=True, help="per-problem results JSONL (resumable)")
     parser.add_argument("--json", default=None, help="also write the whole result (mean + per problem) as JSON")
-    parser.add_argument("-n", "--n", type=int, default=defaults.n, help="samples per problem")
-    parser.add_argument("--ks", type=int, nargs="+", default=list(defaults.ks))
+    parser.add_argument("-n", "--n", type=positive_int, default=defaults.n, help="samples per problem")
+    parser.add_argument("--ks", type=positive_int, nargs="+", default=list(defaults.ks),
+                        help=f"the k of pass@k, each at most -n (default {' '.join(map(str, defaults.ks))})")
     parser.add_argument("--no-hidden-tests", action="store_true", help="score on the reward tests only")
     add_sampling_args(parser, defaults.sampling)
     args = parser.parse_args(argv)
+    if max(args.ks) > args.n:
+        parser.error(f"--ks {' '.join(map(str, args.ks))}: each k must be at most -n {args.n} (samples per problem)")
     apply_train_config(args, parser)
     cfg = build_config(EvalConfig, {"n": args.n, "ks": tuple(args.ks), "hidden_tests": not args.no_hidden_tests,
                                     "sampling": sampling_from_args(args)})

@@ -33,6 +33,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from megatron_spo.cli import non_negative_float, non_negative_int, positive_int
 from megatron_spo.config import ConfigError
 from megatron_spo.memory import BASELINE_BYTES, GB, MemoryPreflightError, preflight, release_large_frees
 from megatron_spo.models.config import ModelConfig
@@ -465,14 +466,14 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo check-conversion", description=__doc__.splitlines()[0])
     parser.add_argument("--hf", required=True, help="HF checkpoint dir")
     parser.add_argument("--megatron", required=True, help="convert output, trainer step / checkpoints / run dir")
-    parser.add_argument("--tol", type=float, default=1e-4,
+    parser.add_argument("--tol", type=non_negative_float, default=1e-4,
                         help="max relative error of a layer output, the final norm and the logits (default 1e-4: "
                              "float32 from identical weights agrees to ~1e-6)")
-    parser.add_argument("--logprob-tol", type=float, default=1e-3, help="max abs log-prob difference")
-    parser.add_argument("--vocab-chunk", type=int, default=8192, help="vocabulary rows per chunk (memory)")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--logprob-tol", type=non_negative_float, default=1e-3, help="max abs log-prob difference")
+    parser.add_argument("--vocab-chunk", type=positive_int, default=8192, help="vocabulary rows per chunk (memory)")
+    parser.add_argument("--batch", type=positive_int, default=2, help="random token sequences compared (default 2)")
+    parser.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default 64)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random tokens (default 0)")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)

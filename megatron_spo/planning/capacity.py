@@ -45,9 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from megatron_spo.config import ConfigError, apply_overrides, build_config
+from megatron_spo.cli import non_negative_int, positive_int
+from megatron_spo.config import ConfigError, apply_overrides, build_config, read_yaml
 from megatron_spo.models.config import ModelConfig, ParallelConfig, RopeScaling
 from megatron_spo.planning.config import CapacityConfig
 
@@ -95,7 +94,7 @@ def load_preset(name: str) -> tuple[ModelConfig, ParallelConfig]:
     """(model, default parallel layout) of a preset: examples/models/NAME.yaml if present, else built in."""
     path = EXAMPLES / "models" / f"{name}.yaml"
     if path.is_file():
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path) or {}
         model = build_config(ModelConfig, data.get("model", {}), str(path))
         parallel = build_config(ParallelConfig, data.get("parallel", {}), str(path))
         return model, parallel
@@ -505,9 +504,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo plan", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama3.1-70b", help=f"{' | '.join(BUILTIN_PRESETS)} (or examples/models/NAME.yaml)")
     parser.add_argument("--config", help="YAML with a `plan:` section (CapacityConfig) and optionally model/parallel")
-    parser.add_argument("--tp", type=int, help="tensor parallel size (default: the preset's)")
-    parser.add_argument("--pp", type=int, help="pipeline parallel size (default: the preset's)")
-    parser.add_argument("--vpp", type=int, help="virtual pipeline stages (0: none)")
+    parser.add_argument("--tp", type=positive_int, help="tensor parallel size (default: the preset's)")
+    parser.add_argument("--pp", type=positive_int, help="pipeline parallel size (default: the preset's)")
+    parser.add_argument("--vpp", type=non_negative_int, help="virtual pipeline stages (0: none)")
     parser.add_argument("overrides", nargs="*", help="dotted CapacityConfig overrides, e.g. seq_length=8192")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--validate-cpu", action="store_true",
@@ -528,9 +527,9 @@ def main(argv: list[str]) -> int:
     data: dict = {}
     if args.config:
         path = Path(args.config)
-        if not path.is_file():
-            raise ConfigError(f"plan: config file '{path}' does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
         if "model" in data:
             model = build_config(ModelConfig, data["model"], str(path))
         if "parallel" in data:

@@ -9,10 +9,12 @@ here and forwards SIGTERM / SIGUSR1 / SIGINT to them (they checkpoint and exit).
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
+from pathlib import Path
 
-from megatron_spo.config import load_config
+from megatron_spo.config import ConfigError, load_config
 from megatron_spo.training.config import TrainConfig
 from megatron_spo.training.trainer import Trainer, _model_config_from_init
 
@@ -25,6 +27,58 @@ def run(cfg_data: dict) -> int:
         return trainer.train()
     finally:
         trainer.close()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def preflight_model(cfg: TrainConfig, world_size: int) -> None:
+    """The init model (its config must read) and the parallel layout against its heads and the world size,
+    checked before any process is spawned. ConfigError naming the field (one line)."""
+    from megatron_spo.models.hf_checkpoint import HFCheckpointError
+
+    init = cfg.init
+    for field, value in (("init.hf", init.hf), ("init.megatron", init.megatron)):
+        if value is not None and not Path(value).is_dir():
+            raise ConfigError(f"{field}: '{value}' " + ("is not a folder" if Path(value).exists() else "does not exist"))
+    try:
+        model = cfg.model or _model_config_from_init(init)
+    except (HFCheckpointError, OSError, ValueError) as err:
+        raise ConfigError(f"{'init.megatron' if init.megatron else 'init.hf'}: {err}") from None
+    cfg.parallel.check(model, world_size)
+
+
+def preflight_data(cfg: TrainConfig) -> None:
+    """What rank 0 reads once training starts, checked before any process is spawned: the offline sources'
+    paths and, with an online source, the tokenizer, the task's files, Q0 and the fleet's endpoints (else
+    found only after the rollouts started)."""
+    from megatron_spo.data.q0 import ESTIMATE_HINT
+    from megatron_spo.training.sources import algorithm_needs_q0
+
+    for name, src in cfg.sources.items():
+        if src.path is not None and not Path(src.path).exists():
+            raise ConfigError(f"sources.{name}.path: '{src.path}' does not exist")
+    if "online" not in cfg.sources:
+        return
+    hf = cfg.init.hf
+    if hf is None:
+        raise ConfigError("init.hf: the online source needs the HF directory for the tokenizer")
+    if not any((Path(hf) / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"init.hf: '{hf}' has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    for field, paths in (("task.paths", cfg.task.paths), ("task.dedup_against", cfg.task.dedup_against)):
+        for path in paths:
+            if not (glob.glob(path) if glob.has_magic(path) else Path(path).exists()):
+                raise ConfigError(f"{field}: '{path}' " + ("matches no file" if glob.has_magic(path)
+                                                          else "does not exist"))
+    if cfg.task.q0_path is not None and not Path(cfg.task.q0_path).exists():
+        raise ConfigError(f"task.q0_path: '{cfg.task.q0_path}' does not exist")
+    if cfg.task.q0_path is None and algorithm_needs_q0(cfg):
+        raise ConfigError(f"task.q0_path: algo {cfg.algo} needs Q0 for every online prompt and none is set; "
+                          f"{ESTIMATE_HINT}")
+    endpoints = cfg.fleet.resolved()
+    if not endpoints.engine_urls and not endpoints.router_url:
+        raise ConfigError("fleet: no rollout endpoints for the online source (set fleet.router_url or "
+                          "fleet.engine_urls, or SPO_ROUTER_URL / SPO_ENGINE_URLS)")
 
 
 def _preflight_cpu(cfg: TrainConfig, nproc: int) -> None:
@@ -58,11 +112,16 @@ def launch(cfg: TrainConfig) -> None:
     The spawning parent forwards SIGTERM / SIGUSR1 / SIGINT to its ranks (which checkpoint and exit),
     so a scheduler signalling only the launcher still gets a checkpoint and leaves no orphan."""
     if os.environ.get("WORLD_SIZE") or cfg.nproc == 1:
+        preflight_model(cfg, int(os.environ.get("WORLD_SIZE") or 1))
         if not os.environ.get("WORLD_SIZE"):
             _preflight_cpu(cfg, 1)
+        if os.environ.get("RANK", "0") == "0":  # rank 0 alone reads them
+            preflight_data(cfg)
         run(cfg.model_dump(mode="json"))
         return
+    preflight_model(cfg, cfg.nproc)
     _preflight_cpu(cfg, cfg.nproc)
+    preflight_data(cfg)
     import signal
 
     import torch.multiprocessing as mp

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_spo import extras
+from megatron_spo.cli import positive_int
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -279,12 +280,12 @@ def plot_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo plot", description="PNG plots of a run's metrics.jsonl")
     parser.add_argument("run_dir", help="a run directory (holding metrics.jsonl) or the file itself")
     parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/plots)")
-    parser.add_argument("--smooth", type=int, default=1, help="moving-average window in steps")
+    parser.add_argument("--smooth", type=positive_int, default=1, help="moving-average window in steps")
     args = parser.parse_args(argv)
     try:
         files = plot_run(args.run_dir, args.out, smooth=args.smooth)
     except MetricsFileError as err:
-        print(f"megatron-spo plot: {err}")
+        print(f"megatron-spo plot: {err}", file=sys.stderr)
         return 1
     for f in files:
         print(f)
