@@ -323,3 +323,16 @@ def test_the_quickstart_runs_grpo_with_tis_at_interval_10(tmp_path):
     assert (ppo.model_update_interval, ppo.ppo.behaviour_correction, ppo.ppo.correction_level) == (10, "mis", "sequence")
     assert trainer_cfg("algo=grpo", "train.model_update_interval=10").model_update_interval == 1
     assert trainer_cfg("algo=ppo").model_update_interval == 1
+
+
+def test_the_study_has_an_async_grpo_arm_pushing_every_10_steps(tmp_path):
+    from megatron_spo.config import apply_overrides, build_config
+    from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
+    from megatron_spo.experiments.study import ARMS, StudyConfig
+
+    arm = ARMS["grpo-tis"]
+    assert "grpo-tis" in StudyConfig().arms and arm.coefficient == ARMS["grpo"].coefficient
+    cfg = build_config(QuickstartConfig, apply_overrides({"algo": arm.algo}, list(arm.overrides)), "quickstart")
+    endpoints = type("E", (), {"router_url": "http://127.0.0.1:1", "engine_urls": ["http://127.0.0.1:2"]})()
+    tcfg = train_config(cfg, tmp_path, tmp_path / "ref", tmp_path / "init", endpoints, tmp_path / "q0.jsonl", None)
+    assert (tcfg.algo, tcfg.model_update_interval, tcfg.grpo.behaviour_correction) == ("grpo", 10, "tis")
