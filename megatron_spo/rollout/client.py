@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_spo.rollout.protocol import (
@@ -135,6 +137,31 @@ def post_json(url: str, body: Any, timeout_s: float = 60.0) -> tuple[int, Any]:
 
 def get_json(url: str, timeout_s: float = 10.0) -> tuple[int, Any]:
     return _send(urllib.request.Request(url, method="GET"), timeout_s)
+
+
+def wait_healthy(urls: Sequence[str], timeout_s: float, poll_s: float = 1.0, *, what: str = "rollout engines",
+                 dead: Callable[[str], str | None] | None = None) -> None:
+    """Block until every URL answers GET /health with 200. ``dead(url)``, asked at every poll, names why the
+    server behind a URL can never answer (its process exited): that is raised at once. RuntimeError naming the
+    URLs still pending, each with its last answer, after timeout_s."""
+    pending, deadline, last = list(urls), time.monotonic() + timeout_s, {}
+    while pending:
+        for url in list(pending):
+            why = dead(url) if dead is not None else None
+            if why:
+                raise RuntimeError(why)
+            try:
+                status, _ = get_json(url.rstrip("/") + "/health", min(5.0, max(poll_s, 1.0)))
+                last[url] = f"HTTP {status}"
+                if status == 200:
+                    pending.remove(url)
+            except OSError as err:
+                last[url] = str(err)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not healthy after {timeout_s:.0f} s: "
+                               + ", ".join(f"{u} ({last[u]})" for u in pending))
+        if pending:
+            time.sleep(poll_s)
 
 
 def _send(req: urllib.request.Request, timeout_s: float) -> tuple[int, Any]:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_spo.net import free_port
-from megatron_spo.rollout.client import get_json, post_json
+from megatron_spo.rollout.client import get_json, post_json, wait_healthy
 
 log = logging.getLogger("megatron_spo.fleet")
 
@@ -163,18 +163,16 @@ class Fleet:
                     log.error("could not remove %s from the router: %s", engine.url, err)
 
     def wait_healthy(self, mp: ManagedProcess, timeout_s: float | None = None) -> None:
-        deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
-        while time.monotonic() < deadline:
-            if not mp.alive:
-                raise FleetError(f"{mp.name} exited with code {mp.proc.returncode if mp.proc else None} "
-                                 f"before becoming healthy ({' '.join(mp.command)})")
-            try:
-                if get_json(mp.url + "/health", 2.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise FleetError(f"{mp.name} at {mp.url} not healthy after {timeout_s or self.startup_timeout_s:g} s")
+        def dead(_url: str) -> str | None:
+            if mp.alive:
+                return None
+            return (f"{mp.name} exited with code {mp.proc.returncode if mp.proc else None} before becoming "
+                    f"healthy ({' '.join(mp.command)})")
+
+        try:
+            wait_healthy([mp.url], timeout_s or self.startup_timeout_s, poll_s=0.2, what=mp.name, dead=dead)
+        except RuntimeError as err:
+            raise FleetError(str(err)) from None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, then SIGKILL what is left after grace_s."""

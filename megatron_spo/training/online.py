@@ -14,10 +14,10 @@ import logging
 import math
 import os
 import threading
-import time
 from typing import Any
 
 from megatron_spo.config import ConfigError
+from megatron_spo.rollout.client import wait_healthy
 from megatron_spo.run_layout import children_ignore_preemption_signals
 from megatron_spo.training.config import TrainConfig
 
@@ -32,27 +32,6 @@ def weight_sync_address() -> str:
     """The address engines reach this process at for the weight-broadcast rendezvous: SPO_WEIGHT_SYNC_ADDR,
     else MASTER_ADDR (rank 0 runs on the first trainer node, the one MASTER_ADDR names), else 127.0.0.1."""
     return os.environ.get("SPO_WEIGHT_SYNC_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-
-
-def wait_healthy(urls: list[str], timeout_s: float, poll_s: float = 1.0) -> None:
-    """Block until every engine answers GET /health with 200; RuntimeError naming the others after timeout_s."""
-    from megatron_spo.rollout.client import get_json
-
-    pending, deadline, last = list(urls), time.monotonic() + timeout_s, {}
-    while pending:
-        for url in list(pending):
-            try:
-                status, _ = get_json(url.rstrip("/") + "/health", 5.0)
-                last[url] = f"HTTP {status}"
-                if status == 200:
-                    pending.remove(url)
-            except OSError as err:
-                last[url] = str(err)
-        if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"rollout engines not healthy after {timeout_s:.0f} s: "
-                               + ", ".join(f"{u} ({last[u]})" for u in pending))
-        if pending:
-            time.sleep(poll_s)
 
 
 async def _stats(manager) -> dict[str, float]:
