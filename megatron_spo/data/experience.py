@@ -472,10 +472,7 @@ def main(argv: list[str]) -> int:
     except (RecordError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"megatron-spo offline {args.op}: {err}", file=sys.stderr)
         return 1
-    if report.skipped:
-        print(f"skipped {report.skipped} invalid record(s):", file=sys.stderr)
-        for line in report.errors[:20]:
-            print(f"  {line}", file=sys.stderr)
+    report.print_skipped()
     return 0
 
 

@@ -455,13 +455,7 @@ def run_import_command(args) -> int:
         return 1
     for line in summary.lines(args.store):
         print(line)
-    report = summary.report
-    if report.skipped:
-        print(f"skipped {report.skipped} invalid row(s):", file=sys.stderr)
-        for line in report.errors[:20]:
-            print(f"  {line}", file=sys.stderr)
-        if len(report.errors) > 20:
-            print(f"  ... and {len(report.errors) - 20} more", file=sys.stderr)
+    summary.report.print_skipped("row")
     return 0
 
 

@@ -122,6 +122,16 @@ class ImportReport:
         self.skipped += other.skipped
         self.errors += other.errors
 
+    def print_skipped(self, what: str = "record", shown: int = 20) -> None:
+        """'skipped N invalid record(s):' and the first ``shown`` errors on stderr; nothing when none was."""
+        if not self.skipped:
+            return
+        print(f"skipped {self.skipped} invalid {what}(s):", file=sys.stderr)
+        for line in self.errors[:shown]:
+            print(f"  {line}", file=sys.stderr)
+        if len(self.errors) > shown:
+            print(f"  ... and {len(self.errors) - shown} more", file=sys.stderr)
+
 
 # ---------------------------------------------------------------------------------------------
 # Validation
@@ -386,10 +396,5 @@ def main(argv: list[str]) -> int:
     except (RecordError, FileNotFoundError) as err:
         print(f"megatron-spo trajectories: {err}", file=sys.stderr)
         return 1
-    if report.skipped:
-        print(f"skipped {report.skipped} invalid record(s):", file=sys.stderr)
-        for line in report.errors[:20]:
-            print(f"  {line}", file=sys.stderr)
-        if len(report.errors) > 20:
-            print(f"  ... and {len(report.errors) - 20} more", file=sys.stderr)
+    report.print_skipped()
     return 0
