@@ -193,7 +193,7 @@ def taco_candidates(path: str | Path, *, max_per_problem: int | None = None, raw
                 raise RecordError(where, "solutions", "should be a JSON string of a list of programs")
             try:
                 solutions = json.loads(raw_solutions)
-            except ValueError as err:
+            except (ValueError, RecursionError) as err:
                 raise RecordError(where, "solutions", f"is not valid JSON ({err})") from None
             if not isinstance(solutions, list) or not all(isinstance(s, str) for s in solutions):
                 raise RecordError(where, "solutions", "should be a JSON list of programs (strings)")
@@ -412,6 +412,8 @@ def run_import_command(args) -> int:
     try:
         tokenizer, problems = _tokenizer_and_problems(args)
         for path in args.inputs:
+            if Path(path).is_dir():
+                raise FileNotFoundError(f"'{path}' is a folder, not a JSONL file of rows")
             if not Path(path).is_file():
                 raise FileNotFoundError(f"'{path}' not found")
         if args.op == "import-text":
@@ -471,9 +473,7 @@ def _tokenizer_and_problems(args) -> tuple[Any, list]:
     path = args.tokenizer or (cfg.init_hf if cfg is not None else None)
     if not path:
         raise ValueError("give --tokenizer DIR (the policy's tokenizer) or --config with init.hf")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     problems: list = []
     if args.op == "import-text":
         from megatron_spo.data.problems import load_problems, problems_from_task_config
@@ -485,6 +485,28 @@ def _tokenizer_and_problems(args) -> tuple[Any, list]:
         else:
             raise ValueError("import-text needs the task's problems: --task (and --data), or --config")
     return tokenizer, problems
+
+
+# Files of which a tokenizer folder holds at least one (fast tokenizers, sentencepiece, BPE / WordPiece vocabularies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
+
+
+def load_tokenizer(path: str | Path):
+    """AutoTokenizer.from_pretrained(path), or ValueError in one line naming the folder: a folder without
+    tokenizer files, or whatever transformers says (its messages run over several lines), shortened."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"tokenizer '{folder}' is a file; give the tokenizer's folder")
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"tokenizer folder '{folder}' holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # OSError, ValueError, JSON errors of a damaged tokenizer.json, ...
+        text = " ".join(str(err).split())
+        raise ValueError(f"tokenizer '{path}' does not load ({type(err).__name__}: "
+                         f"{text[:160] + '...' if len(text) > 160 else text})") from None
 
 
 def _reward_pool(args, problems: Sequence[Any]):

@@ -134,18 +134,24 @@ def _columns(records: list[Trajectory]) -> tuple[dict[str, np.ndarray], list[dic
                                else getattr(r.provenance, name) for r in records], dtype=np.float64)
     for name in ("prompt_tokens", "response_tokens"):
         if cols[name].size and cols[name].max() > np.iinfo(np.int32).max:
-            raise ValueError(f"offline store: a token id in '{name}' does not fit int32")
+            raise StoreError(f"offline store: a token id in '{name}' does not fit int32")
     provenance = [{k: v for k, v in zip(PROVENANCE_STRINGS, key) if v is not None} for key in table]
     return {name: cols[name].astype(dtype, copy=False) for name, dtype in COLUMNS.items()}, provenance
+
+
+class StoreError(ValueError):
+    """A store that cannot be written or read as asked (a path that is a file, a bad setting); one line."""
 
 
 class OfflineStoreWriter:
     """Appends shards to a store folder (created if absent). Use as a context manager, or call close()."""
 
     def __init__(self, path: str | Path, rows_per_shard: int = 65536):
-        if rows_per_shard < 1:
-            raise ValueError(f"offline store: rows_per_shard must be >= 1, got {rows_per_shard}")
+        if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, int) or rows_per_shard < 1:
+            raise StoreError(f"offline store: rows per shard must be an integer >= 1, got {rows_per_shard!r}")
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreError(f"offline store: '{self.path}' is a file, not a store folder")
         self.rows_per_shard = rows_per_shard
         self.path.mkdir(parents=True, exist_ok=True)
         self.index = _read_index(self.path) if (self.path / INDEX).exists() else {
@@ -167,10 +173,25 @@ class OfflineStoreWriter:
         name = f"shard-{len(self.index['shards']):05d}"
         while (self.path / name).exists():  # a leftover of an interrupted write: never overwrite it
             name += "x"
+        columns, provenance = _columns(self.buffer)  # before any file: a record that cannot be stored leaves none
         tmp = self.path / f".{name}.{uuid.uuid4().hex}.tmp"
         tmp.mkdir()
+        try:
+            files = self._write_shard(tmp, columns, provenance)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        os.rename(tmp, self.path / name)
+        fsync_path(self.path)
+        self.index["version"] = VERSION  # a version 1 store with a version 2 shard reads only with this code
+        self.index["shards"].append({"name": name, "rows": len(self.buffer), "files": files})
+        _write_json_atomic(self.path / INDEX, self.index)
+        self.written += len(self.buffer)
+        self.buffer = []
+
+    def _write_shard(self, tmp: Path, columns: dict, provenance: list) -> dict[str, str]:
+        """The shard's files in ``tmp``, fsync'd; returns {file: sha256}."""
         files = {}
-        columns, provenance = _columns(self.buffer)
         for col, array in columns.items():
             with open(tmp / f"{col}.npy", "wb") as f:
                 np.save(f, array, allow_pickle=False)
@@ -184,13 +205,7 @@ class OfflineStoreWriter:
         for file in sorted(os.listdir(tmp)):
             files[file] = _sha256(tmp / file)
         fsync_path(tmp)
-        os.rename(tmp, self.path / name)
-        fsync_path(self.path)
-        self.index["version"] = VERSION  # a version 1 store with a version 2 shard reads only with this code
-        self.index["shards"].append({"name": name, "rows": len(self.buffer), "files": files})
-        _write_json_atomic(self.path / INDEX, self.index)
-        self.written += len(self.buffer)
-        self.buffer = []
+        return files
 
     def close(self) -> None:
         self.flush()
@@ -217,8 +232,12 @@ def write_store(records: Iterable[Trajectory | dict], path: str | Path, rows_per
 # ---------------------------------------------------------------------------------------------
 def _read_index(path: Path) -> dict:
     where = str(path / INDEX)
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"offline store: '{path}' is a file, not a store folder")
     try:
         index = json.loads((path / INDEX).read_text())
+    except RecursionError:
+        raise RecordError(where, None, "not valid JSON (nested too deeply)") from None
     except FileNotFoundError:
         raise FileNotFoundError(f"offline store: {where} not found (not a store folder, or nothing written)") from None
     except ValueError as err:

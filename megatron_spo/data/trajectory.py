@@ -39,6 +39,8 @@ REQUIRED_FIELDS = ("prompt_id", "prompt_tokens", "response_tokens", "reward", "s
 OPTIONAL_FIELDS = ("behaviour_logprobs", "q0", "mc_targets", "provenance")
 FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
 LOGPROB_SLACK = 1e-4  # samplers report log-probs a hair above 0 in low precision
+TOKEN_ID_LIMIT = 2**31  # the offline store keeps token ids as int32
+INT_LIMIT = 2**63  # integers kept as int64 (policy_version, integer prompt ids)
 
 # Where a trajectory came from (Provenance.kind):
 PROVENANCE_KINDS = (
@@ -149,8 +151,8 @@ def _tokens(obj: dict, name: str, where: str) -> list[int]:
     if not isinstance(value, list) or not value:
         raise RecordError(where, name, f"must be a non-empty list of token ids, got {_show(value)}")
     for i, tok in enumerate(value):
-        if not _is_int(tok) or tok < 0:
-            raise RecordError(where, name, f"item {i} must be a token id (int >= 0), got {tok!r}")
+        if not _is_int(tok) or not 0 <= tok < TOKEN_ID_LIMIT:
+            raise RecordError(where, name, f"item {i} must be a token id (int in [0, 2^31)), got {_show(tok)}")
     return value
 
 
@@ -197,16 +199,16 @@ def validate_record(obj: Any, where: str) -> Trajectory:
     if unknown:
         raise RecordError(where, unknown[0], f"unknown field (known: {', '.join(FIELDS)})")
     prompt_id = obj["prompt_id"]
-    if not (isinstance(prompt_id, str) or _is_int(prompt_id)):
-        raise RecordError(where, "prompt_id", f"must be a string or an integer, got {_show(prompt_id)}")
+    if not (isinstance(prompt_id, str) or (_is_int(prompt_id) and -INT_LIMIT <= prompt_id < INT_LIMIT)):
+        raise RecordError(where, "prompt_id", f"must be a string or a 64-bit integer, got {_show(prompt_id)}")
     prompt_tokens = _tokens(obj, "prompt_tokens", where)
     response_tokens = _tokens(obj, "response_tokens", where)
     if not _is_number(obj["reward"]):
         raise RecordError(where, "reward", f"must be a finite number, got {_show(obj['reward'])}")
     if not isinstance(obj["source"], str) or not obj["source"]:
         raise RecordError(where, "source", f"must be a non-empty string, got {_show(obj['source'])}")
-    if not _is_int(obj["policy_version"]) or obj["policy_version"] < 0:
-        raise RecordError(where, "policy_version", f"must be an integer >= 0, got {_show(obj['policy_version'])}")
+    if not _is_int(obj["policy_version"]) or not 0 <= obj["policy_version"] < INT_LIMIT:
+        raise RecordError(where, "policy_version", f"must be an integer in [0, 2^63), got {_show(obj['policy_version'])}")
     logprobs = obj.get("behaviour_logprobs")
     if logprobs is not None:
         if not isinstance(logprobs, list) or len(logprobs) != len(response_tokens):
@@ -251,6 +253,10 @@ def validate_record(obj: Any, where: str) -> Trajectory:
 def iter_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:
     """(where, value) per non-blank line of a JSONL file, where = 'file:line' and value the parsed JSON, or a
     RecordError for a line that is not valid UTF-8 or not valid JSON (the lines after it still read)."""
+    path = Path(path)
+    if path.is_dir():
+        raise RecordError(str(path), None, "is a folder, not a JSONL file (an offline store is read as a folder "
+                          "only where a store is expected)")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -262,9 +268,12 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                value = json.loads(line)
             except ValueError as err:
-                yield where, RecordError(where, None, f"not valid JSON ({err})")
+                value = RecordError(where, None, f"not valid JSON ({err})")
+            except RecursionError:
+                value = RecordError(where, None, "not a record: JSON nested too deeply")
+            yield where, value
 
 
 def iter_records_jsonl(path: str | Path, *, skip_invalid: bool = False,
@@ -332,7 +341,7 @@ def main(argv: list[str]) -> int:
     import argparse
 
     from megatron_spo.cli import non_negative_float, positive_float
-    from megatron_spo.data.offline_store import OfflineStore, write_store
+    from megatron_spo.data.offline_store import OfflineStore, StoreError, write_store
 
     parser = argparse.ArgumentParser(prog="megatron-spo trajectories",
                                      description="Convert and check trajectory files (JSONL <-> offline store).")
@@ -353,6 +362,7 @@ def main(argv: list[str]) -> int:
     exp = sub.add_parser("export", help="offline store -> JSONL")
     exp.add_argument("store", help="the offline store folder")
     exp.add_argument("output", help="the JSONL file to write")
+    exp.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     chk = sub.add_parser("check", help="validate a JSONL file or a store and print counts")
     chk.add_argument("path", help="a JSONL file or an offline store folder")
     for p in (imp, exp, chk):
@@ -382,6 +392,10 @@ def main(argv: list[str]) -> int:
             write_store(records, args.store, rows_per_shard=args.rows_per_shard)
             print(f"imported {report.read} records into {args.store}")
         elif args.op == "export":
+            out = Path(args.output)
+            if out.is_dir() or (out.exists() and not args.force):
+                what = "is a folder" if out.is_dir() else "exists (--force overwrites it)"
+                raise FileExistsError(f"trajectories export: output '{out}' {what}")
             store = OfflineStore(args.store, skip_invalid=args.skip_invalid)
             report = store.report
             write_jsonl(store.trajectories(), args.output)
@@ -393,7 +407,7 @@ def main(argv: list[str]) -> int:
             else:
                 report = read_jsonl(path, skip_invalid=args.skip_invalid)[1]
             print(f"{args.path}: {report.read} valid records")
-    except (RecordError, FileNotFoundError) as err:
+    except (RecordError, FileNotFoundError, FileExistsError, StoreError) as err:
         print(f"megatron-spo trajectories: {err}", file=sys.stderr)
         return 1
     report.print_skipped()

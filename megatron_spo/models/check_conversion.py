@@ -155,11 +155,12 @@ class MegatronReader:
     viewed in place (page cache); anything else (TP/PP-sharded checkpoints) is read into new buffers."""
 
     def __init__(self, source, init_parallel):
-        from megatron_spo.models.convert import _one_model
+        from megatron_spo.models.convert import _one_model, check_correspondence
         from megatron_spo.models.megatron_checkpoint import MappedTorchDist, mapped_sharded_tensors
 
         self.source = source
         _, entries = mapped_sharded_tensors(_one_model(source.cfg, init_parallel))
+        check_correspondence(source, entries)
         self.layers: dict[int | None, list] = {}
         for entry in entries:
             self.layers.setdefault(entry.layer, []).append(entry)
@@ -301,6 +302,10 @@ def run_check(hf_dir, megatron_path, *, batch: int = 2, seq_len: int = 64, seed:
     release_large_frees()  # per-layer buffers go back to the kernel, so the peak stays about one layer
 
     def tensor_finding(name: str, megatron_value, hf_value) -> None:
+        for where, value in ((hf_dir, hf_value), (source.dist_dir, megatron_value)):
+            if not bool(torch.isfinite(value).all()):  # NaN != NaN would read as "differs"
+                raise CheckError(f"{where}: tensor '{name}' holds a non-finite value (NaN / inf): "
+                                 f"nothing to compare")
         exact = torch.equal(megatron_value.to(hf_value.dtype).reshape(hf_value.shape), hf_value)
         diff = 0.0 if exact else (megatron_value.float().reshape(hf_value.shape) - hf_value.float()).abs().max().item()
         report.findings.append(Finding("tensor", name, diff if not exact else 0.0, 0.0))
@@ -477,13 +482,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    from megatron_spo.models.dcp_metadata import CheckpointFileError
     from megatron_spo.models.hf_checkpoint import HFCheckpointError
 
     try:
         report = run_check(args.hf, args.megatron, batch=args.batch, seq_len=args.seq_len, seed=args.seed,
                            vocab_chunk=args.vocab_chunk, tol=args.tol, logprob_tol=args.logprob_tol,
                            progress=not args.no_progress)
-    except (CheckError, HFCheckpointError, MemoryPreflightError, FileNotFoundError, ConfigError) as err:
+    except (CheckError, HFCheckpointError, CheckpointFileError, MemoryPreflightError, FileNotFoundError,
+            ConfigError) as err:
         print(f"megatron-spo check-conversion: error: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -58,6 +58,7 @@ def _progress():
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=Console(stderr=True),
+        disable=not sys.stderr.isatty(),  # a log file gets the result line, not every frame of a bar
     )
 
 
@@ -123,11 +124,28 @@ def _preflight(what: str, cfg: ModelConfig) -> None:
               "on this node or run on one with more")
 
 
-def hf_to_megatron(hf_dir: str | Path, out: str | Path) -> None:
+def check_finite(tensor, name: str, where: Path) -> None:
+    """Refuse NaN / inf weights by name (row blocks of ~16M elements: no model-sized temporary)."""
+    import torch
+
+    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
+    step = 1 << 24
+    for start in range(0, flat.numel(), step):
+        block = flat[start:start + step]
+        if not bool(torch.isfinite(block).all()):
+            bad = start + int((~torch.isfinite(block)).nonzero()[0, 0])
+            raise HFCheckpointError(f"{where}: tensor '{name}' holds a non-finite value ({flat[bad].item()} at flat "
+                                    f"index {bad}); --allow-nonfinite converts it anyway (forensics)")
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, allow_nonfinite: bool = False) -> None:
     hf_dir, out = Path(hf_dir), Path(out)
     cfg = read_hf_config(hf_dir)
     reader = HFReader(hf_dir)
     reader.validate(cfg)
+    if not allow_nonfinite:
+        for name in reader.names():
+            check_finite(reader.view(name), name, hf_dir)
     _preflight("convert hf-to-megatron", cfg)
     from megatron_spo.models.hf_map import checkpoint_parts, hf_names
     from megatron_spo.models.megatron_checkpoint import (
@@ -181,9 +199,9 @@ class MegatronSource:
     @functools.cached_property
     def stored(self) -> dict:
         """The checkpoint's tensor metadata by key (global size, chunks), from its .metadata file."""
-        from torch.distributed.checkpoint import FileSystemReader
+        from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
 
-        return FileSystemReader(str(self.dist_dir)).read_metadata().state_dict_metadata
+        return validate_dist_checkpoint(self.dist_dir).state_dict_metadata
 
     def key_prefix(self, key: str, layer: int | None) -> str:
         """The chunk prefix under which this checkpoint stores ``key`` (of ``layer``, stacked on dim 0)."""
@@ -215,6 +233,7 @@ def _latest_step(checkpoints: Path) -> Path | None:
 def find_megatron_source(path: str | Path) -> MegatronSource:
     """A convert output, a trainer step directory, a trainer checkpoints directory or a run directory
     (the last two: the latest complete step). One-line error for anything else."""
+    from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
     from megatron_spo.models.megatron_checkpoint import read_megatron_config
     from megatron_spo.run_layout import COMPLETE
 
@@ -222,6 +241,7 @@ def find_megatron_source(path: str | Path) -> MegatronSource:
     if not path.is_dir():
         raise HFCheckpointError(f"{path}: no such directory")
     if _is_dist_checkpoint(path):
+        validate_dist_checkpoint(path)  # data, never code: before anything reads it
         return MegatronSource(path, read_megatron_config(path), _source_hf_config(path), path)
     step = path
     if not (path / COMPLETE).is_file():
@@ -234,6 +254,7 @@ def find_megatron_source(path: str | Path) -> MegatronSource:
             f"{path}: not a Megatron checkpoint (expected a convert output with metadata.json, a trainer "
             f"step dir iter_NNNNNNN with COMPLETE and dist/, or a run/checkpoints dir with a complete step)"
         )
+    validate_dist_checkpoint(step / "dist")
     # The trainer writes the model config, the init model's config.json and tokenizer next to dist/.
     source = MegatronSource(step / "dist", read_megatron_config(step), _source_hf_config(step), step)
     chunks = {int(k.split(".")[1][len("model"):]) for k in source.stored if k.startswith("policy.model")}
@@ -244,7 +265,65 @@ def find_megatron_source(path: str | Path) -> MegatronSource:
 
 
 def _source_hf_config(path: Path) -> dict:
-    return json.loads((path / SOURCE_HF_CONFIG).read_text()) if (path / SOURCE_HF_CONFIG).is_file() else {}
+    file = path / SOURCE_HF_CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except (ValueError, RecursionError) as err:
+        raise HFCheckpointError(f"{file}: invalid JSON ({type(err).__name__})") from None
+    if not isinstance(raw, dict):
+        raise HFCheckpointError(f"{file}: not a JSON object")
+    return raw
+
+
+# Which model_config.json field decides a tensor's presence or shape (first match), for error lines.
+_FIELD_OF = (("output_layer", "tie_word_embeddings"), ("q_layernorm", "qk_layernorm"), ("k_layernorm", "qk_layernorm"),
+             ("linear_qkv.bias", "qkv_bias"), ("linear_fc", "ffn_hidden_size"),
+             ("linear_qkv.weight", "num_attention_heads / num_query_groups / kv_channels"),
+             ("linear_proj", "num_attention_heads / kv_channels"), ("embedding", "vocab_size / hidden_size"))
+FLOAT_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16", "torch.float64")
+
+
+def _field_of(key: str) -> str:
+    return next((f for pattern, f in _FIELD_OF if pattern in key), "hidden_size")
+
+
+def check_correspondence(source: MegatronSource, entries: list) -> None:
+    """Both ways: every tensor the model config implies is stored with its shape and a float dtype, and every
+    stored policy tensor is one of them. A disagreement names the tensor and the model_config.json field."""
+    where = f"{source.dist_dir}: model_config.json"
+    expected: dict[str, object] = {}
+    for entry in entries:
+        for st in entry.parts:
+            expected.setdefault(source.key_prefix(st.key, entry.layer) + st.key, st)
+    for key, st in expected.items():
+        meta = source.stored.get(key)
+        size = tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
+        if size is None:
+            raise HFCheckpointError(f"{where} implies tensor '{key}', which the checkpoint lacks "
+                                    f"(field '{_field_of(key)}')")
+        if str(meta.properties.dtype) not in FLOAT_DTYPES:
+            raise HFCheckpointError(f"{source.dist_dir}: tensor '{key}' is stored as {meta.properties.dtype}: "
+                                    f"quantized / integer weights are not converted")
+        want = tuple(st.global_shape)
+        if st.prepend_axis_num and size[:1] != want[:1] and size[1:] == want[1:]:
+            raise HFCheckpointError(f"{where} field 'num_layers' says {want[0]}, the checkpoint's tensor '{key}' "
+                                    f"holds {size[0]} layers")
+        if st.allow_shape_mismatch:  # vocabulary rows: padded for whatever TP wrote it
+            ok = len(size) == len(want) and size[1:] == want[1:] and size[0] >= source.cfg.vocab_size
+        else:
+            ok = size == want
+        if not ok:
+            raise HFCheckpointError(f"{where} implies tensor '{key}' of shape {list(want)}, the checkpoint stores "
+                                    f"{list(size)} (field '{_field_of(key)}')")
+    prefixes = tuple(p for p in source.chunk_prefixes if p)
+    stored = [k for k, m in source.stored.items() if hasattr(m, "size") and (not prefixes or k.startswith(prefixes))]
+    unused = sorted(k for k in stored if k not in expected)
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise HFCheckpointError(f"{source.dist_dir}: stored tensor '{unused[0]}'{more} is not used by the model "
+                                f"model_config.json describes (field '{_field_of(unused[0])}')")
 
 
 def _read_units(entries: list) -> list[list]:
@@ -259,7 +338,8 @@ def _read_units(entries: list) -> list[list]:
     return units
 
 
-def megatron_to_hf(megatron_dir: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+def megatron_to_hf(megatron_dir: str | Path, out: str | Path, max_shard_bytes: int = 5 * 2**30,
+                   allow_nonfinite: bool = False) -> None:
     """Stream a Megatron checkpoint (a convert output or a trainer checkpoint) to an HF directory: each
     tensor is viewed in place (a stored chunk) or read with its layer into reused buffers, and its
     bytes go straight into its shard file."""
@@ -281,6 +361,7 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, max_shard_bytes: i
     in_place = MappedTorchDist(source.dist_dir)
     with _atomic_dir(out) as tmp, _single_process_world() as init_parallel:
         _, entries = mapped_sharded_tensors(_one_model(cfg, init_parallel))
+        check_correspondence(source, entries)
         free: dict[tuple, list] = {}  # (shape, dtype) -> buffers a previous group is done with
         with _progress() as progress, HFStreamWriter(tmp, hf_shapes(cfg), dtype, max_shard_bytes) as writer:
             task = progress.add_task("convert tensors", total=len(entries))
@@ -305,6 +386,8 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, max_shard_bytes: i
                 for entry in group:
                     hf = hf_from_checkpoint_parts(entry.rule, [st.data for st in entry.parts], cfg)
                     for name, tensor in zip(hf_names(entry.rule, entry.layer), hf):
+                        if not allow_nonfinite:
+                            check_finite(tensor, name, source.dist_dir)
                         writer.add(name, tensor.to(dtype))  # norms are kept in float32 inside megatron
                     progress.advance(task)
                 for st in buffers:
@@ -327,13 +410,21 @@ def main(argv: list[str]) -> int:
     )
     b.add_argument("--out", required=True, help="output dir (must not exist)")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="max safetensors shard size (GB)")
+    for p in (a, b):
+        p.add_argument("--allow-nonfinite", action="store_true",
+                       help="convert NaN / inf weights instead of refusing them (forensics)")
     args = parser.parse_args(argv)
+    from megatron_spo.models.dcp_metadata import CheckpointFileError
+
     try:
         if args.direction == "hf-to-megatron":
-            hf_to_megatron(args.hf, args.out)
+            hf_to_megatron(args.hf, args.out, allow_nonfinite=args.allow_nonfinite)
         else:
-            megatron_to_hf(args.megatron, args.out, int(args.max_shard_gb * 2**30))
-    except (HFCheckpointError, FileNotFoundError, MemoryPreflightError) as err:
+            if not (args.max_shard_gb > 0 and args.max_shard_gb < 1e6):
+                raise HFCheckpointError(f"--max-shard-gb must be a positive number, got {args.max_shard_gb}")
+            megatron_to_hf(args.megatron, args.out, int(args.max_shard_gb * 2**30),
+                           allow_nonfinite=args.allow_nonfinite)
+    except (HFCheckpointError, CheckpointFileError, FileNotFoundError, MemoryPreflightError) as err:
         print(f"megatron-spo convert: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -58,6 +59,9 @@ _ST_DTYPES = {
     "BOOL": torch.bool,
 }
 _ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
+# dtypes a safetensors file may hold that no weight we convert is in (8-bit floats, unsigned ints)
+_ST_OTHER_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
+WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")
 # Tensors some checkpoints carry that hold no weights (recomputed from config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -78,7 +82,27 @@ def read_hf_config(hf_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise HFCheckpointError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None
+    except (ValueError, RecursionError) as err:  # undecodable bytes, absurd nesting
+        raise HFCheckpointError(f"{path}: unreadable JSON ({type(err).__name__})") from None
+    if not isinstance(raw, dict):
+        raise HFCheckpointError(f"{path}: not a JSON object")
     return hf_config_to_model_config(raw, source=str(path))
+
+
+# ModelConfig field -> the config.json field it is read from (the names the user sees in the file)
+HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
+                  "num_query_groups": "num_key_value_heads", "norm_epsilon": "rms_norm_eps", "kv_channels": "head_dim"}
+
+
+def pydantic_field_error(err, names: dict | None = None) -> str:
+    """A pydantic ValidationError as one line naming its first field and value (``names`` renames fields)."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    field = (names or {}).get(loc, loc)
+    value = repr(first.get("input"))
+    value = value if len(value) <= 40 else value[:37] + "..."
+    msg = first.get("msg", "invalid").removeprefix("Value error, ")
+    return f"field '{field}': {msg} (got {value})" if loc else msg
 
 
 def hf_config_to_model_config(raw: dict, source: str = "config.json") -> ModelConfig:
@@ -89,6 +113,8 @@ def hf_config_to_model_config(raw: dict, source: str = "config.json") -> ModelCo
         return ModelConfig(architecture=family.name, **fields)
     except UnsupportedHFConfig as err:
         raise HFCheckpointError(str(err)) from None
+    except ValidationError as err:
+        raise HFCheckpointError(f"{source}: {pydantic_field_error(err, HF_FIELD_NAMES)}") from None
     except (ValueError, ConfigError, KeyError) as err:
         if isinstance(err, KeyError):
             raise HFCheckpointError(f"{source}: missing field {err}") from None
@@ -121,6 +147,51 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Tensors
 # ---------------------------------------------------------------------------------------------
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
+    """The header of a .safetensors file, checked against the file before anything trusts it: length within
+    the file, JSON object, known dtype, shape of non-negative ints, data offsets inside the data section and
+    matching the shape. Returns (header without __metadata__, data start offset)."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or n > min(size - 8, MAX_HEADER_BYTES):
+            raise HFCheckpointError(f"{path}: not a safetensors file (header length {n} for a file of {size} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise HFCheckpointError(f"{path}: not a safetensors file (header is not JSON: {type(err).__name__})") from None
+    if not isinstance(header, dict):
+        raise HFCheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, info in header.items():
+        def bad(what: str, name=name):
+            return HFCheckpointError(f"{path}: tensor '{name}' {what}")
+
+        if not isinstance(info, dict):
+            raise bad("has no header entry object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _ST_DTYPES and dtype not in _ST_OTHER_ITEMSIZE:
+            raise bad(f"has unknown dtype {str(dtype)[:20]!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"has shape {str(shape)[:40]}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise bad(f"has data_offsets {str(offsets)[:40]} outside the data section ({data_size} bytes): "
+                      f"truncated or corrupt")
+        itemsize = _ST_DTYPES[dtype].itemsize if dtype in _ST_DTYPES else _ST_OTHER_ITEMSIZE[dtype]
+        if offsets[1] - offsets[0] != _numel(shape) * itemsize:
+            raise bad(f"spans {offsets[1] - offsets[0]} bytes, its shape {shape} of {dtype} needs "
+                      f"{_numel(shape) * itemsize}")
+    return header, 8 + n
+
+
 class MappedSafetensors:
     """Zero-copy tensors of one .safetensors file, through a private (copy-on-write) memory map.
 
@@ -132,18 +203,9 @@ class MappedSafetensors:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        header, self._data_start = read_safetensors_header(self.path)
         with open(self.path, "rb") as f:
-            head = f.read(8)
-            size = int.from_bytes(head, "little") if len(head) == 8 else -1
-            try:
-                header = json.loads(f.read(size)) if size > 0 else None
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                header = None
-            if not isinstance(header, dict):
-                raise HFCheckpointError(f"{self.path}: not a safetensors file (unreadable header)")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._data_start = 8 + size
-        header.pop("__metadata__", None)
         self.header: dict[str, dict] = header
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -165,15 +227,24 @@ class HFReader:
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
+        if not self.dir.is_dir():
+            raise HFCheckpointError(f"{self.dir}: not a directory")
         index = self.dir / INDEX_NAME
+        self._headers: dict[str, dict] = {}
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise HFCheckpointError(f"{index}: not a safetensors index (no 'weight_map')") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise HFCheckpointError(f"{index}: 'weight_map' is not an object of tensor name -> shard file")
+            for name, file in weight_map.items():
+                if Path(file).name != file or file in ("", ".", ".."):
+                    raise HFCheckpointError(f"{index}: tensor '{name}' is indexed in '{file[:80]}', not a file "
+                                            f"name in this directory")
         elif (self.dir / SINGLE_NAME).is_file():
-            with safe_open(self.dir / SINGLE_NAME, framework="pt") as f:
-                weight_map = {name: SINGLE_NAME for name in f.keys()}
+            weight_map = {name: SINGLE_NAME for name in self._header(SINGLE_NAME)}
         else:
             raise HFCheckpointError(f"{self.dir}: no {INDEX_NAME} or {SINGLE_NAME}")
         self.weight_map: dict[str, str] = weight_map
@@ -182,6 +253,11 @@ class HFReader:
 
     def names(self) -> list[str]:
         return list(self.weight_map)
+
+    def _header(self, file: str) -> dict:
+        if file not in self._headers:
+            self._headers[file] = read_safetensors_header(self.dir / file)[0]
+        return self._headers[file]
 
     def _handle(self, name: str):
         if name not in self.weight_map:
@@ -193,8 +269,19 @@ class HFReader:
                 raise HFCheckpointError(
                     f"{self.dir}: tensor '{name}' is indexed in '{file}', which does not exist"
                 )
-            self._handles[file] = safe_open(path, framework="pt")
+            self._header(file)  # validated before safetensors reads it
+            try:
+                self._handles[file] = safe_open(path, framework="pt")
+            except Exception as err:  # safetensors' own checks (SafetensorError)
+                raise HFCheckpointError(f"{path}: not a readable safetensors file ({err})") from None
+        if name not in self._header(file):
+            raise HFCheckpointError(f"{self.dir}: tensor '{name}' is indexed in '{file}', which does not hold it")
         return self._handles[file]
+
+    def dtype_name(self, name: str) -> str:
+        """The tensor's safetensors dtype name (F32, BF16, I8 ...)."""
+        self._handle(name)
+        return self._header(self.weight_map[name])[name]["dtype"]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
@@ -227,6 +314,10 @@ class HFReader:
                 raise HFCheckpointError(
                     f"{self.dir}: tensor '{name}' has shape {list(got)} but config.json implies {list(shape)}"
                 )
+            dtype = self.dtype_name(name)
+            if dtype not in WEIGHT_DTYPES:
+                raise HFCheckpointError(f"{self.dir}: tensor '{name}' is stored as {dtype}: quantized / integer "
+                                        f"weights are not converted (supported: {', '.join(WEIGHT_DTYPES)})")
         extra = sorted(present - set(expected))
         if extra:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""

@@ -145,9 +145,12 @@ def load_megatron(
     initialisation (the PPO value head, which a language-model checkpoint does not have)."""
     from megatron.core import dist_checkpointing
 
+    from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
+
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}: not a megatron dist checkpoint (no metadata.json)")
+    validate_dist_checkpoint(ckpt_dir)  # before megatron unpickles anything in it
     own = tuple(key_prefix + k for k in keep_own)
     request = {name: {k: v for k, v in sd.items() if not (own and k.startswith(own))}
                for name, sd in _sharded_state_dict(model_chunks, key_prefix).items()}
@@ -184,7 +187,21 @@ def read_megatron_config(ckpt_dir: str | Path) -> ModelConfig:
         raise FileNotFoundError(
             f"{ckpt_dir}: no {MODEL_CONFIG_NAME} (written by megatron-spo convert and with trainer checkpoints)"
         )
-    return ModelConfig.model_validate(json.loads(path.read_text()))
+    from pydantic import ValidationError
+
+    from megatron_spo.models.dcp_metadata import CheckpointFileError
+    from megatron_spo.models.hf_checkpoint import pydantic_field_error
+
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, RecursionError) as err:
+        raise CheckpointFileError(f"{path}: invalid JSON ({type(err).__name__}: {str(err)[:100]})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointFileError(f"{path}: not a JSON object")
+    try:
+        return ModelConfig.model_validate(raw)
+    except ValidationError as err:
+        raise CheckpointFileError(f"{path}: {pydantic_field_error(err)}") from None
 
 
 def checkpoint_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -257,6 +274,9 @@ def load_parts(parts: list, ckpt_dir: str | Path, key_prefix: str = "") -> None:
 
     from megatron.core import dist_checkpointing
 
+    from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
+
+    validate_dist_checkpoint(ckpt_dir)  # cached: once per checkpoint
     request = {}
     for i, st in enumerate(parts):
         # A layer's tensor is one slice of a stacked [num_layers, ...] tensor. Stated with explicit unit
@@ -359,10 +379,10 @@ class MappedTorchDist:
     """
 
     def __init__(self, dist_dir: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
+        from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
 
         self.dir = Path(dist_dir)
-        metadata = FileSystemReader(str(self.dir)).read_metadata()
+        metadata = validate_dist_checkpoint(self.dir)
         self._where = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}
         self._maps: dict[str, mmap.mmap] = {}
 
