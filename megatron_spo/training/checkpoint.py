@@ -82,6 +82,9 @@ def resume(trainer) -> None:
         return
     step, path = payload[0]
     path = Path(path)
+    from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
+
+    validate_dist_checkpoint(path / "dist")  # data, never code: before megatron unpickles anything
     sharded = sharded_state_dict(trainer, is_loading=True)
     state = dist_checkpointing.load(sharded, str(path / "dist"))
     for name, chunks, opt in (("policy", trainer.policy, trainer.optimizer), ("value", trainer.value, trainer.value_optimizer)):
@@ -92,7 +95,7 @@ def resume(trainer) -> None:
         opt.load_state_dict(state[f"{name}_optimizer"])
     rng_file = path / f"rng_rank{trainer.rank:05d}.pt"
     if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_rng_file(rng_file))
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     trainer.step = trainer_state["step"]
     trainer.policy_version = trainer_state["policy_version"]
@@ -100,6 +103,22 @@ def resume(trainer) -> None:
         trainer.sampler.load_state_dict(trainer_state["sampler"])
     if trainer.rank == 0:
         print(f"[megatron-spo] resumed from {path} at step {trainer.step}", flush=True)
+
+
+def load_rng_file(path: Path) -> dict:
+    """An rng_rank*.pt as plain data (weights_only; numpy's RNG state is an ndarray of uint32)."""
+    import numpy as np
+
+    from megatron_spo.models.dcp_metadata import CheckpointFileError, weights_only_refusal
+
+    core = np._core if hasattr(np, "_core") else np.core
+    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointFileError(f"{path}: {weights_only_refusal(err)} (an RNG state file is data, never code)") \
+            from None
 
 
 def _ckpt_prefix(name: str) -> str:
