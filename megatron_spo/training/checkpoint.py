@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_spo.config import dump_config
 from megatron_spo.run_layout import rng_state, set_rng_state
+
+CONFIG_NAME = "config.yaml"
+HISTORY_DIR = "config-history"
 
 
 def sharded_state_dict(trainer, is_loading: bool = False) -> dict:
@@ -49,6 +54,7 @@ def save(trainer) -> Path:
             state = {"step": trainer.step, "policy_version": trainer.policy_version,
                      "sampler": trainer.sampler.state_dict()}
             (d / "trainer_state.json").write_text(json.dumps(state))
+            (d / CONFIG_NAME).write_text(dump_config(trainer.cfg))  # what a resume compares its config with
             write_model_description(trainer, d)
 
     return trainer.ckpt.save(trainer.step, write, {"world_size": trainer.world, "algo": trainer.cfg.algo})
@@ -82,6 +88,7 @@ def resume(trainer) -> None:
         return
     step, path = payload[0]
     path = Path(path)
+    trainer.config_changes = check_resume_config(trainer.cfg, path, trainer.run_dir)
     from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
 
     validate_dist_checkpoint(path / "dist")  # data, never code: before megatron unpickles anything
@@ -119,6 +126,77 @@ def load_rng_file(path: Path) -> dict:
     except Exception as err:
         raise CheckpointFileError(f"{path}: {weights_only_refusal(err)} (an RNG state file is data, never code)") \
             from None
+
+
+# Fields a resume may change without checkpoint.allow_config_change: more steps, where the (re)started fleet
+# is, how the run logs, how many checkpoints it keeps, and the allowance itself.
+RESUME_FREE = ("steps", "fleet", "logging", "checkpoint.keep_last", "checkpoint.allow_config_change")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_changes(old: dict, new: dict) -> list[str]:
+    """'field: old -> new' for every field that differs between two config dumps (RESUME_FREE fields aside)."""
+    a, b = flatten(old), flatten(new)
+    changed = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == f or key.startswith(f + ".") for f in RESUME_FREE) or a.get(key) == b.get(key):
+            continue
+        changed.append(f"{key}: {a.get(key, '(absent)')!r} -> {b.get(key, '(absent)')!r}")
+    return changed
+
+
+def check_resume_config(cfg, step_dir: Path, run_dir: Path) -> list[str]:
+    """The changes of ``cfg`` against the config the checkpoint was written with (its config.yaml; the run's
+    for checkpoints older than that). A change is refused (ConfigError listing them) unless
+    checkpoint.allow_config_change: resuming with another lr, batch or data silently is a different run."""
+    import yaml
+
+    from megatron_spo.config import ConfigError
+
+    saved = next((p for p in (step_dir / CONFIG_NAME, run_dir / CONFIG_NAME) if p.is_file()), None)
+    if saved is None:
+        return []
+    old = yaml.safe_load(saved.read_text()) or {}
+    try:  # through today's config class: a field added since (with its default) is no change of the user's
+        old = type(cfg).model_validate(old).model_dump(mode="json")
+    except ValueError:
+        pass  # a field since removed: compare the dumps as they are
+    changes = config_changes(old, cfg.model_dump(mode="json"))
+    if changes and not cfg.checkpoint.allow_config_change:
+        raise ConfigError(f"resume: the config differs from the one {step_dir} was written with ({'; '.join(changes)})"
+                          f"; to resume with it pass checkpoint.allow_config_change=true (megatron-spo train "
+                          "--allow-config-change), or train into another run_dir")
+    return changes
+
+
+def record_config(trainer) -> Path:
+    """Rank 0 at start: RUN_DIR/config.yaml keeps the run's first config (never overwritten); every start adds
+    config-history/NNN-stepS.yaml, the config it ran with, headed by the changes it was allowed. Returns it."""
+    import time
+
+    run_dir = Path(trainer.run_dir)
+    history = run_dir / HISTORY_DIR
+    history.mkdir(parents=True, exist_ok=True)
+    text = dump_config(trainer.cfg)
+    if not (run_dir / CONFIG_NAME).exists():
+        (run_dir / CONFIG_NAME).write_text(text)
+    changes = getattr(trainer, "config_changes", [])
+    head = [f"# started {time.strftime('%Y-%m-%d %H:%M:%S')} at step {trainer.step}"]
+    head += [f"# changed on resume: {c}" for c in changes]
+    entry = history / f"{len(list(history.glob('*.yaml'))):03d}-step{trainer.step}.yaml"
+    entry.write_text("\n".join(head) + "\n" + text)
+    if changes:
+        print(f"[megatron-spo] resumed with a changed config ({'; '.join(changes)}); recorded in {entry}", flush=True)
+    return entry
 
 
 def _ckpt_prefix(name: str) -> str:

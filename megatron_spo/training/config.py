@@ -171,6 +171,8 @@ class CheckpointConfig(StrictModel):
     keep_last: int = Field(2, gt=0)
     dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
     export_hf: bool = Field(True, description="write the final policy as an HF directory RUN_DIR/hf")
+    allow_config_change: bool = Field(False, description="resume with a config that differs from the checkpoint's "
+                                      "(the changes are logged and kept in RUN_DIR/config-history); else refused")
 
 
 class LoggingConfig(StrictModel):

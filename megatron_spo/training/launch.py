@@ -155,7 +155,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6 algo=ppo")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the config as `megatron-spo validate` does, spawn nothing, exit 1 on a problem")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume even though the config differs from the checkpoint's (checkpoint."
+                        "allow_config_change=true): the changes are listed and kept in RUN_DIR/config-history")
     args = parser.parse_intermixed_args(argv)
+    if args.allow_config_change:
+        args.overrides.append("checkpoint.allow_config_change=true")
     if args.dry_run:
         from megatron_spo.validate import print_report, validate_file
 

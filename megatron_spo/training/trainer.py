@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_spo.config import ConfigError, dump_config
+from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import (
     TrainBatch,
 )
@@ -140,7 +140,7 @@ class Trainer:
                                      resume_from_step=self.step)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            checkpoint.record_config(self)  # config.yaml stays the first; config-history/ gets this start's
 
     # -- setup ---------------------------------------------------------------------------------
     def _load_initial_weights(self, chunks=None, keep_own: tuple[str, ...] = ()) -> None:
