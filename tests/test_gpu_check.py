@@ -88,9 +88,10 @@ def test_pins_must_be_exact(tmp_path):
 @pytest.mark.slow
 @pytest.mark.megatron
 def test_megatron_parity_and_training_pass_on_cpu_at_tiny_size(tmp_path):
-    """Parts 2 and 3 as the GPU runs them, on the CPU (gloo, fp32 and bf16, one family; SPO, GRPO, PPO)."""
+    """Parts 2 and 3 as the GPU runs them, on the CPU (gloo, fp32 and bf16, one family; SPO, GRPO, PPO), importing
+    only what the GPU machine has or the wheels bring."""
     proc, report, md = run_check("--device", "cpu", "--no-install", "--parts", "megatron-parity,training",
-                                 "--out", str(tmp_path))
+                                 "--simulate-gpu-machine", "--out", str(tmp_path))
     parts = {p["name"]: p for p in report["parts"]}
     assert proc.returncode == 0, (proc.stdout[-3000:], {k: p.get("log_tail") for k, p in parts.items()})
     assert (report["mode"], report["size"], report["install"]["status"]) == ("run", "tiny", "skipped")
@@ -108,3 +109,28 @@ def test_megatron_parity_and_training_pass_on_cpu_at_tiny_size(tmp_path):
         losses = parts["training"]["numbers"][f"{algo} losses"]
         assert len(losses) == 2 and all(isinstance(x, float) for x in losses)
     assert "| megatron-parity | 2 | pass |" in md and "| training | 3 | pass |" in md
+    assert report["simulated_gpu_machine"]["refused_imports"] == []
+
+
+def test_the_import_guard_refuses_in_the_checkout_what_the_gpu_machine_lacks(tmp_path):
+    """msgspec (a test dependency here, absent there) neither imports nor is found from the checkout's code;
+    yaml (there) imports; the same import from outside the checkout is left alone."""
+    checkout, outside = tmp_path / "checkout", tmp_path / "outside"
+    checkout.mkdir(), outside.mkdir()
+    probe = (
+        "import importlib.util, json\n"
+        "import yaml\n"
+        "try:\n    import msgspec\n    imported = True\nexcept ModuleNotFoundError as err:\n    imported = str(err)\n"
+        "print(json.dumps([imported, importlib.util.find_spec('msgspec') is not None]))\n"
+    )
+    (checkout / "probe.py").write_text(probe)
+    (outside / "probe.py").write_text(probe)
+    env = gpu_check.part_env("cpu", None, {**gpu_check.import_guard(tmp_path), "GPU_CHECK_REPO": str(checkout)})
+    results = {}
+    for where in (checkout, outside):
+        proc = subprocess.run([sys.executable, str(where / "probe.py")], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[where.name] = json.loads(proc.stdout)
+    assert results["checkout"] == ["No module named 'msgspec' (not on the GPU machine)", False]
+    assert results["outside"] == [True, True]
+    assert (tmp_path / "refused-imports.log").read_text().split() == ["msgspec", "msgspec"]
