@@ -6,9 +6,11 @@ temperature T and reports log softmax(logits / T) of each token, as SGLang does.
 
 import json
 import math
+import re
 from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 from io import StringIO
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,15 +83,15 @@ def train_against_engines(runs: list[tuple[dict, bool, str]]) -> None:
 
     for i, (cfg_data, corrupt, out_file) in enumerate(runs):
         printed = StringIO()
-        trainer = Trainer(TrainConfig.model_validate(cfg_data), online_source=HFEngine(cfg_data["init"]["hf"], corrupt))
-        try:
-            with redirect_stdout(printed):
+        with redirect_stdout(printed):  # not a terminal: progress lines, as under SLURM
+            trainer = Trainer(TrainConfig.model_validate(cfg_data), online_source=HFEngine(cfg_data["init"]["hf"], corrupt))
+            try:
                 trainer.train()
-        finally:
-            trainer.close(keep_process_group=i < len(runs) - 1)
+            finally:
+                trainer.close(keep_process_group=i < len(runs) - 1)
         metrics = [json.loads(line) for line in open(f"{cfg_data['run_dir']}/metrics.jsonl")]
         with open(out_file, "w") as f:
-            json.dump({"metrics": metrics, "printed": printed.getvalue()}, f)
+            json.dump({"metrics": metrics, "printed": printed.getvalue(), "run_dir": cfg_data["run_dir"]}, f)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,7 @@ def runs(tmp_path_factory):
     hf = make_tiny_hf(str(root / "hf"))
     cfg = dict(steps=3, algo="spo", beta=0.5, init={"hf": hf}, optimizer={"lr": 1e-2, "warmup_steps": 1},
                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
-               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False})
+               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": True})
     todo = [(dict(cfg, run_dir=str(root / name)), name == "wrong", str(root / f"{name}.json"))
             for name in ("right", "wrong")]
     spawn_local(train_against_engines, 1, todo)
@@ -118,6 +120,28 @@ def test_a_correct_push_keeps_the_gap_at_fp32_noise(runs):
         assert abs(m["logprob_gap/mismatch_kl"]) < 1e-8
     assert metrics[-1]["grad_norm"] > 0  # the policy moved: the pushes carried new weights each step
     assert "log-prob gap" not in runs["right"]["printed"]
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_what_a_run_prints_off_a_terminal(runs, tmp_path_factory):
+    """The start banner, one progress line per step with elapsed time, s/step and ETA, and megatron-core's
+    warnings counted in one line instead of printed (RUN_DIR/warnings.log keeps them)."""
+    lines = runs["right"]["printed"].splitlines()
+    assert lines[0].startswith("[megatron-spo] train: algo spo, 3 steps (from step 0), run dir /")
+    assert lines[1].startswith("[megatron-spo] model: llama, 2 layers, hidden 32, ") and "parameters, float32" in lines[1]
+    assert lines[2] == "[megatron-spo] layout: 1 rank(s) = TP 1 x PP 1 x DP 1, sequence parallel off, distributed optimizer off"
+    assert re.match(r"\[megatron-spo\] versions: megatron-core \d[\w.]*, torch \d", lines[3])
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"]
+    assert all(re.search(r"logprob_gap [\d.e-]+ \| elapsed \d+:\d\d, \d+\.\d\d s/step, ETA \d+:\d\d$", line)
+               for line in steps), steps
+    assert steps[-1].endswith("ETA 0:00")
+    summary = [line for line in lines if "library warning" in line]  # after the model build, and at the end
+    run_dir = runs["right"]["run_dir"]
+    logged = (Path(run_dir) / "warnings.log").read_text().count("Warning: ") if summary else 0
+    assert sum(int(re.match(r"\[megatron-spo\] (\d+) ", line).group(1)) for line in summary) == logged
+    assert all(line.endswith(f"suppressed, see {run_dir}/warnings.log") for line in summary)
 
 
 @pytest.mark.megatron

@@ -292,10 +292,29 @@ def plot_main(argv: list[str]) -> int:
     return 0
 
 
+def duration(seconds: float) -> str:
+    """'1:02:03' / '2:03' / '-' (unknown) for a log line."""
+    if not math.isfinite(seconds):
+        return "-"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{sec:02d}" if hours else f"{minutes}:{sec:02d}"
+
+
+def timing(step: int, total: int, start: int, elapsed: float) -> str:
+    """'elapsed 2:03, 4.10 s/step, ETA 6:09' of a run started at step `start`, now at `step` of `total`."""
+    done = step - start
+    per_step = elapsed / done if done > 0 else math.nan
+    return f"elapsed {duration(elapsed)}, {per_step:.2f} s/step, ETA {duration(per_step * (total - step))}"
+
+
 def progress_line(enabled: bool, total: int, start: int):
-    """A rich progress bar (rank 0): returns update(step, metrics); update(None, None) closes it."""
+    """A rich progress bar on a terminal (rank 0), else one line per step with elapsed time, s/step and ETA
+    (SLURM logs; MEGATRON_SPO_PROGRESS=1 forces the bar). Returns update(step, metrics); update(None, None)
+    closes it."""
     if not enabled:
         return lambda step, metrics: None
+    t0 = time.monotonic()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -317,8 +336,10 @@ def progress_line(enabled: bool, total: int, start: int):
             info += f" kl(old) {metrics['approx_kl_old_new']:.4f} clip {metrics.get('clip_fraction', 0.0):.2f}"
         if "entropy" in metrics:  # nats per response token
             info += f" entropy {metrics['entropy']:.3f}"
+        if "logprob_gap/mean_abs" in metrics:  # engines vs trainer (training/logprob_gap.py)
+            info += f" logprob_gap {metrics['logprob_gap/mean_abs']:.2g}"
         bar.update(task, completed=step, info=info)
         if not bar.live.is_started or bar.disable:
-            print(f"step {step}/{total} {info}", flush=True)
+            print(f"step {step}/{total} {info} | {timing(step, total, start, time.monotonic() - t0)}", flush=True)
 
     return update

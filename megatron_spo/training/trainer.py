@@ -41,8 +41,10 @@ from megatron_spo.training.logprob_gap import GapPass, GapTally, gap_metrics, ga
 from megatron_spo.training.logprob_gap import tally as gap_tally
 from megatron_spo.training.metrics import MetricsLogger, progress_line
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, pad_rows, shard
+from megatron_spo.training.run_log import LIBRARY_WARNINGS, start_banner
 from megatron_spo.training.sources import build_archive, build_sampler
 
+LIBRARY_WARNINGS.install()  # megatron-core's import-time warnings: kept for RUN_DIR/warnings.log, not printed
 IGNORE_INDEX = -100  # targets the fused log-prob op skips: prompt and padding positions (outside loss_mask)
 
 
@@ -93,6 +95,8 @@ class Trainer:
         from megatron_spo.models.parallel import init_parallel
 
         self.cfg = cfg
+        # megatron-core's import-time and model-build warnings go to RUN_DIR/warnings.log, summarised in one line
+        self.library_warnings = LIBRARY_WARNINGS.attach(cfg.run_dir, enabled=os.environ.get("RANK", "0") == "0")
         check_logprobs(cfg.logprobs)
         self.algorithm = make_algorithm(cfg)
         # first of all: a SLURM warning signal during the (long) model build must not kill the rank
@@ -141,6 +145,8 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             checkpoint.record_config(self)  # config.yaml stays the first; config-history/ gets this start's
+            print(start_banner(cfg, self.model_cfg, self.world, self.step), flush=True)
+            self._print_library_warnings()
 
     # -- setup ---------------------------------------------------------------------------------
     def _load_initial_weights(self, chunks=None, keep_own: tuple[str, ...] = ()) -> None:
@@ -546,7 +552,13 @@ class Trainer:
         finally:
             progress(None, None)
             self.metrics.close()
+            self._print_library_warnings()
         return self.step
+
+    def _print_library_warnings(self) -> None:
+        line = self.library_warnings.summary()
+        if line and self.rank == 0:
+            print(line, flush=True)
 
     def close(self, keep_process_group: bool = False) -> None:
         """Release signal handlers and megatron's groups (and the default group unless kept, e.g. to
@@ -556,6 +568,7 @@ class Trainer:
         from megatron_spo.models.parallel import destroy_parallel
 
         self.preemption.restore()
+        self.library_warnings.close()
         if self.archive is not None:
             self.archive.close()
         if self.online is not None and hasattr(self.online, "close"):
