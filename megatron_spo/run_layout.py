@@ -171,8 +171,30 @@ def children_ignore_preemption_signals():
             signal.signal(sig, handler)
 
 
+class Stopped(Exception):
+    """A preemption signal arrived while the run waited (for rollouts, engines, a push): the wait gives up
+    so the run can checkpoint what finished and exit within seconds. The message is the one-line reason."""
+
+
+_handlers: list[PreemptionHandler] = []  # installed and not yet restored
+
+
+def stop_signal() -> int | None:
+    """The preemption signal a live PreemptionHandler of this process received, if any: what long waits
+    poll (every ~0.5 s) so SIGTERM is honoured while waiting, not only between steps."""
+    return next((h.received for h in _handlers if h.received is not None), None)
+
+
+def raise_if_stopped(waiting_for: str) -> None:
+    """Stopped('SIGTERM received while waiting for ...') once a preemption signal has arrived."""
+    signum = stop_signal()
+    if signum is not None:
+        raise Stopped(f"{signal.Signals(signum).name} received while waiting for {waiting_for}")
+
+
 class PreemptionHandler:
-    """Records that a checkpoint-and-exit was requested; the train loop polls `requested()` each step.
+    """Records that a checkpoint-and-exit was requested; the train loop polls `requested()` each step,
+    and long waits poll `stop_signal()` (raising Stopped).
 
     `requested()` is collective when torch.distributed is initialised (a MAX all-reduce), so all ranks
     stop at the same step even if the signal reached only some of them.
@@ -183,6 +205,7 @@ class PreemptionHandler:
         self._previous = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        _handlers.append(self)
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
@@ -197,3 +220,5 @@ class PreemptionHandler:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self in _handlers:
+            _handlers.remove(self)

@@ -104,8 +104,9 @@ def test_router_command(source, tmp_path):
         argv = fleet_router(tmp_path)
         expected = dict(host="127.0.0.1", port=30000,
                         worker_urls=["http://127.0.0.1:30001", "http://127.0.0.1:30002"],
-                        policy="round_robin", log_level="warn", health_check_interval_secs=2,
-                        health_failure_threshold=1, worker_startup_timeout_secs=300,
+                        policy="round_robin", log_level="warn", health_check_interval_secs=5,
+                        health_check_timeout_secs=30, health_failure_threshold=12, health_success_threshold=1,
+                        worker_startup_timeout_secs=300,
                         prometheus_host="127.0.0.1",
                         prometheus_port=int(argv[argv.index("--prometheus-port") + 1]))
     args = sgl.parse_router_argv(argv)

@@ -49,6 +49,9 @@ class RolloutConfig(StrictModel):
     request_timeout_s: float = Field(300.0, gt=0)
     wait_timeout_s: float = Field(1800.0, gt=0, description="the trainer stops with an error when an online batch "
                                   "does not arrive within this (dead engines, sandbox or rewards), never hangs")
+    engine_wait_s: float = Field(600.0, gt=0, description="the trainer stops with a one-line error when no rollout "
+                                 "engine has answered (a generated token, or a health check before the first push) "
+                                 "this long after it started: a fleet that is down is not waited on for ever")
     max_retries: int = Field(5, ge=0, description="retries of one request on engine errors, then it fails")
     retry_backoff_s: float = Field(0.5, gt=0, description="first backoff; doubles per retry up to the max")
     retry_backoff_max_s: float = Field(10.0, gt=0)

@@ -43,12 +43,18 @@ from megatron_spo.rollout.rwlock import RWLock
 log = logging.getLogger("megatron_spo.engine")
 
 
+def default_health_timeout() -> float:
+    """SGLang's HEALTH_CHECK_TIMEOUT: SGLANG_HEALTH_CHECK_TIMEOUT seconds, default 20."""
+    return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+
+
 class EngineServer:
     """aiohttp front of one LocalEngine, whose Scheduler thread does all model work."""
 
     def __init__(self, engine: LocalEngine, *, host: str, port: int, max_batch_size: int = 64,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, health_timeout_s: float | None = None):
         self.engine = engine
+        self.health_timeout_s = default_health_timeout() if health_timeout_s is None else health_timeout_s
         self.host, self.port = host, port
         self.served_model_name = served_model_name or engine.model_path
         self.scheduler = Scheduler(engine, max_batch_size=max_batch_size)
@@ -108,8 +114,17 @@ class EngineServer:
 
     # --- info ------------------------------------------------------------------------------------
     async def health(self, request):
+        """SGLang's /health (and /health_generate) runs a one-token generation: while generation is paused it
+        waits, and answers 503 once it has waited health_timeout_s (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) with
+        no output; an engine that is not paused answers at once."""
         from aiohttp import web
 
+        async with self.pause_cond:
+            try:
+                await asyncio.wait_for(self.pause_cond.wait_for(lambda: not self.is_pause), self.health_timeout_s)
+            except TimeoutError:
+                log.error("Health check failed: generation paused for the last %g seconds", self.health_timeout_s)
+                return web.Response(status=503)
         return web.Response(status=200)
 
     async def model_info(self, request):
@@ -392,6 +407,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="sampling_seed takes effect (SGLang's flag; the n samples of a request share it)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--health-timeout", type=float, default=None,
+                        help="seconds /health waits while generation is paused before it answers 503, as SGLang's "
+                             "one-token health generation does (default: SGLANG_HEALTH_CHECK_TIMEOUT or 20)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine:%(port)s %(levelname)s %(message)s"
@@ -414,7 +432,7 @@ def main(argv: list[str]) -> int:
         print(f"megatron-spo serve: error: {err}", file=sys.stderr)
         return 2
     server = EngineServer(engine, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-                          served_model_name=args.served_model_name)
+                          served_model_name=args.served_model_name, health_timeout_s=args.health_timeout)
     log.info("serving %s on http://%s:%d", args.model, args.host, args.port)
     web.run_app(server.build_app(), host=args.host, port=args.port, print=None, access_log=None,
                 handler_cancellation=True)  # a client that disconnects cancels its /generate

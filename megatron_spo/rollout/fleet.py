@@ -47,6 +47,28 @@ class FleetError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class RouterHealth:
+    """sglang-router's checks of its workers' /health. SGLang's /health runs a one-token generation, so
+    during a weight push's pause it blocks and answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s): a
+    worker is marked unhealthy only after ``failures`` checks in a row fail, about
+    failures x (interval_s + timeout_s) = 12 x 35 s = 7 min of pause, longer than a push of 70B weights.
+    (A worker whose process exits is taken out at once by Fleet's own watcher, not by these checks.)"""
+
+    interval_s: int = 5
+    timeout_s: int = 30  # above SGLang's 20 s, so a paused engine's own 503 is what the router sees
+    failures: int = 12
+    successes: int = 1  # back in service at the first good answer after the push
+
+    def tolerated_pause_s(self) -> float:
+        return self.failures * (self.interval_s + self.timeout_s)
+
+    def args(self) -> list[str]:
+        return ["--health-check-interval-secs", str(self.interval_s), "--health-check-timeout-secs",
+                str(self.timeout_s), "--health-failure-threshold", str(self.failures),
+                "--health-success-threshold", str(self.successes)]
+
+
 @dataclass
 class ManagedProcess:
     name: str
@@ -66,7 +88,7 @@ class Fleet:
                  host: str = "127.0.0.1", engine_ports: list[int] | None = None, engine_command: str | None = None,
                  engine_args: list[str] | None = None, router: bool = True, router_args: list[str] | None = None,
                  threads_per_engine: int | None = 1, startup_timeout_s: float = 300.0, log_dir: str | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, router_health: RouterHealth | None = None):
         if num_engines < 1:
             raise FleetError(f"fleet: --engines must be >= 1, got {num_engines}")
         if engine_command is None and (model_dir is None or not os.path.isdir(model_dir)):
@@ -92,7 +114,7 @@ class Fleet:
             port = router_port or free_port()
             cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                    "--worker-urls", *[e.url for e in self.engines], "--policy", "round_robin",
-                   "--log-level", "warn", "--health-check-interval-secs", "2", "--health-failure-threshold", "1",
+                   "--log-level", "warn", *(router_health or RouterHealth()).args(),
                    "--worker-startup-timeout-secs", str(int(startup_timeout_s)),
                    # its metrics exporter binds a fixed default port: a second router on the host would panic
                    "--prometheus-host", host, "--prometheus-port", str(free_port()), *(router_args or [])]

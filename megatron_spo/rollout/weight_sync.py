@@ -52,6 +52,7 @@ from megatron_spo.rollout.protocol import (
 log = logging.getLogger("megatron_spo.weight_sync")
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+PROBE_TIMEOUT_S = 10.0  # an engine that does not answer /server_info in this is left out of the push
 
 
 class WeightSyncError(RuntimeError):
@@ -322,20 +323,21 @@ class WeightBroadcaster:
         return [u for u in urls if u not in bad]
 
     def _ready(self, targets: tuple[str, ...], failed: dict[str, str]) -> list[str]:
-        """Engines that answer /health and, for a broadcast, report a TP size (dp_size 1) that agrees with
-        the launch config: checked before anything is sent, so the group's world size is right."""
+        """Engines that answer /server_info and, for a broadcast, report a TP size (dp_size 1) that agrees
+        with the launch config: checked before anything is sent, so the group's world size is right.
+
+        Not /health: SGLang's runs a one-token generation, which waits while generation is paused and answers
+        503 after 20 s, so an engine a failed push left paused would be found 'unreachable' on every later
+        push and never resynced. /server_info is answered while paused."""
         def probe(url: str) -> str | None:
             try:
-                status, _ = get_json(f"{url}/health", 10.0)
-                if status != 200:
-                    return f"/health: HTTP {status}"
-                if self.mode != "broadcast":
-                    return None
-                status, info = get_json(f"{url}/server_info", 10.0)
+                status, info = get_json(f"{url}/server_info", PROBE_TIMEOUT_S)
             except OSError as err:
                 return f"unreachable: {err}"
             if status != 200 or not isinstance(info, dict):
                 return f"/server_info: HTTP {status}"
+            if self.mode != "broadcast":
+                return None
             tp, dp = info.get("tp_size"), info.get("dp_size", 1)
             if not isinstance(tp, int) or tp < 1:
                 return f"/server_info has no valid tp_size ({tp!r})"

@@ -11,18 +11,30 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import signal
 import sys
 from pathlib import Path
 
+from megatron_spo.cli import STOP_SIGNALS, exit_while_starting
 from megatron_spo.config import ConfigError, load_config
+from megatron_spo.run_layout import Stopped
 from megatron_spo.training.config import TrainConfig
+from megatron_spo.training.online import FleetUnavailable
 from megatron_spo.training.trainer import Trainer, _model_config_from_init
+
+
+class RankExited(RuntimeError):
+    """A spawned rank ended without a Python exception (a signal, os._exit): one line naming it."""
 
 
 def run(cfg_data: dict) -> int:
     """Train in this process (one rank of a torchrun / srun / spawn launch)."""
     cfg = TrainConfig.model_validate(cfg_data)
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except Stopped as stop:  # SIGTERM while starting up (waiting for the rollout side): nothing to save
+        print(f"[megatron-spo] {stop} (starting up): no step had finished, exiting", flush=True)
+        return 0
     try:
         return trainer.train()
     finally:
@@ -141,6 +153,14 @@ def launch(cfg: TrainConfig) -> None:
     try:
         while not ctx.join(timeout=1.0):
             pass
+    except mp.ProcessRaisedException as err:  # a rank's one-line reason, not its traceback
+        last = str(err).strip().splitlines()[-1]
+        name, _, reason = last.partition(": ")
+        if name.endswith("FleetUnavailable"):
+            raise FleetUnavailable(reason) from None
+        raise
+    except mp.ProcessExitedException as err:  # e.g. SIGTERM forwarded before the rank could handle it
+        raise RankExited(f"rank {err.error_index} {str(err).partition(' ')[2]}") from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -153,24 +173,25 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo train", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config (see examples/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-6 algo=ppo")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="check the config as `megatron-spo validate` does, spawn nothing, exit 1 on a problem")
     parser.add_argument("--allow-config-change", action="store_true",
                         help="resume even though the config differs from the checkpoint's (checkpoint."
                         "allow_config_change=true): the changes are listed and kept in RUN_DIR/config-history")
     args = parser.parse_intermixed_args(argv)
     if args.allow_config_change:
         args.overrides.append("checkpoint.allow_config_change=true")
-    if args.dry_run:
-        from megatron_spo.validate import print_report, validate_file
-
-        return print_report(validate_file(args.config, args.overrides), args.config, "megatron-spo train --dry-run")
-    cfg = load_config(TrainConfig, args.config, args.overrides)
     from megatron_spo.memory import MemoryPreflightError
 
+    # until the trainer's PreemptionHandler takes over (Trainer.__init__), SIGTERM exits at once in one line
+    previous = {sig: signal.signal(sig, exit_while_starting) for sig in STOP_SIGNALS}
     try:
-        launch(cfg)
+        launch(load_config(TrainConfig, args.config, args.overrides))
     except MemoryPreflightError as err:
         print(f"megatron-spo train: error: {err}", file=sys.stderr)
         return 2
+    except (FleetUnavailable, RankExited) as err:
+        print(f"megatron-spo train: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0

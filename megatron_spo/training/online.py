@@ -10,28 +10,44 @@ loop as the 'online' data source, and the weight pushes to the fleet.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import os
 import threading
+import time
 from typing import Any
 
 from megatron_spo.config import ConfigError
 from megatron_spo.rollout.client import wait_healthy
-from megatron_spo.run_layout import children_ignore_preemption_signals
+from megatron_spo.run_layout import Stopped, children_ignore_preemption_signals, raise_if_stopped
 from megatron_spo.training.config import TrainConfig
 
 log = logging.getLogger("megatron_spo.online")
 
 
-# As long as slurm/spo.sbatch lets sglang-router wait for its workers (loading a 70B model takes minutes).
-FLEET_STARTUP_TIMEOUT_S = 1800.0
+POLL_S = 0.5  # how often a wait looks for a preemption signal and for a fleet that never answered
+
+
+class FleetUnavailable(RuntimeError):
+    """No rollout engine answered within rollout.engine_wait_s: the message is the one-line reason."""
 
 
 def weight_sync_address() -> str:
     """The address engines reach this process at for the weight-broadcast rendezvous: SPO_WEIGHT_SYNC_ADDR,
     else MASTER_ADDR (rank 0 runs on the first trainer node, the one MASTER_ADDR names), else 127.0.0.1."""
     return os.environ.get("SPO_WEIGHT_SYNC_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def _probe(url: str) -> str:
+    """What an endpoint answers right now, for the error naming it (/model_info: SGLang answers it even
+    while generation is paused)."""
+    from megatron_spo.rollout.client import get_json
+
+    try:
+        return f"/model_info: HTTP {get_json(url.rstrip('/') + '/model_info', 2.0)[0]}"
+    except OSError as err:
+        return str(getattr(err, "reason", None) or err)
 
 
 async def _stats(manager) -> dict[str, float]:
@@ -71,7 +87,8 @@ class OnlineSource:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
         self.thread.start()
-        self._call(manager.start())
+        self.started = time.monotonic()
+        self._wait(manager.start(), "the rollout manager to start")
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> OnlineSource:
@@ -135,6 +152,33 @@ class OnlineSource:
     broadcaster = None
     last_sync_error: str | None = None
     _fleet_seen_healthy = False
+    _fleet_answered = False
+
+    def _wait(self, coro, waiting_for: str) -> Any:
+        """Run coro on the loop and wait for its result, every POLL_S giving up with Stopped once SIGTERM /
+        SIGUSR1 arrived (so the trainer checkpoints and exits in seconds) and with FleetUnavailable once no
+        engine has answered for rollout.engine_wait_s."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            while not future.done():
+                concurrent.futures.wait([future], timeout=POLL_S)
+                if not future.done():
+                    raise_if_stopped(waiting_for)
+                    self._check_fleet_answers()
+        except BaseException:
+            future.cancel()
+            raise
+        return future.result()
+
+    def _check_fleet_answers(self) -> None:
+        if self._fleet_answered or self.manager.metrics.generated_tokens > 0:
+            self._fleet_answered = True
+            return
+        wait_s = self.manager.cfg.engine_wait_s
+        if time.monotonic() - self.started > wait_s:
+            urls = [ep.url for ep in self.manager.endpoints]
+            raise FleetUnavailable(f"rollout fleet: no engine answered within {wait_s:g} s (rollout.engine_wait_s): "
+                                   + ", ".join(f"{u} ({why})" for u, why in zip(urls, map(_probe, urls))))
 
     def _call(self, coro, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -147,7 +191,7 @@ class OnlineSource:
         n = self.manager.cfg.samples_per_prompt
         timeout_s = timeout_s or self.manager.cfg.wait_timeout_s
         try:
-            groups = self._call(self.manager.get_groups(math.ceil(k / n), timeout_s))
+            groups = self._wait(self.manager.get_groups(math.ceil(k / n), timeout_s), "rollouts")
         except TimeoutError:
             stats = ", ".join(f"{key.split('/')[-1]} {value:g}" for key, value in self.stats().items()
                               if key.split("/")[-1] in ("requests", "failed_requests", "retries", "reward_errors",
@@ -176,7 +220,17 @@ class OnlineSource:
         if not self._fleet_seen_healthy:
             # the first push may come before a freshly (re)started fleet is up (a resumed run re-sends its
             # weights at once): an engine missing it would stay gated off with nothing left to train on
-            wait_healthy(self.broadcaster.engine_urls, FLEET_STARTUP_TIMEOUT_S)
+            def stopped(_url: str) -> None:  # asked at every poll: SIGTERM ends the wait (Stopped)
+                raise_if_stopped("the rollout engines to become healthy")
+
+            try:
+                wait_healthy(self.broadcaster.engine_urls, self.manager.cfg.engine_wait_s, dead=stopped)
+            except (RuntimeError, Stopped) as err:
+                for _ in named_tensors:  # a collective gather: the other ranks see it through
+                    pass
+                if isinstance(err, Stopped):
+                    raise
+                raise FleetUnavailable(f"{err} (rollout.engine_wait_s)") from None
             self._fleet_seen_healthy = True
         try:
             metrics = self.broadcaster.push(named_tensors, version=str(version)).metrics()

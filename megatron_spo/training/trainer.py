@@ -32,7 +32,7 @@ from megatron_spo.data.batching import (
     TrainBatch,
 )
 from megatron_spo.memory import peak_rss_gb
-from megatron_spo.run_layout import CheckpointDir, PreemptionHandler
+from megatron_spo.run_layout import CheckpointDir, PreemptionHandler, Stopped
 from megatron_spo.training import checkpoint
 from megatron_spo.training import loss as losses
 from megatron_spo.training.algos import StepInputs
@@ -41,10 +41,12 @@ from megatron_spo.training.logprob_gap import GapPass, GapTally, gap_metrics, ga
 from megatron_spo.training.logprob_gap import tally as gap_tally
 from megatron_spo.training.metrics import MetricsLogger, progress_line
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, pad_rows, shard
+from megatron_spo.training.online import FleetUnavailable
 from megatron_spo.training.run_log import LIBRARY_WARNINGS, start_banner
 from megatron_spo.training.sources import build_archive, build_sampler
 
 LIBRARY_WARNINGS.install()  # megatron-core's import-time warnings: kept for RUN_DIR/warnings.log, not printed
+WAIT_ENDED = (Stopped, FleetUnavailable)  # a wait of rank 0 that ends the run: all ranks raise it together
 IGNORE_INDEX = -100  # targets the fused log-prob op skips: prompt and padding positions (outside loss_mask)
 
 
@@ -222,10 +224,17 @@ class Trainer:
         t0 = time.perf_counter()
         payload = [None]
         if self.rank == 0:
-            payload = [self.sampler.next(self.cfg.batch.sequences_per_step)]
-            if self.archive is not None:
-                self.archive.add(t for t in payload[0] if t.source == "online")
+            try:
+                payload = [self.sampler.next(self.cfg.batch.sequences_per_step)]
+            except WAIT_ENDED as err:  # SIGTERM, or no engine ever answered: every rank learns it below
+                payload = [err]
+            else:
+                if self.archive is not None:
+                    self.archive.add(t for t in payload[0] if t.source == "online")
         dist.broadcast_object_list(payload, src=0)
+        if isinstance(payload[0], WAIT_ENDED):
+            self.step -= 1  # this step never ran: its batch did not come
+            raise payload[0]
         return payload[0], time.perf_counter() - t0
 
     def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
@@ -466,10 +475,15 @@ class Trainer:
         attempts = self.cfg.rollout.weight_sync_attempts
         for attempt in range(1, attempts + 1):
             push = partial(self.online.push_weights, self.policy_version) if online else None
-            self._sync_metrics = gather_hf_tensors(self.policy, self.model_cfg, push) or {}
-            missed = [online and self._sync_metrics.get("weight_sync/engines_updated", 1.0) == 0
-                      and (getattr(self.online, "last_sync_error", None) or "no engine took it")]
+            try:
+                self._sync_metrics = gather_hf_tensors(self.policy, self.model_cfg, push) or {}
+                missed = [online and self._sync_metrics.get("weight_sync/engines_updated", 1.0) == 0
+                          and (getattr(self.online, "last_sync_error", None) or "no engine took it")]
+            except WAIT_ENDED as err:  # rank 0, waiting for the engines before the push
+                self._sync_metrics, missed = {}, [err]
             dist.broadcast_object_list(missed, src=0)
+            if isinstance(missed[0], WAIT_ENDED):
+                raise missed[0]
             if not missed[0]:
                 self._holds_pushed_weights = True
                 break
@@ -530,9 +544,9 @@ class Trainer:
         online = self.rank == 0 and hasattr(self.online, "push_weights")
         flags = [online]
         dist.broadcast_object_list(flags, src=0)
-        if flags[0] and self.policy_version > 0:  # resumed: the fleet may still hold older weights
-            self.sync_weights(new_version=False)
         try:
+            if flags[0] and self.policy_version > 0:  # resumed: the fleet may still hold older weights
+                self.sync_weights(new_version=False)
             while self.step < cfg.steps:
                 metrics = self.train_step()
                 progress(self.step, metrics)
@@ -549,6 +563,13 @@ class Trainer:
                 path = self.export_hf(self.run_dir / "hf")
                 if self.rank == 0:
                     print(f"[megatron-spo] final policy written to {path}", flush=True)
+        except Stopped as stop:  # a preemption signal while waiting (rollouts, engines): exit in seconds
+            saved = self._checkpoint_finished_step()
+            if self.rank == 0:
+                print(f"[megatron-spo] {stop}: {saved}, exiting", flush=True)
+        except FleetUnavailable:
+            self._checkpoint_finished_step()
+            raise
         finally:
             progress(None, None)
             self.metrics.close()
@@ -559,6 +580,14 @@ class Trainer:
         line = self.library_warnings.summary()
         if line and self.rank == 0:
             print(line, flush=True)
+
+    def _checkpoint_finished_step(self) -> str:
+        """Save the last finished step unless a checkpoint of it exists; says what was done."""
+        latest = self.ckpt.latest()
+        if self.step == 0 or (latest is not None and latest[0] == self.step):
+            return f"step {self.step} is already checkpointed" if self.step else "no step had finished"
+        self.save_checkpoint()
+        return f"checkpoint at step {self.step} saved"
 
     def close(self, keep_process_group: bool = False) -> None:
         """Release signal handlers and megatron's groups (and the default group unless kept, e.g. to

@@ -1,0 +1,236 @@
+"""Faults a real cluster produces (issue 28): a rollout fleet that never answers, SIGTERM in every phase, and
+SGLang's /health, which blocks while generation is paused and then answers 503."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rollout_helpers import ServerThread, make_tiny_llama, perturbed_state_dict  # noqa: E402
+
+from megatron_spo.net import free_port  # noqa: E402
+from megatron_spo.rollout.client import get_json, post_json  # noqa: E402
+from megatron_spo.rollout.config import RolloutConfig  # noqa: E402
+from megatron_spo.rollout.local_engine import LocalEngine  # noqa: E402
+from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
+from megatron_spo.rollout.weight_sync import WeightBroadcaster  # noqa: E402
+from megatron_spo.run_layout import PreemptionHandler, Stopped  # noqa: E402
+from megatron_spo.training.online import FleetUnavailable, OnlineSource  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
+
+
+def source_on(url: str, **rollout) -> OnlineSource:
+    cfg = RolloutConfig(samples_per_prompt=1, max_new_tokens=4, max_inflight_requests=2, retry_backoff_s=0.1,
+                        retry_backoff_max_s=0.2, **rollout)
+    return OnlineSource(RolloutManager(cfg, [Prompt("p", [3, 4])], lambda p, t: 0.0, endpoints=[url]), q0=None)
+
+
+# -- a fleet that never answers --------------------------------------------------------------------------------
+def test_a_fleet_that_never_answers_is_one_line_after_engine_wait_s():
+    url = dead_url()
+    t0 = time.monotonic()  # the wait counts from the source's start
+    source = source_on(url, engine_wait_s=1.5)
+    try:
+        with pytest.raises(FleetUnavailable) as err:
+            source.take(1)
+    finally:
+        source.close()
+    waited = time.monotonic() - t0
+    assert 1.5 <= waited < 5, waited  # not rollout.wait_timeout_s (30 min)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        f"rollout fleet: no engine answered within 1.5 s (rollout.engine_wait_s): {url} (")
+    assert "Connection refused" in message, message
+
+
+def test_engine_wait_s_is_a_positive_finite_field():
+    from megatron_spo.config import ConfigError, build_config
+
+    assert RolloutConfig().engine_wait_s == 600.0
+    for bad in (0, -1, float("inf"), True):
+        with pytest.raises(ConfigError, match="engine_wait_s"):
+            build_config(RolloutConfig, {"engine_wait_s": bad})
+
+
+# -- SIGTERM ---------------------------------------------------------------------------------------------------
+def test_sigterm_ends_a_wait_for_rollouts_within_a_second():
+    """The trainer's wait for a batch polls the PreemptionHandler: SIGTERM ends it in ~POLL_S with the reason,
+    instead of being noticed only after the step (which never comes with a dead fleet)."""
+    source = source_on(dead_url())
+    handler = PreemptionHandler()
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(Stopped, match=r"^SIGTERM received while waiting for rollouts$"):
+            source.take(1)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        timer.cancel()
+        handler.restore()
+        source.close()
+
+
+def test_sigterm_ends_the_wait_for_engines_before_a_push_and_the_gather_is_drained():
+    source = source_on(dead_url())
+    source.broadcaster = type("NoPush", (), {"engine_urls": [dead_url()]})()
+    consumed = []
+
+    def tensors():
+        for i in range(3):
+            consumed.append(i)
+            yield f"t{i}", None
+
+    handler = PreemptionHandler()
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(Stopped, match="SIGTERM received while waiting for the rollout engines to become healthy"):
+            source.push_weights(1, tensors())
+    finally:
+        timer.cancel()
+        handler.restore()
+        source.broadcaster = None
+        source.close()
+    assert consumed == [0, 1, 2]  # every trainer rank's collective gather was seen through
+
+
+def _train_cmd(tmp_path: Path, model_dir: str) -> list[str]:
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(f"run_dir: {tmp_path / 'run'}\nsteps: 2\nalgo: grpo\ninit: {{hf: {model_dir}}}\n"
+                   f"task: {{kind: toy}}\nfleet: {{router_url: '{dead_url()}'}}\n"
+                   "batch: {sequences_per_step: 8, max_tokens_per_micro_batch: 48, max_seq_length: 64}\n"
+                   "rollout: {temperature_range: [1.0, 1.0], top_p: 1.0}\n"
+                   "checkpoint: {interval: 100, export_hf: false}\nlogging: {progress: false}\n")
+    return [sys.executable, "-m", "megatron_spo.cli", "train", str(cfg)]
+
+
+def _sigterm_when(proc: subprocess.Popen, ready, timeout_s: float = 240.0) -> tuple[str, str, float]:
+    """SIGTERM once ready(stdout so far) holds; (stdout, stderr, seconds from the signal to the exit)."""
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while not ready("".join(out)):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(out) + proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    try:
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    reader.join(10)
+    return "".join(out), err, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_train_against_a_dead_fleet_exits_on_sigterm_with_the_reason(tmp_path, model_dir):
+    """`megatron-spo train` waiting on a fleet that never answers (it used to retry for ever and ignore
+    SIGTERM): SIGTERM once it waits for its first batch -> exit 0 within 30 s, one line with the reason."""
+    proc = subprocess.Popen(_train_cmd(tmp_path, model_dir), cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    out, err, seconds = _sigterm_when(proc, lambda text: "[megatron-spo] layout:" in text)
+    assert proc.returncode == 0, err[-3000:]
+    assert seconds < 30, seconds
+    assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
+    assert out.strip().splitlines()[-1] == ("[megatron-spo] SIGTERM received while waiting for rollouts: no step "
+                                            "had finished, exiting"), out[-1000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing had finished: nothing written
+
+
+def test_sigterm_while_starting_up_exits_at_once_in_one_line(tmp_path, model_dir):
+    proc = subprocess.Popen(_train_cmd(tmp_path, model_dir), cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    time.sleep(2.0)  # importing torch and megatron
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("megatron-spo: SIGTERM received while starting up: nothing to save, "
+                                            "exiting")
+
+
+# -- SGLang's /health while paused -----------------------------------------------------------------------------
+class FlakyEngine(LocalEngine):
+    """Fails its next ``failures`` weight loads (after receiving them), like a GPU that ran out of memory."""
+
+    failures = 0
+
+    def load_named_tensors(self, named):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return super().load_named_tensors(named)
+
+
+def test_health_blocks_while_paused_then_answers_503_as_sglang_does(model_dir):
+    with ServerThread(LocalEngine(model_dir), free_port(), health_timeout_s=1.0) as srv:
+        assert get_json(srv.url + "/health", 5)[0] == 200
+        assert post_json(srv.url + "/pause_generation", {"mode": "retract"}, 10)[0] == 200
+        t0 = time.monotonic()
+        assert get_json(srv.url + "/health", 5)[0] == 503
+        assert 1.0 <= time.monotonic() - t0 < 3
+        assert get_json(srv.url + "/server_info", 5)[0] == 200  # answered at once while paused
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a /health waiting when generation continues
+            waiting = pool.submit(get_json, srv.url + "/health", 5)
+            time.sleep(0.3)
+            assert post_json(srv.url + "/continue_generation", {}, 10)[0] == 200
+            assert waiting.result(5)[0] == 200
+
+
+def test_a_lagging_engine_is_resynced_with_sglang_health_behaviour(model_dir):
+    """An engine that missed a push stays paused; with SGLang's /health (blocks, then 503) the next push must
+    still find it (it probes /server_info) and bring it back."""
+    import torch
+
+    new_state = perturbed_state_dict(model_dir, seed=21)
+    torch.set_num_threads(1)
+    with ServerThread(LocalEngine(model_dir, seed=0), free_port(), health_timeout_s=1.0) as good, \
+            ServerThread(FlakyEngine(model_dir, seed=1), free_port(), health_timeout_s=1.0) as flaky, \
+            WeightBroadcaster([good.url, flaky.url], bucket_bytes=20_000) as sync:
+        flaky.engine.failures = 1
+        report = sync.push(new_state.items(), version="1")
+        assert report.engines_updated == [good.url] and list(report.failed) == [flaky.url]
+        assert get_json(flaky.url + "/health", 5)[0] == 503  # paused, as real SGLang answers it
+
+        report = sync.push(new_state.items(), version="2")
+        assert report.failed == {} and report.engines_updated == [good.url, flaky.url]
+        assert report.resynced == [flaky.url] and sync.lagging == {}
+        assert all(torch.equal(t, new_state[n]) for n, t in flaky.engine.model.state_dict().items())
+        assert get_json(flaky.url + "/health", 5)[0] == 200
+        status, item = post_json(flaky.url + "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and item["meta_info"]["weight_version"] == "2"
+
+
+def test_the_router_keeps_workers_through_a_paused_push():
+    """Fleet's sglang-router thresholds: a worker is marked unhealthy only after minutes of failed /health
+    (SGLang's blocks 20 s while paused), not after one failure as with --health-failure-threshold 1."""
+    from megatron_spo.rollout.fleet import Fleet, RouterHealth
+
+    health = RouterHealth()
+    assert health.timeout_s > 20 and health.tolerated_pause_s() >= 300
+    fleet = Fleet(None, 2, engine_command="true {port}", router_health=RouterHealth(failures=20))  # not started
+    cmd = fleet.router.command
+    assert cmd[cmd.index("--health-failure-threshold") + 1] == "20"
+    assert cmd[cmd.index("--health-check-timeout-secs") + 1] == str(health.timeout_s)
