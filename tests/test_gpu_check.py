@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ DEVICE_COMMAND_LIMIT_S = 9 * 60  # the issue: the whole check stops cleanly befo
 
 
 def run_check(*args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", *args], cwd=REPO, capture_output=True, text=True)
+    env = {**os.environ, "PYTHON": sys.executable}  # the wrapper's interpreter: this one, not PATH's python3
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", *args], cwd=REPO, capture_output=True, text=True, env=env)
     out = Path(args[args.index("--out") + 1])
     return proc, json.loads((out / "gpu_report.json").read_text()), (out / "gpu_report.md").read_text()
 

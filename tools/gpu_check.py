@@ -10,9 +10,10 @@ Steps: verify the wheels against .gpu-wheels/SHA256SUMS and `pip install --no-de
 (the machine's torch is never touched), then run every part in its own subprocess (PYTHONPATH = the wheels,
 the checkout) under its own time cap, the whole run stopping before --budget-s (default 8 min 45 s). After
 each part the report is rewritten: $OUT/gpu_report.json and $OUT/gpu_report.md (--out; the markdown is
-printed at the end). A part's status: pass, fail (a check missed its limit), skipped (with the reason),
-error (it raised: the last line and traceback are kept), timeout (its cap ran out), not-run (the run's
-budget ran out first), planned (--dry-run). Exit status 0 when no part failed, errored or timed out.
+printed at the end), and the part's output appended to $OUT/gpu_parts.log. A part's status: pass, fail
+(a check missed its limit), skipped (with the reason), error (it raised: the last line and traceback are
+kept), timeout (its cap ran out), not-run (the run's budget ran out first), planned (--dry-run). Exit
+status 0 when no part failed, errored or timed out.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ SCHEMA = "megatron-spo/gpu-check/1"
 BUDGET_S = 525  # the device tool allows 10 min a command; the issue asks for under 9 min, with margin
 INSTALL_CAP_S = 30
 MIN_PART_S = 10  # a part is not started with less time than this left
+LOG_KEEP = 20_000  # characters of each part's output kept in $OUT/gpu_parts.log
 STATUSES = ("planned", "pass", "fail", "skipped", "error", "timeout", "not-run")
 
 
@@ -52,10 +54,10 @@ class Part:
 
 
 PARTS = (
-    Part("environment", 6, "GPU, driver, torch / triton / megatron-core versions", "gpu_part_env.py", 30),
+    Part("environment", 6, "GPU, driver, torch / triton / megatron-core versions", "gpu_part_env.py", 45),
     Part("ops-kernels", 1, "fused token log-probs (Triton and torch blocks) and cumulative Q vs the fp64 "
          "reference, fp32 and bf16", "gpu_part_kernels.py", 50),
-    Part("ops-cuda-tests", 1, "the CUDA-only tests of tests/test_ops_logprobs.py", "gpu_part_cuda_tests.py", 80),
+    Part("ops-cuda-tests", 1, "the CUDA-only tests of tests/test_ops_logprobs.py", "gpu_part_cuda_tests.py", 70),
     Part("megatron-parity", 2, "megatron-core GPTModel (local spec, NCCL group of one) vs transformers, "
          "forward + backward, fp32 and bf16, one family per registry entry", "gpu_part_megatron.py", 90),
     Part("training", 3, "SPO, GRPO and PPO steps (tiny model, deterministic source, no engines): rerun "
@@ -65,7 +67,7 @@ PARTS = (
     Part("nccl-push", 4, "the weight push over NCCL between two processes (needs 2 GPUs)",
          "gpu_part_nccl.py", 25),
     Part("ops-bench", 1, "tools/bench_logprobs.py at V=128256: peak memory and time vs naive (and Liger)",
-         "gpu_part_bench.py", 85),
+         "gpu_part_bench.py", 80),
 )
 
 
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if report["install"]["status"] != "pass":
             site = None
     write_report(report, out_dir)
+    (out_dir / "gpu_parts.log").write_text("")
     guard = import_guard(work) if args.simulate_gpu_machine else None
     env = part_env(args.device, site, guard)
     for entry, part in zip(report["parts"], chosen):
@@ -308,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             entry.update(status="not-run", reason=f"the run's budget ran out ({left:.0f} s left)")
         else:
             print(f"gpu_check: {part.name} (cap {cap:.0f} s) ...", flush=True)
-            entry.update(run_part(entry["command"], env, cap, work / f"{part.name}.json", work / f"{part.name}.log"))
+            log = work / f"{part.name}.log"
+            entry.update(run_part(entry["command"], env, cap, work / f"{part.name}.json", log))
+            with open(out_dir / "gpu_parts.log", "a") as logs:  # every part's output, its end if long
+                logs.write(f"===== {part.name}: {entry['status']} =====\n{log.read_text(errors='replace')[-LOG_KEEP:]}\n")
             print(f"gpu_check: {part.name}: {entry['status']} in {entry['wall_s']} s {entry.get('reason', '')}", flush=True)
         report["wall_s"] = round(time.perf_counter() - start, 2)
         write_report(report, out_dir)

@@ -59,7 +59,8 @@ def body(result: PartResult, args) -> None:
                                capture_output=True, text=True, timeout=10)
         if query.returncode == 0 and query.stdout.strip():
             result.number("driver", query.stdout.strip().splitlines()[0].split(",")[-1].strip())
-    result.number("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+    nccl = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
+    result.number("nccl", ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
 
 
 if __name__ == "__main__":

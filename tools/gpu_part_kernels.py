@@ -6,9 +6,12 @@ Reuses the helpers of tests/test_ops_logprobs.py (make_problem, values_and_grads
 cumsum against fp64. Limits: fp32 (TF32 off) logp / entropy within 1e-4 absolute and gradients within 1e-4
 relative (Frobenius); bf16 inputs: logp within 1e-3 (fp32 statistics), gradients within 2^-8 relative (one
 bf16 rounding per GEMM operand), as tests/test_ops_logprobs.py argues; Triton and torch blocks agree to 1e-5.
+GPU_CHECK_EXERCISE_ALL=1 on the CPU runs the Triton blocks too, under TRITON_INTERPRET=1 (to debug it here).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from gpu_result import PartResult, part_main
@@ -33,7 +36,7 @@ def fused_op(result: PartResult, device: str, n: int, h: int, v: int) -> None:
     from megatron_spo.ops import token_logprobs
 
     valid = v - 37  # vocabulary padding
-    backends = ["triton", "torch"] if device == "cuda" else ["torch"]
+    backends = ["triton", "torch"] if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         hidden, weight, targets = make_problem(n=n, h=h, v=v, dtype=dtype, valid_vocab_size=valid, n_ignored=n // 10)
         want = truth(hidden, weight[:valid], targets)
@@ -54,7 +57,7 @@ def fused_op(result: PartResult, device: str, n: int, h: int, v: int) -> None:
             diff = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
                        for a, b in zip(got["triton"], got["torch"]))
             result.check(f"{tag} triton vs torch blocks (max rel)", diff, at_most=1e-5 if tag == "fp32" else 1e-2)
-    if device != "cuda":
+    if len(backends) == 1:
         result.note("Triton blocks not run: they need CUDA (or TRITON_INTERPRET=1, which the CPU tests cover)")
 
 
@@ -85,6 +88,8 @@ def cumulative_q_on_device(result: PartResult, device: str, b: int, t: int) -> N
 
 def body(result: PartResult, args) -> None:
     device = args.device
+    if device == "cpu" and os.environ.get("GPU_CHECK_EXERCISE_ALL") == "1":
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 limits are for full fp32 GEMMs
         torch.backends.cudnn.allow_tf32 = False
