@@ -48,24 +48,6 @@ def default_world_size(cfg: TrainConfig) -> int:
     return cfg.nproc
 
 
-def capacity_shape(cfg: TrainConfig, world_size: int, gpu_memory_gb: float | None = None) -> dict:
-    """CapacityConfig fields of this training config: its batch, sequence length, micro-batch token budget,
-    online share, rollout length, push interval, value model, log-prob block and bucket size."""
-    from megatron_spo.training.algos import algorithm_class
-
-    b, weights = cfg.batch, {n: s.weight for n, s in cfg.sources.items()}
-    shape = dict(trainer_gpus=world_size, global_batch_size=b.sequences_per_step, seq_length=b.max_seq_length,
-                 micro_batch_size=max(1, b.max_tokens_per_micro_batch // b.max_seq_length),
-                 response_tokens=cfg.rollout.max_new_tokens, online_fraction=weights.get("online", 0.0) / sum(
-                     weights.values()), model_update_interval=cfg.model_update_interval,
-                 value_model=algorithm_class(cfg.algo).uses_value_model, weight_sync_bucket_mb=cfg.rollout.weight_bucket_mb)
-    if cfg.logprobs.max_block_bytes:
-        shape["logprob_block_mb"] = cfg.logprobs.max_block_bytes / 2**20
-    if gpu_memory_gb:
-        shape["gpu_memory_gb"] = gpu_memory_gb
-    return shape
-
-
 def _exists(where: str, path: str, what: str = "path") -> bool:
     if not Path(path).exists():
         raise FileNotFoundError(f"{where}: {what} '{path}' does not exist")
@@ -135,7 +117,7 @@ def _check_layout(cfg: TrainConfig, model, world_size: int, r: Report) -> None:
 
 
 def _check_memory(cfg: TrainConfig, model, world_size: int, gpu_memory_gb: float | None, r: Report) -> None:
-    from megatron_spo.planning.capacity import GB, memory_per_gpu
+    from megatron_spo.planning.capacity import GB, capacity_shape, memory_per_gpu
     from megatron_spo.planning.config import CapacityConfig
 
     if gpu_memory_gb is None:
@@ -258,9 +240,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config", help="training YAML config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, as for megatron-spo train")
     add_arguments(parser)
+    parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)  # `train --dry-run` comes here
     args = parser.parse_intermixed_args(argv)
     report = validate_file(args.config, args.overrides, world_size=args.world_size, gpu_memory_gb=args.gpu_memory_gb)
-    return print_report(report, args.config)
+    return print_report(report, args.config, "megatron-spo train --dry-run" if args.dry_run else "megatron-spo validate")
 
 
 if __name__ == "__main__":

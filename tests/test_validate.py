@@ -61,9 +61,9 @@ def test_a_good_config_passes_with_a_summary(tmp_path, capsys):
     for part in ("layout TP 1 x PP 1 x DP 2 on 2 rank(s)", "sources.offline: 3 records", "task: 4 toy problems",
                  "GB per GPU of 80 (batch 8 x seq 64, micro-batch 2 x 64 tokens)"):
         assert part in out
-    from megatron_spo.training.launch import main as train_main
+    from megatron_spo.cli import main as cli_main
 
-    assert train_main([path, "--dry-run", "steps=3"]) == 0  # the same checks; nothing spawned
+    assert cli_main(["train", path, "--dry-run", "steps=3"]) == 0  # the same checks; nothing spawned
     assert "megatron-spo train --dry-run: " in capsys.readouterr().out
 
 

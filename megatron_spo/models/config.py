@@ -102,6 +102,22 @@ class ModelConfig(StrictModel):
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
 
+    def stage_parameters(self, tp: int = 1, pp: int = 1) -> int:
+        """Parameters held by one GPU of the largest pipeline stage under TP x PP, the vocabulary padded as
+        megatron pads it (embedding on the first stage, LM head on the last); tp = pp = 1: the whole model."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d  # q != h where head_dim is its own (Qwen3)
+        vocab = self.padded_vocab_size(tp)
+        bias = q + 2 * kv if self.qkv_bias else 0
+        qk_norms = 2 * d if self.qk_layernorm else 0
+        layer = (2 * h * q + 2 * h * kv + 3 * h * f + bias) // tp + 2 * h + qk_norms  # norms are replicated over TP
+        layers = math.ceil(self.num_layers / pp) * layer
+        embedding = vocab * h // tp
+        head = 0 if self.tie_word_embeddings else vocab * h // tp
+        if pp == 1:
+            return layers + embedding + head + h
+        return layers + max(embedding, head + h)
+
 
 class InitConfig(StrictModel):
     hf: str | None = Field(None, description="HF Llama directory: model config, tokenizer, and weights")

@@ -143,20 +143,7 @@ class MemoryBreakdown:
         return {**{k: v / GB for k, v in asdict(self).items()}, "total": self.total / GB}
 
 
-def stage_parameters(model: ModelConfig, tp: int, pp: int) -> int:
-    """Parameters held by one GPU of the largest pipeline stage (embedding on the first, LM head on the last)."""
-    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
-    q, kv = model.num_attention_heads * d, model.num_query_groups * d  # q != h where head_dim is its own (Qwen3)
-    vocab = model.padded_vocab_size(tp)
-    bias = q + 2 * kv if model.qkv_bias else 0
-    qk_norms = 2 * d if model.qk_layernorm else 0
-    layer = (2 * h * q + 2 * h * kv + 3 * h * f + bias) // tp + 2 * h + qk_norms  # norms are replicated over TP
-    layers = math.ceil(model.num_layers / pp) * layer
-    embedding = vocab * h // tp
-    head = 0 if model.tie_word_embeddings else vocab * h // tp
-    if pp == 1:
-        return layers + embedding + head + h
-    return layers + max(embedding, head + h)
+stage_parameters = ModelConfig.stage_parameters  # (model, tp, pp): one GPU of the largest pipeline stage
 
 
 def layer_activation_elements(model: ModelConfig, tp: int, sequence_parallel: bool,
@@ -486,14 +473,31 @@ def validate_on_cpu() -> dict[str, float]:
 TRAIN_KEYS = ("init", "batch", "sources", "algo", "rollout")  # a training config, not a plan-only YAML
 
 
+def capacity_shape(cfg, world_size: int, gpu_memory_gb: float | None = None) -> dict:
+    """CapacityConfig fields of this training config: its batch, sequence length, micro-batch token budget,
+    online share, rollout length, push interval, value model, log-prob block and bucket size."""
+    from megatron_spo.training.algos import algorithm_class
+
+    b, weights = cfg.batch, {n: s.weight for n, s in cfg.sources.items()}
+    shape = dict(trainer_gpus=world_size, global_batch_size=b.sequences_per_step, seq_length=b.max_seq_length,
+                 micro_batch_size=max(1, b.max_tokens_per_micro_batch // b.max_seq_length),
+                 response_tokens=cfg.rollout.max_new_tokens, online_fraction=weights.get("online", 0.0) / sum(
+                     weights.values()), model_update_interval=cfg.model_update_interval,
+                 value_model=algorithm_class(cfg.algo).uses_value_model, weight_sync_bucket_mb=cfg.rollout.weight_bucket_mb)
+    if cfg.logprobs.max_block_bytes:
+        shape["logprob_block_mb"] = cfg.logprobs.max_block_bytes / 2**20
+    if gpu_memory_gb:
+        shape["gpu_memory_gb"] = gpu_memory_gb
+    return shape
+
+
 def train_config_shape(path: str, data: dict) -> dict:
     """The CapacityConfig fields a training config fixes (its batch, sequence length, micro-batch token budget,
-    online share, rollout length, push interval; validate.capacity_shape), {} for a plan-only YAML; the file's
+    online share, rollout length, push interval; capacity_shape), {} for a plan-only YAML; the file's
     `plan:` section and the command line's overrides win over them."""
     if not any(key in data for key in TRAIN_KEYS):
         return {}
     from megatron_spo.training.config import TrainConfig
-    from megatron_spo.validate import capacity_shape
 
     cfg = build_config(TrainConfig, {k: v for k, v in data.items() if k != "plan"}, str(path))
     world = (data.get("plan") or {}).get("trainer_gpus", CapacityConfig().trainer_gpus)

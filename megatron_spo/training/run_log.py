@@ -92,11 +92,10 @@ def _version(package: str) -> str:
 
 
 def parameter_count(model_cfg) -> int | None:
-    """The model's parameters (planning/capacity.py's count of one whole model), None if it cannot tell."""
+    """The model's parameters (ModelConfig.stage_parameters: one whole model, vocabulary padded), None if it
+    cannot tell."""
     try:
-        from megatron_spo.planning.capacity import stage_parameters
-
-        return stage_parameters(model_cfg, 1, 1)
+        return model_cfg.stage_parameters(1, 1)
     except Exception:  # a model the planner does not know: the banner says '?'
         return None
 
