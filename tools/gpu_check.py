@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", default=str(REPO / ".gpu-wheels"), help="folder of tools/gpu_wheels.sh")
     parser.add_argument("--no-install", action="store_true", help="use this machine's packages as they are")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop starting parts after this")
+    parser.add_argument("--keep-work", action="store_true", help="keep the scratch folder (parts' files, logs)")
     parser.add_argument("--simulate-gpu-machine", action="store_true",
                         help="(--device cpu) refuse imports of installed packages the GPU machine lacks")
     args = parser.parse_args(argv)
@@ -290,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         report["wall_s"] = round(time.perf_counter() - start, 2)
         print(write_report(report, out_dir))
+        shutil.rmtree(work)
         return 0
 
     site = None
@@ -324,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         report["simulated_gpu_machine"] = {"refused_imports": refused, "packages": str(GPU_MACHINE_PACKAGES)}
     report["finished_utc"] = _now()
     report["summary"] = {s: sum(p["status"] == s for p in report["parts"]) for s in STATUSES}
+    if args.keep_work:
+        report["work"] = str(work)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     print(write_report(report, out_dir))
     return 1 if any(p["status"] in ("fail", "error", "timeout") for p in report["parts"]) else 0
 
