@@ -13,7 +13,7 @@ setup(
     include_package_data=True,
     package_data={"megatron_spo": ["py.typed"]},
     install_requires=[
-        # torch is pinned by tools/bootstrap.sh through a constraints file (see FIELD-NOTES: an unpinned
+        # torch is pinned by tools/bootstrap.sh through a constraints file (see docs/engineering-notes.md: an unpinned
         # torch pulls the CUDA build over an existing install).
         "torch>=2.6",
         # The range whose CPU behaviour (shims in megatron_spo/models/cpu_shims.py) was tested: 0.17 and later

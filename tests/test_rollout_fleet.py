@@ -75,7 +75,7 @@ def test_broadcast_sync_then_router_serves_new_weights(fleet, model_dir, new_wei
         assert status == 200 and item["output_ids"] == tokens and item["meta_info"]["weight_version"] == "1"
         got = torch.tensor([e[0] for e in item["meta_info"]["output_token_logprobs"]])
         torch.testing.assert_close(got, logprobs, atol=2e-5, rtol=0)
-    # the router does not proxy weight updates: they must go to each engine (FIELD-NOTES)
+    # the router does not proxy weight updates: they must go to each engine (docs/engineering-notes.md)
     assert post_json(fleet.router_url + "/update_weights_from_disk", {"model_path": model_dir})[0] == 404
 
 

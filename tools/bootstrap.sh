@@ -55,7 +55,7 @@ if [ ! -f "$stamp" ] || [ "$installed_at" != "$(pwd -P)" ]; then
 fi
 
 # 3b. Tests check request bodies against SGLang's own schema: its source only (--no-deps: the full
-#     package needs CUDA kernels and another torch; see FIELD-NOTES).
+#     package needs CUDA kernels and another torch; see docs/engineering-notes.md).
 if [ "$job" = test ] && ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"; then
   log "pip install --no-deps sglang==0.5.23"
   "$PY" -m pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23"

@@ -43,7 +43,7 @@ class QuickstartTrainConfig(StrictModel):
     steps: int = Field(90, gt=0)
     lr: float = Field(2e-4, gt=0)
     warmup_steps: int = Field(10, ge=0)
-    beta: float = Field(0.5, gt=0, description="FIELD-NOTES: beta <= 0.2 with squared loss collapsed on this task")
+    beta: float = Field(0.5, gt=0, description="beta <= 0.2 with squared loss collapsed on this task (docs/engineering-notes.md)")
     prompts_per_step: int = Field(4, gt=0)
     samples_per_prompt: int = Field(8, gt=1)
     online_fraction: float = Field(0.5, ge=0, le=1, description="the rest of each SPO batch is offline data")

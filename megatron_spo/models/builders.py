@@ -80,7 +80,8 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, 
         fp8="hybrid" if model_cfg.fp8 else None,
         use_cpu_initialization=on_cpu,
         perform_initialization=init_weights,
-        # gloo: batched isend/irecv gives wrong gradients with interleaved PP (FIELD-NOTES); plain p2p is exact.
+        # gloo: batched isend/irecv gives wrong gradients with interleaved PP; plain p2p is exact
+        # (docs/engineering-notes.md, "Interleaved pipeline and batched p2p on gloo").
         batch_p2p_comm=not on_cpu,
         batch_p2p_sync=not on_cpu,
     )

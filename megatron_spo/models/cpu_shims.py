@@ -1,7 +1,7 @@
 """Every CPU workaround megatron-core 0.16.1 to 0.19.x needs, in one place, applied once and only without CUDA.
 
-megatron-core assumes a GPU in a handful of spots (see FIELD-NOTES.md, "megatron-core on CPU" and
-"megatron-core 0.17-0.19"). Each shim below names the spot it covers, and the version that brought it
+megatron-core assumes a GPU in a handful of spots (see docs/engineering-notes.md,
+"megatron-core on CPU"). Each shim below names the spot it covers, and the version that brought it
 when that is not 0.16.1. On a machine with a CUDA device ``apply_cpu_shims()`` does nothing.
 
     from megatron_spo.models.cpu_shims import apply_cpu_shims

@@ -184,7 +184,7 @@ class LoggingConfig(StrictModel):
     wandb_tags: list[str] = Field(default_factory=list, description="wandb tags")
     progress: bool = True
     max_log_ratio: float | None = Field(
-        50.0, gt=0, description="stop when the mean sequence log(pi / pi_0) exceeds this (a collapse; FIELD-NOTES)"
+        50.0, gt=0, description="stop when the mean sequence log(pi / pi_0) exceeds this (a collapse; docs/engineering-notes.md)"
     )
     policy_entropy: bool = Field(
         True, description="log the policy's mean per-token entropy (nats) from its log-prob pass: no extra GEMM"

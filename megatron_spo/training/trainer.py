@@ -177,7 +177,7 @@ class Trainer:
         mix the forward and backward shapes up (a deadlock on gloo). Here every micro-batch of a step
         has one shape instead (_micro_batches, _run), and the tensors themselves go through megatron's
         unbatched p2p, which keeps the two directions apart for PP=2 on separate groups (batched p2p
-        mixes them up the same way: FIELD-NOTES, wrong gradients on gloo)."""
+        mixes them up the same way: wrong gradients on gloo, docs/engineering-notes.md)."""
         pp = self.cfg.parallel.pipeline_model_parallel_size
         virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
         for chunk in chunks:
