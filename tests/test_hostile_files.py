@@ -196,7 +196,8 @@ def test_rng_state_file_that_unpickles_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("damage", ["garbage", "empty", "truncated-distcp", "outside", "chunk-outside", "common"])
+@pytest.mark.parametrize("damage", ["garbage", "empty", "truncated-distcp", "outside", "chunk-outside", "common",
+                                    "record-header", "no-metadata", "metadata-json"])
 def test_damaged_dist_checkpoint_is_one_line_naming_the_file(ckpts, tmp_path, capsys, damage):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -227,10 +228,22 @@ def test_damaged_dist_checkpoint_is_one_line_naming_the_file(ckpts, tmp_path, ca
         md.storage_meta = None
         with open(bad / ".metadata", "wb") as f:
             pickle.dump(md, f)
-    else:
+    elif damage == "common":
         marker = tmp_path / "PWNED"
         torch.save(payloads(marker)["exec"], bad / "common.pt")
         names = (f"{bad}/common.pt: refused: it asks for global 'exec'",)
+    elif damage == "record-header":  # bit rot in one tensor's torch.save record, inside the file's range
+        index, info = next((i, s) for i, s in md.storage_data.items() if "linear_fc2.weight" in i.fqn)
+        with open(distcp, "r+b") as f:
+            f.seek(info.offset)
+            f.write(b"A" * 200)
+        names = (f"{bad}: reading tensor 'decoder.layers.mlp.linear_fc2.weight' failed: unreadable",)
+    elif damage == "no-metadata":
+        (bad / ".metadata").unlink()
+        names = (f"{bad}/.metadata: missing",)
+    else:
+        (bad / "metadata.json").write_text('{"sharded_backend": ')
+        names = (f"{bad}/metadata.json: invalid JSON",)
     refused(capsys, "convert", "megatron-to-hf", "--megatron", bad, "--out", tmp_path / "out", inputs=(bad,),
             names=names)
     no_leftovers(tmp_path / "out")
@@ -382,6 +395,7 @@ def test_index_that_disagrees_with_the_shards(ckpts, tmp_path, capsys, damage):
     ("rms_norm_eps", -1, ("field 'rms_norm_eps': Input should be greater than 0 (got -1",)),
     ("num_hidden_layers", -2, ("field 'num_hidden_layers'",)),
     ("intermediate_size", "big", ("field 'intermediate_size'",)),
+    ("hidden_size", json.loads("[" * 50 + "]" * 50), ("field 'hidden_size'",)),
 ])
 def test_config_json_fields_that_make_no_sense_are_named(ckpts, tmp_path, capsys, field, value, names):
     hf, _ = ckpts
@@ -391,6 +405,17 @@ def test_config_json_fields_that_make_no_sense_are_named(ckpts, tmp_path, capsys
     (bad / "config.json").write_text(json.dumps(cfg))
     refused(capsys, "convert", "hf-to-megatron", "--hf", bad, "--out", tmp_path / "meg", inputs=(bad,),
             names=(f"{bad}/config.json: ",) + names)
+    no_leftovers(tmp_path / "meg")
+
+
+def test_config_json_that_is_not_json(ckpts, tmp_path, capsys):
+    hf, _ = ckpts
+    bad = copy(hf, tmp_path / "hf")
+    for text, what in (("[" * 100000, "unreadable JSON (RecursionError)"), ("[1]", "not a JSON object"),
+                       ("{", "invalid JSON")):
+        (bad / "config.json").write_text(text)
+        refused(capsys, "convert", "hf-to-megatron", "--hf", bad, "--out", tmp_path / "meg", inputs=(bad,),
+                names=(f"{bad}/config.json: {what}",))
     no_leftovers(tmp_path / "meg")
 
 
@@ -459,8 +484,8 @@ def test_deep_json_line_is_one_line_and_skippable(tmp_path, capsys):
     ("response_tokens", [3, 2**63], "field 'response_tokens': item 1 must be a token id (int in [0, 2^31)), got 9223"),
     ("prompt_tokens", [2**31], "field 'prompt_tokens': item 0 must be a token id"),
     ("prompt_tokens", [-1], "field 'prompt_tokens': item 0 must be a token id"),
-    ("policy_version", 2**64, "field 'policy_version': must be an integer in [0, 2^63)"),
-    ("prompt_id", 2**70, "field 'prompt_id': must be a string or a 64-bit integer"),
+    ("policy_version", 2**64, "field 'policy_version': must be an integer >= 0 (and < 2^63), got 18446744073709551616"),
+    ("prompt_id", 2**70, "field 'prompt_id': must be a string or an integer (64-bit)"),
 ])
 def test_integers_out_of_range_name_file_line_and_field(tmp_path, capsys, field, value, message):
     src = _jsonl(tmp_path / "in.jsonl", GOOD, {**GOOD, field: value})

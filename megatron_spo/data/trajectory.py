@@ -200,7 +200,7 @@ def validate_record(obj: Any, where: str) -> Trajectory:
         raise RecordError(where, unknown[0], f"unknown field (known: {', '.join(FIELDS)})")
     prompt_id = obj["prompt_id"]
     if not (isinstance(prompt_id, str) or (_is_int(prompt_id) and -INT_LIMIT <= prompt_id < INT_LIMIT)):
-        raise RecordError(where, "prompt_id", f"must be a string or a 64-bit integer, got {_show(prompt_id)}")
+        raise RecordError(where, "prompt_id", f"must be a string or an integer (64-bit), got {_show(prompt_id)}")
     prompt_tokens = _tokens(obj, "prompt_tokens", where)
     response_tokens = _tokens(obj, "response_tokens", where)
     if not _is_number(obj["reward"]):
@@ -208,7 +208,7 @@ def validate_record(obj: Any, where: str) -> Trajectory:
     if not isinstance(obj["source"], str) or not obj["source"]:
         raise RecordError(where, "source", f"must be a non-empty string, got {_show(obj['source'])}")
     if not _is_int(obj["policy_version"]) or not 0 <= obj["policy_version"] < INT_LIMIT:
-        raise RecordError(where, "policy_version", f"must be an integer in [0, 2^63), got {_show(obj['policy_version'])}")
+        raise RecordError(where, "policy_version", f"must be an integer >= 0 (and < 2^63), got {_show(obj['policy_version'])}")
     logprobs = obj.get("behaviour_logprobs")
     if logprobs is not None:
         if not isinstance(logprobs, list) or len(logprobs) != len(response_tokens):

@@ -72,8 +72,23 @@ def _short(err: BaseException) -> str:
 
 def weights_only_refusal(err: BaseException) -> str:
     """torch.load(weights_only=True)'s multi-paragraph refusal as a few words naming the global it blocked."""
-    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", str(err), re.IGNORECASE)
-    return f"refused: it asks for global '{found.group(1)}'" if found else f"unreadable ({_short(err)})"
+    text = str(err)
+    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
+    if found:
+        return f"refused: it asks for global '{found.group(1)}'"
+    detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+    return f"unreadable ({type(err).__name__}: {detail.group(1)[:120]})" if detail else f"unreadable ({_short(err)})"
+
+
+def load_failure(err: BaseException) -> str:
+    """The first rank's original exception of a torch CheckpointException (whose text is every rank's
+    traceback), in a few words."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    return weights_only_refusal(err) if "weights_only" in str(err) or "Unpickl" in type(err).__name__ \
+        else _short(err)
 
 
 def read_dcp_metadata(dist_dir: str | Path):

@@ -155,7 +155,14 @@ def load_megatron(
     request = {name: {k: v for k, v in sd.items() if not (own and k.startswith(own))}
                for name, sd in _sharded_state_dict(model_chunks, key_prefix).items()}
     _check_keys_present(request, ckpt_dir)
-    loaded = dist_checkpointing.load(request, str(ckpt_dir))
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        loaded = dist_checkpointing.load(request, str(ckpt_dir))
+    except CheckpointException as err:  # a damaged record: every rank's traceback in one exception
+        from megatron_spo.models.dcp_metadata import CheckpointFileError, load_failure
+
+        raise CheckpointFileError(f"{ckpt_dir}: reading the checkpoint failed: {load_failure(err)}") from None
     for i, chunk in enumerate(model_chunks):
         state = {k[len(key_prefix):]: v for k, v in loaded[f"chunk{i}"].items() if not k.endswith("._extra_state")}
         missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False, assign=assign)
@@ -290,7 +297,16 @@ def load_parts(parts: list, ckpt_dir: str | Path, key_prefix: str = "") -> None:
             local_shape=ones + tuple(st.local_shape),
             prepend_axis_num=0,
         )
-    loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
+    except (Exception, CheckpointException) as err:  # a damaged record: every rank's traceback in one exception
+        from megatron_spo.models.dcp_metadata import CheckpointFileError, load_failure
+
+        keys = sorted({key_prefix + st.key for st in parts})
+        raise CheckpointFileError(f"{ckpt_dir}: reading tensor '{keys[0]}'" + (f" (or {len(keys) - 1} more)" if
+                                  len(keys) > 1 else "") + f" failed: {load_failure(err)}") from None
     for i, st in enumerate(parts):
         if loaded[f"t{i}"].data_ptr() != st.data.data_ptr():  # the strategy fills the given tensors in place
             st.data.copy_(loaded[f"t{i}"].view(st.data.shape))
