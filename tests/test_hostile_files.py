@@ -512,9 +512,20 @@ def test_settings_and_paths_that_make_no_sense(tmp_path, capsys):
     src = _jsonl(tmp_path / "in.jsonl", GOOD)
     store = _store(tmp_path, capsys)
     a_file = _jsonl(tmp_path / "a.jsonl", GOOD)
+    for argv in (("trajectories", "import", src, tmp_path / "s0", "--rows-per-shard", "0"),
+                 ("offline", "build", store, "--out", tmp_path / "b0", "--rows-per-shard", "0"),
+                 ("offline", "build", store, "--out", tmp_path / "b0", "--cap-per-prompt", "0"),
+                 ("offline", "import-taco", src, "--store", tmp_path / "s0", "--max-per-problem", "-1")):
+        with pytest.raises(SystemExit) as info:  # argparse: usage, then the line naming the flag
+            cli(capsys, *argv)
+        flag = argv[-2]
+        assert info.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(
+            f"error: argument {flag}: '{argv[-1]}' is not a positive integer")
+    from megatron_spo.data.offline_store import OfflineStoreWriter, StoreError
+
+    with pytest.raises(StoreError, match="^offline store: rows per shard must be an integer >= 1, got 0$"):
+        OfflineStoreWriter(tmp_path / "s0", rows_per_shard=0)
     cases = [
-        (("trajectories", "import", src, tmp_path / "s0", "--rows-per-shard", "0"), "rows per shard must be"),
-        (("offline", "build", store, "--out", tmp_path / "b0", "--rows-per-shard", "0"), "rows per shard must be"),
         (("trajectories", "import", src, a_file), f"'{a_file}' is a file, not a store folder"),
         (("trajectories", "export", a_file, tmp_path / "o.jsonl"), f"'{a_file}' is a file, not a store folder"),
         (("trajectories", "import", tmp_path, tmp_path / "s1"), f"{tmp_path}: is a folder, not a JSONL file"),

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_spo.cli import finite_float
+from megatron_spo.cli import finite_float, positive_int
 from megatron_spo.data.trajectory import (
     PROVENANCE_KINDS,
     ImportReport,
@@ -415,13 +415,13 @@ def main(argv: list[str]) -> int:
     b.add_argument("--model", default=None, help="only these producing models (comma-separated)")
     b.add_argument("--run-id", default=None, help="only these runs (comma-separated)")
     b.add_argument("--cap", action="append", default=[], metavar="KIND=N", help="at most N records of a kind")
-    b.add_argument("--cap-per-prompt", type=int, default=None, help="at most N records per prompt and kind")
+    b.add_argument("--cap-per-prompt", type=positive_int, default=None, help="at most N records per prompt and kind")
     b.add_argument("--no-dedup", action="store_true")
     b.add_argument("--tokenizer", default=None,
                    help="the policy's tokenizer: also deduplicate on normalised response text")
     b.add_argument("--assume-kind", default=None, choices=PROVENANCE_KINDS,
                    help="provenance kind of records that have none (stores written before provenance)")
-    b.add_argument("--rows-per-shard", type=int, default=65536)
+    b.add_argument("--rows-per-shard", type=positive_int, default=65536, help="records per shard")
 
     s = sub.add_parser("stats", help="per-source counts, prompts and pass rates of stores / JSONL files")
     s.add_argument("inputs", nargs="+")

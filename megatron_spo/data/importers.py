@@ -372,6 +372,8 @@ def _done(item: tuple[Candidate, Any]) -> tuple[Candidate, Any]:
 # Command lines (under `megatron-spo offline`, see megatron_spo.data.experience)
 # ---------------------------------------------------------------------------------------------
 def add_import_args(sub, name: str, help_text: str):
+    from megatron_spo.cli import non_negative_int, positive_int
+
     p = sub.add_parser(name, help=help_text)
     p.add_argument("inputs", nargs="+", help="JSONL file(s) of rows")
     p.add_argument("--store", required=True, help="offline store folder (created, or appended to)")
@@ -386,18 +388,18 @@ def add_import_args(sub, name: str, help_text: str):
     p.add_argument("--q0", default=None, help="a Q0 file (estimate-q0 output) to attach q0 per prompt")
     p.add_argument("--run-id", default=None, help="provenance run_id (the import's name)")
     p.add_argument("--skip-invalid", action="store_true", help="skip corrupt rows (counted and reported)")
-    p.add_argument("--rows-per-shard", type=int, default=65536)
-    p.add_argument("--sandbox-slots", type=int, default=0, help="concurrent sandboxes (0 = CPUs)")
+    p.add_argument("--rows-per-shard", type=positive_int, default=65536, help="records per shard")
+    p.add_argument("--sandbox-slots", type=non_negative_int, default=0, help="concurrent sandboxes (0 = CPUs)")
     p.add_argument("--isolation", default="bubblewrap", choices=["bubblewrap", "rlimits-only"])
     if name == "import-text":
         p.add_argument("--task", default=None, help="task kind: toy | codecontests | taco | math | jsonl")
         p.add_argument("--data", default=None, help="task file(s) (glob); not for --task toy")
         p.add_argument("--split", default="all", help="toy task split")
-        p.add_argument("--toy-seed", type=int, default=0)
+        p.add_argument("--toy-seed", type=non_negative_int, default=0)
         p.add_argument("--kind", default="other-model", choices=PROVENANCE_KINDS,
                        help="provenance kind of rows that do not say")
     else:
-        p.add_argument("--max-per-problem", type=int, default=None, help="at most N solutions per problem")
+        p.add_argument("--max-per-problem", type=positive_int, default=None, help="at most N solutions per problem")
         p.add_argument("--raw", action="store_true", help="the program as is, not in a ```python block")
     return p
 

@@ -340,7 +340,7 @@ def load_trajectories(path: str | Path, *, skip_invalid: bool = False) -> list[T
 def main(argv: list[str]) -> int:
     import argparse
 
-    from megatron_spo.cli import non_negative_float, positive_float
+    from megatron_spo.cli import non_negative_float, positive_float, positive_int
     from megatron_spo.data.offline_store import OfflineStore, StoreError, write_store
 
     parser = argparse.ArgumentParser(prog="megatron-spo trajectories",
@@ -349,7 +349,7 @@ def main(argv: list[str]) -> int:
     imp = sub.add_parser("import", help="JSONL file(s) -> a new or existing offline store (appends shards)")
     imp.add_argument("inputs", nargs="+", help="trajectory JSONL files (one record a line)")
     imp.add_argument("store", help="the offline store folder (created, or appended to)")
-    imp.add_argument("--rows-per-shard", type=int, default=65536)
+    imp.add_argument("--rows-per-shard", type=positive_int, default=65536, help="records per shard")
     g = imp.add_argument_group("provenance", "given to every record that has none (records keep their own); "
                                "created = the time of the import")
     g.add_argument("--kind", choices=PROVENANCE_KINDS, default=None,
