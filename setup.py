@@ -35,7 +35,6 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang", "liger-kernel"],
-        "dali": ["nvidia-dali-cuda120"],
         "wandb": ["wandb"],
         # TRL's GRPOTrainer as an outside GRPO baseline for benchmarks (megatron_spo/experiments/trl_grpo.py); it
         # brings accelerate. 1.16.0 is the version the baseline's settings and its prompt / reward bridging were
@@ -43,7 +42,6 @@ setup(
         "bench": ["trl==1.16.0"],
         "test": [
             "pytest>=8",
-            "nvidia-dali-cuda120",
             "pytest-timeout",
             "ruff",
             "triton",

@@ -40,9 +40,5 @@ def triton() -> ModuleType | None:
     return optional_import("triton")
 
 
-def dali() -> ModuleType | None:
-    return optional_import("nvidia.dali")
-
-
 def wandb() -> ModuleType | None:
     return optional_import("wandb")

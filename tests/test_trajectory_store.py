@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_spo.data import offline_store
-from megatron_spo.data.offline_store import DaliLoader, OfflineStore, OfflineStoreWriter, write_store
+from megatron_spo.data.offline_store import OfflineStore, OfflineStoreWriter, write_store
 from megatron_spo.data.trajectory import RecordError, Trajectory, load_trajectories, read_jsonl, write_jsonl
-from megatron_spo.extras import optional_import
 
 
 def make_records(n: int, seed: int = 0) -> list[dict]:
@@ -167,41 +166,6 @@ def test_bad_rows_in_a_shard_name_shard_row_and_field(tmp_path):
     store = OfflineStore(tmp_path / "s", skip_invalid=True)
     assert as_dicts(store.trajectories()) == records[:4] + records[5:]
     assert store.report.skipped == 1
-
-
-def test_plain_loader_pads_and_keeps_rows(tmp_path):
-    records = make_records(10)
-    write_store(records, tmp_path / "s", rows_per_shard=4)
-    store = OfflineStore(tmp_path / "s")
-    batches = list(store.batches(4, shuffle=True, seed=3))
-    assert [len(b["row"]) for b in batches] == [4, 4, 2]
-    rows = np.concatenate([b["row"] for b in batches])
-    assert sorted(rows.tolist()) == list(range(10)) and rows.tolist() != list(range(10))
-    b = batches[0]
-    for i, row in enumerate(b["row"]):
-        rec = records[row]
-        n = len(rec["response_tokens"])
-        assert b["response_tokens"][i, :n].tolist() == rec["response_tokens"]
-        assert (b["response_tokens"][i, n:] == -1).all() and b["response_lengths"][i] == n
-        assert bool(b["has_behaviour"][i]) == ("behaviour_logprobs" in rec)
-        assert np.isnan(b["q0"][i]) == ("q0" not in rec)
-        assert store.prompt_id(int(row)) == rec["prompt_id"]
-
-
-def test_dali_loader_gives_identical_batches(tmp_path):
-    if optional_import("nvidia.dali") is None:
-        pytest.skip("nvidia.dali does not import here (pip install nvidia-dali-cuda120)")
-    write_store(make_records(23), tmp_path / "s", rows_per_shard=8)
-    store = OfflineStore(tmp_path / "s")
-    for shuffle in (False, True):
-        plain = list(store.batches(5, shuffle=shuffle, seed=7, epoch=1))
-        dali = list(DaliLoader(store, 5, shuffle=shuffle, seed=7, epoch=1))
-        assert len(plain) == len(dali) == 5
-        for a, b in zip(plain, dali):
-            assert a.keys() == b.keys()
-            for key in a:
-                assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
-                assert np.array_equal(a[key], b[key], equal_nan=True), key
 
 
 def test_cli_import_export_check(tmp_path, capsys):

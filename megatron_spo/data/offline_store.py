@@ -2,8 +2,7 @@
 
     write_store(records, "store/", rows_per_shard=65536)           # or OfflineStoreWriter to append
     store = OfflineStore("store/")                                 # verifies every shard it lists
-    for batch in store.batches(32, shuffle=True, seed=0):          # plain loader (numpy)
-    for batch in DaliLoader(store, 32, shuffle=True, seed=0):      # NVIDIA DALI, CPU (device_id=None) or GPU
+    records = store.trajectories()                                 # the trainer reads through OfflineCursor
 
 Layout of a store folder:
 
@@ -26,10 +25,6 @@ Writes are atomic: a shard is written into a temporary folder, fsynced, renamed,
 new index.json (itself written to a temporary file and renamed). A shard that is not in the index (an
 interrupted write) is ignored with a warning; a listed shard whose files do not match their checksums or
 shapes is an error naming the shard and file (``skip_invalid`` skips it, counted and reported).
-
-Both loaders yield identical batches: dicts of arrays padded to the longest row of the batch (tokens and
-mc_t with -1, floats with 0), plus lengths, ``has_*`` flags and ``row`` (the store row, to look up
-prompt_id / source with ``store.prompt_id(row)``).
 """
 
 from __future__ import annotations
@@ -81,11 +76,6 @@ SHARD_FILES = {1: {f"{c}.npy" for c in COLUMNS_V1} | {STRINGS}, 2: {f"{c}.npy" f
 RAGGED = {"prompt_tokens": "prompt_offsets", "response_tokens": "response_offsets",
           "behaviour_logprobs": "behaviour_offsets", "mc_t": "mc_offsets", "mc_p": "mc_offsets"}
 PER_ROW = ("has_behaviour", "reward", "policy_version", "q0", "has_mc")
-# batch key -> (pad value, dtype); per-row keys are not padded
-BATCH_PADDED = {"prompt_tokens": (-1, np.int32), "response_tokens": (-1, np.int32),
-                "behaviour_logprobs": (0.0, np.float64), "mc_t": (-1, np.int64), "mc_p": (0.0, np.float64)}
-BATCH_KEYS = ("prompt_tokens", "prompt_lengths", "response_tokens", "response_lengths", "behaviour_logprobs",
-              "has_behaviour", "reward", "policy_version", "q0", "mc_t", "mc_p", "has_mc", "row")
 
 
 def _sha256(path: Path) -> str:
@@ -496,114 +486,6 @@ class OfflineStore:
         for k, shard in enumerate(self.shards):
             out += shard.records(self._rows[self._rows[:, 0] == k, 1].tolist())
         return out
-
-    def sample(self, i: int) -> dict[str, np.ndarray]:
-        """Row ``i`` as the loaders see it: variable-length arrays and 0-d per-row values."""
-        shard, r = self._locate(i)
-        c = shard.cols
-        out = {name: np.ascontiguousarray(shard.slice(name, r)) for name in RAGGED}
-        out.update({name: np.array(c[name][r]) for name in PER_ROW})
-        out["prompt_lengths"] = np.array(len(out["prompt_tokens"]), dtype=np.int64)
-        out["response_lengths"] = np.array(len(out["response_tokens"]), dtype=np.int64)
-        out["row"] = np.array(i, dtype=np.int64)
-        return out
-
-    def epoch_order(self, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
-        if not shuffle:
-            return np.arange(len(self))
-        return np.random.default_rng([seed, epoch]).permutation(len(self))
-
-    def batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0,
-                drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
-        """The plain loader: one epoch of padded numpy batches."""
-        order = self.epoch_order(shuffle=shuffle, seed=seed, epoch=epoch)
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            if drop_last and len(idx) < batch_size:
-                return
-            yield collate_samples([self.sample(int(i)) for i in idx])
-
-
-def collate_samples(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Pad each variable-length key to the longest in the batch (the same rule as DALI's fn.pad)."""
-    batch: dict[str, np.ndarray] = {}
-    for key, (pad, dtype) in BATCH_PADDED.items():
-        width = max(len(s[key]) for s in samples)
-        out = np.full((len(samples), width), pad, dtype=dtype)
-        for i, s in enumerate(samples):
-            out[i, : len(s[key])] = s[key]
-        batch[key] = out
-    for key in (*PER_ROW, "prompt_lengths", "response_lengths", "row"):
-        batch[key] = np.stack([s[key] for s in samples])
-    return {k: batch[k] for k in BATCH_KEYS}
-
-
-# ---------------------------------------------------------------------------------------------
-# The DALI loader
-# ---------------------------------------------------------------------------------------------
-# fn.pad has no float64 kernel: these columns cross DALI as their int64 bit patterns (0.0 is all-zero bits).
-_PAD_AS_BITS = ("behaviour_logprobs", "mc_p")
-
-
-class DaliLoader:
-    """The same batches as ``OfflineStore.batches`` through an NVIDIA DALI pipeline.
-
-    CPU (device_id=None): batches are numpy arrays. GPU (device_id=int): the pipeline moves outputs to that
-    device and batches are torch CUDA tensors (not exercised on the CPU-only test machine).
-    """
-
-    def __init__(self, store: OfflineStore, batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                 epoch: int = 0, device_id: int | None = None, num_threads: int = 1):
-        from megatron_spo.extras import dali
-
-        if dali() is None:
-            raise ImportError("DaliLoader needs NVIDIA DALI: pip install nvidia-dali-cuda120 (the 'dali' extra)")
-        if len(store) == 0:
-            raise ValueError(f"DaliLoader: store {store.path} has no rows")
-        self.store, self.batch_size, self.device_id = store, batch_size, device_id
-        self.order = store.epoch_order(shuffle=shuffle, seed=seed, epoch=epoch)
-        self.num_threads = num_threads
-
-    def _source(self, info) -> list[list[np.ndarray]]:
-        start = info.iteration * self.batch_size
-        if start >= len(self.order):
-            raise StopIteration
-        samples = [self.store.sample(int(i)) for i in self.order[start : start + self.batch_size]]
-        return [[s[key].view(np.int64) if key in _PAD_AS_BITS else s[key] for s in samples] for key in self._inputs]
-
-    def __iter__(self) -> Iterator[dict]:
-        from nvidia.dali import fn, pipeline_def, types
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator
-
-        self._inputs = (*RAGGED, *PER_ROW, "prompt_lengths", "response_lengths", "row")
-        dali_types = {np.int32: types.INT32, np.int64: types.INT64, np.float64: types.FLOAT64, np.uint8: types.UINT8}
-        dtypes = [types.INT64 if k in _PAD_AS_BITS or k not in COLUMNS else dali_types[COLUMNS[k]] for k in self._inputs]
-
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
-                      exec_dynamic=True)
-        def pipeline():
-            data = dict(zip(self._inputs, fn.external_source(
-                source=self._source, num_outputs=len(self._inputs), batch=True, batch_info=True, dtype=dtypes)))
-            outputs = []
-            for key in BATCH_KEYS:
-                if key in BATCH_PADDED:
-                    out = fn.pad(data[key], fill_value=BATCH_PADDED[key][0], axes=(0,))
-                else:
-                    out = data[key]
-                outputs.append(out.gpu() if self.device_id is not None else out)
-            return tuple(outputs)
-
-        pipe = pipeline()
-        pipe.build()
-        for batch in DALIGenericIterator([pipe], list(BATCH_KEYS), auto_reset=False):
-            tensors = batch[0]
-            if self.device_id is None:
-                out = {k: tensors[k].numpy() for k in BATCH_KEYS}
-                yield {k: v.view(np.float64) if k in _PAD_AS_BITS else v for k, v in out.items()}
-            else:
-                import torch
-
-                yield {k: v.view(torch.float64) if k in _PAD_AS_BITS else v for k, v in tensors.items()}
 
 
 def remove_store(path: str | Path) -> None:

@@ -575,11 +575,3 @@ def with_input_slip(family: str, program: str) -> str:
     if out == program:
         raise ValueError(f"toy_code: no input to slip in this {family} program: {program!r}")
     return out
-
-
-_SAFE_PROGRAM = re.compile(r"^[\x20-\x7e\n]*$")
-
-
-def is_printable_program(text: str) -> bool:
-    """True when text uses only printable ASCII and newlines (the tokenizer's alphabet)."""
-    return bool(_SAFE_PROGRAM.match(text))

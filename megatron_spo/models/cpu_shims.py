@@ -121,7 +121,3 @@ def apply_cpu_shims() -> bool:
     _MODE.__enter__()
     _APPLIED = True
     return True
-
-
-def cpu_shims_active() -> bool:
-    return _APPLIED
