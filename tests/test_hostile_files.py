@@ -430,6 +430,61 @@ def test_inputs_that_are_files_or_missing(ckpts, tmp_path, capsys):
     no_leftovers(tmp_path / "o1", tmp_path / "o2")
 
 
+def _rehash(store: Path, shard: str, file: str) -> None:
+    """Make the index agree with a changed file (an attacker writes both)."""
+    index = json.loads((store / "index.json").read_text())
+    entry = next(e for e in index["shards"] if e["name"] == shard)
+    entry["files"][file] = hashlib.sha256((store / shard / file).read_bytes()).hexdigest()
+    (store / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("damage", ["name-outside", "rows-negative", "npy-pickle", "npy-garbage", "strings-deep",
+                                    "prompt-id-object", "source-empty"])
+def test_store_whose_index_agrees_with_crafted_files_is_refused(tmp_path, capsys, damage):
+    """A store we did not write: its checksums match (whoever wrote the files wrote the index), so every
+    value is checked before it is trusted; one line naming the shard and file."""
+    import numpy as np
+
+    store = _store(tmp_path, capsys)
+    shard = store / "shard-00000"
+    index = json.loads((store / "index.json").read_text())
+    if damage == "name-outside":
+        index["shards"][0]["name"] = "../../etc"
+        (store / "index.json").write_text(json.dumps(index))
+        names = (f"{store}/index.json: field 'shards': entry '../../etc' is not a shard folder name",)
+    elif damage == "rows-negative":
+        index["shards"][0]["rows"] = -1
+        (store / "index.json").write_text(json.dumps(index))
+        names = (f"{store}/index.json: field 'shards': entry 'shard-00000' lacks rows",)
+    elif damage in ("npy-pickle", "npy-garbage"):
+        marker = tmp_path / "PWNED"
+        with open(shard / "reward.npy", "wb") as f:
+            if damage == "npy-pickle":
+                np.save(f, np.array([payloads(marker)["os.system"]] * 2, dtype=object), allow_pickle=True)
+            else:
+                f.write(b"\x93NUMPY garbage")
+        _rehash(store, "shard-00000", "reward.npy")
+        names = (f"{shard}: field 'reward.npy': not a plain numpy array file",)
+        assert not marker.exists()
+    else:
+        strings = json.loads((shard / "strings.json").read_text())
+        if damage == "strings-deep":
+            (shard / "strings.json").write_text("[" * 100000)
+            names = (f"{shard}: field 'strings.json': not the strings of a version 2 shard",)
+        elif damage == "prompt-id-object":
+            strings["prompt_id"][1] = {"$ne": 1}
+            (shard / "strings.json").write_text(json.dumps(strings))
+            names = (f"{shard}: field 'strings.json': row 1: prompt_id must be a string or an integer, got dict",)
+        else:
+            strings["source"][0] = ""
+            (shard / "strings.json").write_text(json.dumps(strings))
+            names = (f"{shard}: field 'strings.json': row 0: source must be a non-empty string",)
+        _rehash(store, "shard-00000", "strings.json")
+    refused(capsys, "trajectories", "export", store, tmp_path / "o.jsonl", inputs=(store,), names=names)
+    assert not (tmp_path / "o.jsonl").exists()
+    assert not (tmp_path / "PWNED").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. writers never overwrite what they did not create
 # ---------------------------------------------------------------------------------------------

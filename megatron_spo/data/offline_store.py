@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
@@ -242,16 +243,21 @@ def _read_index(path: Path) -> dict:
     return index
 
 
+SHARD_NAME = re.compile(r"shard-\d{5,}x*")  # what OfflineStoreWriter names them
+
+
 class _Shard:
     """One verified shard: memory-mapped columns, its strings and provenance table (version 1 shards: none)."""
 
     def __init__(self, root: Path, entry: dict):
-        self.name = str(entry.get("name"))
-        self.rows = entry.get("rows")
+        self.name = str(entry.get("name"))[:80] if isinstance(entry, dict) else "?"
+        self.rows = entry.get("rows") if isinstance(entry, dict) else None
         where = f"{root / self.name}"
-        files = entry.get("files")
-        if not isinstance(self.rows, int) or not isinstance(files, dict):
-            raise RecordError(str(root / INDEX), "shards", f"entry {self.name!r} lacks rows / files")
+        files = entry.get("files") if isinstance(entry, dict) else None
+        if not isinstance(self.rows, int) or isinstance(self.rows, bool) or self.rows < 0 or not isinstance(files, dict):
+            raise RecordError(str(root / INDEX), "shards", f"entry {self.name!r} lacks rows (an integer >= 0) / files")
+        if not SHARD_NAME.fullmatch(self.name):  # a name like ../../x would read files outside the store
+            raise RecordError(str(root / INDEX), "shards", f"entry {self.name!r} is not a shard folder name")
         self.version = next((v for v, expected in SHARD_FILES.items() if set(files) == expected), None)
         if self.version is None:
             expected = SHARD_FILES[VERSION]
@@ -263,12 +269,17 @@ class _Shard:
             if _sha256(root / self.name / file) != digest:
                 raise RecordError(where, file, "checksum mismatch (half-written or corrupted shard)")
         names = COLUMNS if self.version >= 2 else COLUMNS_V1
-        self.cols = {c: np.load(root / self.name / f"{c}.npy", mmap_mode="r", allow_pickle=False) for c in names}
+        self.cols = {}
+        for c in names:
+            try:
+                self.cols[c] = np.load(root / self.name / f"{c}.npy", mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as err:  # not an .npy, or one of objects (pickles)
+                raise RecordError(where, f"{c}.npy", f"not a plain numpy array file ({str(err)[:80]})") from None
         try:
             strings = json.loads((root / self.name / STRINGS).read_text(encoding="utf-8"))
             self.prompt_ids, self.sources = strings["prompt_id"], strings["source"]
             table = strings["provenance"] if self.version >= 2 else []
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
             raise RecordError(where, STRINGS, f"not the strings of a version {self.version} shard ({err!r})") from None
         if not isinstance(table, list):
             raise RecordError(where, STRINGS, "'provenance' must be a list")
@@ -290,8 +301,15 @@ class _Shard:
         for c in (*PER_ROW, *PROVENANCE_COLUMNS):
             if len(self.cols[c]) != self.rows:
                 raise RecordError(where, f"{c}.npy", f"has {len(self.cols[c])} rows, the index says {self.rows}")
-        if len(self.prompt_ids) != self.rows or len(self.sources) != self.rows:
+        if (not isinstance(self.prompt_ids, list) or not isinstance(self.sources, list)
+                or len(self.prompt_ids) != self.rows or len(self.sources) != self.rows):
             raise RecordError(where, STRINGS, f"does not hold {self.rows} prompt ids and sources")
+        for row, (pid, source) in enumerate(zip(self.prompt_ids, self.sources)):
+            if not (isinstance(pid, str) or (type(pid) is int and -2**63 <= pid < 2**63)):
+                raise RecordError(where, STRINGS, f"row {row}: prompt_id must be a string or an integer, got "
+                                  f"{type(pid).__name__}")
+            if not isinstance(source, str) or not source:
+                raise RecordError(where, STRINGS, f"row {row}: source must be a non-empty string")
         for values, offsets in RAGGED.items():
             off = self.cols[offsets]
             if len(off) != self.rows + 1 or off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != len(self.cols[values]):
