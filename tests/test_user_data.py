@@ -139,7 +139,7 @@ def test_online_prompts_need_their_q0_for_spo(tmp_path):
             self.prompt_id, self.q0 = pid, None
 
     source.manager = Manager()
-    source._call = lambda coro, timeout=None: (coro.close(), [[T("add")], [T("mul")]])[1]
+    source._wait = lambda coro, waiting_for: (coro.close(), [[T("add")], [T("mul")]])[1]
     source.manager.get_groups = lambda n, t: _noop()
     with pytest.raises(RuntimeError, match="online source: prompt 'mul' has no Q0 in the Q0 table"):
         source.take(2)

@@ -11,18 +11,32 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import signal
 import sys
 from pathlib import Path
 
+from megatron_spo.cli import STOP_SIGNALS, exit_while_starting
 from megatron_spo.config import ConfigError, load_config
+from megatron_spo.run_layout import Stopped
 from megatron_spo.training.config import TrainConfig
+from megatron_spo.training.online import FleetUnavailable
 from megatron_spo.training.trainer import Trainer, _model_config_from_init
+
+
+class RankExited(RuntimeError):
+    """A spawned rank ended without a Python exception (a signal, os._exit): one line naming it."""
 
 
 def run(cfg_data: dict) -> int:
     """Train in this process (one rank of a torchrun / srun / spawn launch)."""
     cfg = TrainConfig.model_validate(cfg_data)
-    trainer = Trainer(cfg)
+    for sig in STOP_SIGNALS:  # a spawned rank starts with the default (die silently) until the trainer's handler
+        signal.signal(sig, exit_while_starting)
+    try:
+        trainer = Trainer(cfg)
+    except Stopped as stop:  # SIGTERM while starting up (waiting for the rollout side): nothing to save
+        print(f"[megatron-spo] {stop} (starting up): no step had finished, exiting", flush=True)
+        return 0
     try:
         return trainer.train()
     finally:
@@ -141,6 +155,14 @@ def launch(cfg: TrainConfig) -> None:
     try:
         while not ctx.join(timeout=1.0):
             pass
+    except mp.ProcessRaisedException as err:  # a rank's one-line reason, not its traceback
+        last = str(err).strip().splitlines()[-1]
+        name, _, reason = last.partition(": ")
+        if name.endswith("FleetUnavailable"):
+            raise FleetUnavailable(reason) from None
+        raise
+    except mp.ProcessExitedException as err:  # e.g. SIGTERM forwarded before the rank could handle it
+        raise RankExited(f"rank {str(err).removeprefix('process ')}") from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -159,12 +181,19 @@ def main(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     if args.allow_config_change:
         args.overrides.append("checkpoint.allow_config_change=true")
-    cfg = load_config(TrainConfig, args.config, args.overrides)
     from megatron_spo.memory import MemoryPreflightError
 
+    # until the trainer's PreemptionHandler takes over (Trainer.__init__), SIGTERM exits at once in one line
+    previous = {sig: signal.signal(sig, exit_while_starting) for sig in STOP_SIGNALS}
     try:
-        launch(cfg)
+        launch(load_config(TrainConfig, args.config, args.overrides))
     except MemoryPreflightError as err:
         print(f"megatron-spo train: error: {err}", file=sys.stderr)
         return 2
+    except (FleetUnavailable, RankExited) as err:
+        print(f"megatron-spo train: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
