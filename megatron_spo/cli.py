@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import signal
 import sys
 
 from megatron_spo.config import ConfigError
@@ -61,6 +62,16 @@ non_negative_float = _number(float, lambda v: v >= 0, "a finite number >= 0")
 positive_float = _number(float, lambda v: v > 0, "a finite number > 0")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM's cancel / preemption and its warning signal
+
+
+def exit_while_starting(signum, frame) -> None:
+    """Signal handler for start-up (imports, config, model build): nothing to save yet, so SIGTERM / SIGUSR1
+    end the process at once with one line on stderr (exit 1). Replaced by the trainer's PreemptionHandler."""
+    raise SystemExit(f"megatron-spo: {signal.Signals(signum).name} received while starting up: nothing to save, "
+                     "exiting")
+
+
 def usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
     rows = "\n".join(f"  {n.ljust(width)}  {h}" for n, (_, h) in SUBCOMMANDS.items())
@@ -80,18 +91,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, _ = SUBCOMMANDS[name]
     module_name, func_name = target.split(":")
+    previous = {sig: signal.signal(sig, exit_while_starting) for sig in STOP_SIGNALS}
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(module_name)  # seconds (torch): SIGTERM meanwhile exits in one line
     except ModuleNotFoundError as err:
         if err.name and (err.name == module_name or module_name.startswith(err.name + ".")):
             print(f"megatron-spo {name}: not available in this build ({module_name} is missing)", file=sys.stderr)
             return 2
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     try:
         return int(getattr(module, func_name)(rest) or 0)
     except ConfigError as err:
         print(f"megatron-spo {name}: config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
+        print(f"megatron-spo {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
