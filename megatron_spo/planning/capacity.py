@@ -531,6 +531,8 @@ def main(argv: list[str]) -> int:
     data: dict = {}
     if args.config:
         path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"plan: config file '{path}' does not exist")
         data = read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
