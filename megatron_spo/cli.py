@@ -67,9 +67,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM's cancel / preemption a
 
 def exit_while_starting(signum, frame) -> None:
     """Signal handler for start-up (imports, config, model build): nothing to save yet, so SIGTERM / SIGUSR1
-    end the process at once with one line on stderr (exit 1). Replaced by the trainer's PreemptionHandler."""
-    raise SystemExit(f"megatron-spo: {signal.Signals(signum).name} received while starting up: nothing to save, "
-                     "exiting")
+    end the process at once with one line on stderr and exit 0, as a preempted run does (slurm/README.md: the
+    batch shell requeues it). Replaced by the trainer's PreemptionHandler."""
+    print(f"megatron-spo: {signal.Signals(signum).name} received while starting up: nothing to save, exiting",
+          file=sys.stderr, flush=True)
+    raise SystemExit(0)
 
 
 def usage() -> str:

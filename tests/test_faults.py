@@ -166,7 +166,7 @@ def test_sigterm_while_starting_up_exits_at_once_in_one_line(tmp_path, model_dir
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 10
-    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]  # preempted: SLURM requeues on 0
     assert err.strip().splitlines()[-1] == ("megatron-spo: SIGTERM received while starting up: nothing to save, "
                                             "exiting")
 
