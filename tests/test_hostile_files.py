@@ -364,7 +364,7 @@ def test_corrupt_safetensors_shard_is_one_line_naming_the_file(ckpts, tmp_path, 
     no_leftovers(tmp_path / "meg")
 
 
-@pytest.mark.parametrize("damage", ["wrong-shard", "traversal", "not-json", "weight-map-list"])
+@pytest.mark.parametrize("damage", ["wrong-shard", "traversal", "not-json", "weight-map-list", "unlisted"])
 def test_index_that_disagrees_with_the_shards(ckpts, tmp_path, capsys, damage):
     hf, _ = ckpts
     bad = copy(hf, tmp_path / "hf")
@@ -381,6 +381,13 @@ def test_index_that_disagrees_with_the_shards(ckpts, tmp_path, capsys, damage):
     elif damage == "weight-map-list":
         index["weight_map"] = [name]
         names = (f"{index_path}: 'weight_map' is not an object",)
+    elif damage == "unlisted":  # a shard holding a tensor the index does not list: it would be dropped silently
+        shard = bad / index["weight_map"][name]
+        tensors = {**mh.all_tensors(bad), "model.layers.0.extra.weight": torch.zeros(2)}
+        mine = {k: v for k, v in tensors.items() if index["weight_map"].get(k) == shard.name}
+        save_file({**mine, "model.layers.0.extra.weight": torch.zeros(2)}, shard)
+        names = (f"{bad}: shard '{shard.name}' holds tensor 'model.layers.0.extra.weight', which "
+                 f"model.safetensors.index.json does not list in it",)
     if damage == "not-json":
         index_path.write_text("[" * 100000)
         names = (f"{index_path}: not a safetensors index",)

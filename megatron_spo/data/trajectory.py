@@ -14,7 +14,8 @@ One record per sampled response (a JSONL line, or a row of the offline store):
     provenance          {kind, model?, run_id?, temperature?, top_p?, created?, origin?} | None
                         where the trajectory came from (see Provenance); None in records written before it
 
-Bad records raise RecordError naming file, line and field (a line that is not valid UTF-8 or JSON too);
+Bad records raise RecordError naming file, line and field (a line that is not valid UTF-8 or JSON, or nested
+too deeply, too; token ids must fit int32 and other integers int64, as the offline store keeps them);
 with ``skip_invalid`` they are skipped, counted and reported (a warning per file and the ImportReport),
 never dropped silently.
 """

@@ -8,8 +8,11 @@ The Megatron side is a megatron-core dist checkpoint (loads under any TP/PP). me
 reads the trainer's checkpoints: a step directory RUN_DIR/checkpoints/iter_NNNNNNN, the checkpoints
 directory or RUN_DIR itself (the latest complete step); only the policy's weights are read, never the
 optimizer state. Output is written to OUT.tmp, fsync'd, and renamed to OUT at the end, so nothing
-half-written looks valid. The HF input is validated (architecture, config.json fields, every tensor's
-presence and shape) before anything is written.
+half-written looks valid; an existing OUT is never overwritten. The HF input is validated (architecture,
+config.json fields, safetensors headers and index, every tensor's presence, shape and float dtype, finite
+values) before anything is written. A Megatron input is data, never code (models/dcp_metadata.py), and must
+correspond to its model_config.json both ways: every implied tensor stored with its shape, every stored
+policy tensor used. NaN / inf weights are refused by name unless --allow-nonfinite (forensics).
 
 Memory and passes: conversion never fills the model's own parameters (they only name and shape the
 checkpoint's tensors). hf-to-megatron hands the checkpoint writer zero-copy views of the

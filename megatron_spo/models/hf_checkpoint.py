@@ -278,6 +278,12 @@ class HFReader:
             raise HFCheckpointError(f"{self.dir}: tensor '{name}' is indexed in '{file}', which does not hold it")
         return self._handles[file]
 
+    def _header_of_shard(self, file: str) -> dict:
+        if not (self.dir / file).is_file():
+            name = next(n for n, f in self.weight_map.items() if f == file)
+            raise HFCheckpointError(f"{self.dir}: tensor '{name}' is indexed in '{file}', which does not exist")
+        return self._header(file)
+
     def dtype_name(self, name: str) -> str:
         """The tensor's safetensors dtype name (F32, BF16, I8 ...)."""
         self._handle(name)
@@ -318,6 +324,11 @@ class HFReader:
             if dtype not in WEIGHT_DTYPES:
                 raise HFCheckpointError(f"{self.dir}: tensor '{name}' is stored as {dtype}: quantized / integer "
                                         f"weights are not converted (supported: {', '.join(WEIGHT_DTYPES)})")
+        for file in sorted(set(self.weight_map.values())):  # the index against the shards, both ways
+            unlisted = sorted(n for n in self._header_of_shard(file) if self.weight_map.get(n) != file)
+            if unlisted:
+                raise HFCheckpointError(f"{self.dir}: shard '{file}' holds tensor '{unlisted[0]}', which "
+                                        f"{INDEX_NAME} does not list in it")
         extra = sorted(present - set(expected))
         if extra:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
