@@ -110,10 +110,6 @@ def _check_layout(cfg: TrainConfig, model, world_size: int, r: Report) -> None:
     if cfg.batch.max_seq_length > model.max_position_embeddings:
         r.problems.append(f"batch.max_seq_length: {cfg.batch.max_seq_length} > the model's max_position_embeddings "
                           f"{model.max_position_embeddings}")
-    if "online" in cfg.sources and cfg.task.max_prompt_tokens + cfg.rollout.max_new_tokens > cfg.batch.max_seq_length:
-        r.problems.append(f"batch.max_seq_length: {cfg.batch.max_seq_length} < task.max_prompt_tokens "
-                          f"{cfg.task.max_prompt_tokens} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}: "
-                          "long online trajectories would be refused")
 
 
 def _check_memory(cfg: TrainConfig, model, world_size: int, gpu_memory_gb: float | None, r: Report) -> None:
@@ -137,7 +133,24 @@ def _check_memory(cfg: TrainConfig, model, world_size: int, gpu_memory_gb: float
         r.notes.append(f"memory plan {need:.1f} GB per GPU of {gpu_memory_gb:.0f} ({what})")
 
 
-def _check_data(cfg: TrainConfig, r: Report) -> None:
+def _check_prompt_lengths(cfg: TrainConfig, problems: list, tokenizer, r: Report) -> None:
+    """The prompts the online source keeps (at most task.max_prompt_tokens) plus a whole response must fit in
+    batch.max_seq_length."""
+    from megatron_spo.data.prompts import make_prompts
+
+    prompts = r.check("task", make_prompts, problems, tokenizer)
+    if prompts is None:
+        return
+    kept = [len(p.tokens) for p in prompts if len(p.tokens) <= cfg.task.max_prompt_tokens]
+    if not kept:
+        r.problems.append(f"task.max_prompt_tokens: all {len(prompts)} prompts are longer than "
+                          f"{cfg.task.max_prompt_tokens} tokens (shortest {min(len(p.tokens) for p in prompts)})")
+    elif max(kept) + cfg.rollout.max_new_tokens > cfg.batch.max_seq_length:
+        r.problems.append(f"batch.max_seq_length: {cfg.batch.max_seq_length} < the longest prompt ({max(kept)} "
+                          f"tokens) + rollout.max_new_tokens {cfg.rollout.max_new_tokens}")
+
+
+def _check_data(cfg: TrainConfig, r: Report, tokenizer=None) -> None:
     from megatron_spo.data.q0 import ESTIMATE_HINT, q0_table
     from megatron_spo.training.sources import OfflineSource, algorithm_needs_q0
 
@@ -162,6 +175,8 @@ def _check_data(cfg: TrainConfig, r: Report) -> None:
     if problems is None:
         return
     r.notes.append(f"task: {len(problems)} {cfg.task.kind} problems")
+    if tokenizer is not None:
+        _check_prompt_lengths(cfg, problems, tokenizer, r)
     if needs_q0 and cfg.task.q0_path is None:
         r.problems.append(f"task.q0_path: algo {cfg.algo} needs Q0 for every online prompt and none is set; "
                           f"{ESTIMATE_HINT}")
@@ -172,12 +187,13 @@ def _check_data(cfg: TrainConfig, r: Report) -> None:
                               f"{cfg.task.q0_path} (first: '{missing[0]}')")
 
 
-def _check_tokenizer(cfg: TrainConfig, r: Report) -> None:
+def _check_tokenizer(cfg: TrainConfig, r: Report):
     folder = cfg.init.hf or cfg.init.megatron
     if "online" in cfg.sources and folder and Path(folder).is_dir():  # the online source tokenizes the prompts
         from transformers import AutoTokenizer
 
-        r.check("init.hf" if cfg.init.hf else "init.megatron", AutoTokenizer.from_pretrained, folder)
+        return r.check("init.hf" if cfg.init.hf else "init.megatron", AutoTokenizer.from_pretrained, folder)
+    return None
 
 
 def _count(n: int) -> str:
@@ -194,7 +210,7 @@ def validate(cfg: TrainConfig, *, world_size: int | None = None, gpu_memory_gb: 
     world_size = world_size or default_world_size(cfg)
     _check_paths(cfg, r)
     _check_hooks(cfg, r)
-    _check_tokenizer(cfg, r)
+    tokenizer = _check_tokenizer(cfg, r)
     model = _model(cfg, r)
     if model is not None:
         r.notes.insert(0, f"{model.architecture} {_count(model.num_parameters())} parameters")
@@ -203,8 +219,8 @@ def validate(cfg: TrainConfig, *, world_size: int | None = None, gpu_memory_gb: 
             p = cfg.parallel
             r.notes.append(f"layout TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x DP "
                            f"{p.data_parallel_size(world_size)} on {world_size} rank(s)")
-            _check_memory(cfg, model, world_size, gpu_memory_gb, r)
-    _check_data(cfg, r)
+            r.check("memory", _check_memory, cfg, model, world_size, gpu_memory_gb, r)
+    _check_data(cfg, r, tokenizer)
     return r
 
 

@@ -70,6 +70,20 @@ def offline_jsonl(path: Path) -> Path:
     return path
 
 
+def toy_q0(path: Path, toy: dict) -> Path:
+    """A q0 file (S0 = 1/2 at n = 4) for every training prompt of the toy task ``toy`` (a --q0 stage's output
+    replaces it through task.q0_path)."""
+    from megatron_spo.data.problems import problems_from_task_config
+    from megatron_spo.data.q0 import q0_from_counts
+    from megatron_spo.training.config import TrainConfig
+
+    task = TrainConfig.model_validate({"init": {"hf": "x"}, "task": {"kind": "toy", "toy": toy}}).task
+    est = q0_from_counts(2, 4, 0.5)
+    path.write_text("".join(json.dumps({"prompt_id": p.id, "s0": est.s0, "q0": est.q0, "n": 4, "correct": 2,
+                                        "beta": 0.5}) + "\n" for p in problems_from_task_config(task)))
+    return path
+
+
 def train_config(root: Path, model: str, name: str, *, steps: int, interval: int) -> Path:
     """A tiny TrainConfig: 2 online groups x 2 samples + 2 offline sequences per step, TP=2."""
     cfg = {
@@ -84,7 +98,8 @@ def train_config(root: Path, model: str, name: str, *, steps: int, interval: int
         "rollout": {"samples_per_prompt": 2, "max_new_tokens": 12, "temperature_range": [1.0, 1.0],
                     "max_inflight_requests": 2, "buffer_groups": 4, "request_timeout_s": 60,
                     "endpoint_cooldown_s": 1.0},
-        "task": {"kind": "toy", "toy": {"num_problems": 24}},
+        "task": {"kind": "toy", "toy": {"num_problems": 24},
+                 "q0_path": str(toy_q0(root / f"{name}-q0.jsonl", {"num_problems": 24}))},  # SPO needs Q0
         "sandbox": {"slots": 1, "time_limit_s": 1.0, "memory_mb": 256, "prestart": False},
         "checkpoint": {"interval": interval, "keep_last": 2},
         "logging": {"progress": False, "wandb_mode": "disabled"},

@@ -100,12 +100,15 @@ def test_memory_over_the_gpu_and_a_config_that_does_not_parse(tmp_path, capsys):
     [head, line] = _report(capsys.readouterr().err)
     assert line.startswith("memory: the plan needs 4.0 GB per GPU (batch 8 x seq 64, micro-batch 2 x 64 "
                                    "tokens) > 2 GB")
+    assert validate_main([path, "batch.max_seq_length=40"]) == 1  # the toy prompts are 13-27 tokens
+    assert _report(capsys.readouterr().err)[1:] == [
+        "batch.max_seq_length: 40 < the longest prompt (27 tokens) + rollout.max_new_tokens 16"]
     assert validate_main([path, "steps=0", "algo=trpo"]) == 1  # field errors: one line each
     err = _report(capsys.readouterr().err)
     assert err[0].endswith("2 problem(s) in " + path + ":") and "steps" in err[1] and "algo" in err[2]
 
 
-def test_plan_uses_the_training_configs_batch_and_sequence_length(capsys):
+def test_plan_uses_the_training_configs_batch_and_sequence_length(tmp_path, capsys):
     from megatron_spo.planning.capacity import main as plan_main
 
     assert plan_main(["--preset", "llama3.1-8b", "--config", str(REPO / "examples/llama3.1-8b-spo.yaml"), "--json"]) == 0
@@ -115,6 +118,8 @@ def test_plan_uses_the_training_configs_batch_and_sequence_length(capsys):
     assert (shape["global_batch_size"], shape["seq_length"], shape["micro_batch_size"]) == (128, 8192, 2)
     assert (shape["online_fraction"], shape["response_tokens"], shape["model_update_interval"]) == (0.5, 2048, 10)
     assert plan["memory_gb"]["dist-opt, no recompute"]["total"] == pytest.approx(76.35, abs=0.01)
-    assert plan_main(["--preset", "llama3.1-8b", "--config", str(REPO / "examples/slurm/llama3.1-8b.yaml"),
-                      "--json"]) == 0  # a plan-only YAML keeps its own plan section
-    assert json.loads(capsys.readouterr().out)["shape"]["global_batch_size"] == 256
+    plan_only = tmp_path / "plan.yaml"
+    plan_only.write_text("plan: {global_batch_size: 256, seq_length: 4096}\n")
+    assert plan_main(["--preset", "llama3.1-8b", "--config", str(plan_only), "--json"]) == 0
+    shape = json.loads(capsys.readouterr().out)["shape"]  # a plan-only YAML: its own plan section
+    assert (shape["global_batch_size"], shape["seq_length"]) == (256, 4096)

@@ -71,7 +71,8 @@ class TaskConfig(StrictModel):
     paths: list[str] = Field(default_factory=list, description="parquet / jsonl files (not for 'toy')")
     dedup_against: list[str] = Field(default_factory=list, description="TACO test files to remove from training")
     toy: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
-    q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0); else q0 = 0")
+    q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0): SPO needs one for every "
+                                "online prompt and every offline record without q0, else it refuses to start")
     max_prompt_tokens: int = Field(2048, gt=0)
     limit: int | None = Field(None, gt=0, description="use only the first N training problems")
 

@@ -479,8 +479,15 @@ def capacity_shape(cfg, world_size: int, gpu_memory_gb: float | None = None) -> 
     from megatron_spo.training.algos import algorithm_class
 
     b, weights = cfg.batch, {n: s.weight for n, s in cfg.sources.items()}
-    shape = dict(trainer_gpus=world_size, global_batch_size=b.sequences_per_step, seq_length=b.max_seq_length,
-                 micro_batch_size=max(1, b.max_tokens_per_micro_batch // b.max_seq_length),
+    p = cfg.parallel
+    dp = max(1, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
+    # the trainer packs by tokens; the plan counts whole sequences per micro-batch, a divisor of each DP
+    # rank's share of the batch (rounded up to a multiple of DP: memory does not depend on it)
+    global_batch = -(-b.sequences_per_step // dp) * dp
+    micro = max(m for m in range(1, max(1, b.max_tokens_per_micro_batch // b.max_seq_length) + 1)
+                if (global_batch // dp) % m == 0)
+    shape = dict(trainer_gpus=world_size, global_batch_size=global_batch, seq_length=b.max_seq_length,
+                 micro_batch_size=micro,
                  response_tokens=cfg.rollout.max_new_tokens, online_fraction=weights.get("online", 0.0) / sum(
                      weights.values()), model_update_interval=cfg.model_update_interval,
                  value_model=algorithm_class(cfg.algo).uses_value_model, weight_sync_bucket_mb=cfg.rollout.weight_bucket_mb)
