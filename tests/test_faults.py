@@ -127,20 +127,25 @@ def _train_cmd(tmp_path: Path, model_dir: str) -> list[str]:
 def _sigterm_when(proc: subprocess.Popen, ready, timeout_s: float = 240.0) -> tuple[str, str, float]:
     """SIGTERM once ready(stdout so far) holds; (stdout, stderr, seconds from the signal to the exit)."""
     out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=s, b=b: b.extend(iter(s.readline, "")), daemon=True)
+               for s, b in ((proc.stdout, out), (proc.stderr, err))]  # both drained: a full pipe blocks the child
+    for reader in readers:
+        reader.start()
     deadline = time.monotonic() + timeout_s
     while not ready("".join(out)):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(out) + proc.stderr.read()[-3000:]
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(out) + "".join(err)[-3000:]
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     try:
-        err = proc.communicate(timeout=60)[1]
+        proc.wait(timeout=60)
     finally:
         proc.kill()
-    reader.join(10)
-    return "".join(out), err, time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    for reader in readers:
+        reader.join(10)
+    return "".join(out), "".join(err), seconds
 
 
 @pytest.mark.slow
