@@ -53,7 +53,7 @@ def test_grpo_gradient_equals_the_hand_computed_one(correction, level):
     x, old, mu = _inputs()
     kl = 0.1
     per_token, valid, stats = grpo_token_losses(x, mu, REF, ADV, MASK, clip_eps_low=CLIP, clip_eps_high=CLIP,
-                                                kl_coef=kl, old_logp=old, correction=correction,
+                                                beta=kl, old_logp=old, correction=correction,
                                                 correction_level=level)
     total, norm = aggregate(per_token, valid, "token_mean")
     (total / norm).backward()
@@ -99,7 +99,7 @@ def test_with_fresh_samples_the_correction_is_exactly_the_on_policy_loss(correct
     for kw in ({}, dict(old_logp=old, correction=correction, correction_level=level)):
         x = LOGP.clone().requires_grad_(True)
         per_token, valid, _ = grpo_token_losses(x, old, REF, ADV, MASK, clip_eps_low=CLIP, clip_eps_high=CLIP,
-                                                kl_coef=0.1, **kw)
+                                                beta=0.1, **kw)
         total, norm = aggregate(per_token, valid, "sequence_mean")
         (total / norm).backward()
         y = LOGP.clone().requires_grad_(True)
@@ -124,7 +124,7 @@ def test_weights_metrics_and_refusals():
     assert w.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]] and corrected.sum() == 2
     x, old, mu = _inputs()
     with pytest.raises(ValueError, match="grpo_token_losses: behaviour correction 'tis' needs old_logp"):
-        grpo_token_losses(x, mu, None, ADV, MASK, clip_eps_low=CLIP, clip_eps_high=CLIP, kl_coef=0.0,
+        grpo_token_losses(x, mu, None, ADV, MASK, clip_eps_low=CLIP, clip_eps_high=CLIP, beta=0.0,
                           correction="tis")
     with pytest.raises(ValueError, match="ppo_policy_loss: the correction cap C must be > 1, got 1.0"):
         ppo_policy_loss(x, mu, ADV.unsqueeze(1) * MASK, MASK, old_logp=old, correction="tis", correction_cap=1.0)
@@ -173,7 +173,7 @@ def _train_bandit(correction: str, refresh: int, steps: int = 150, seed: int = 0
         kw = {} if correction == "none" else dict(old_logp=logp.detach(), correction=correction)
         per_token, valid, _ = grpo_token_losses(logp, mu[arms].unsqueeze(1), ref[arms].unsqueeze(1), adv,
                                                 torch.ones(SAMPLES, 1), clip_eps_low=CLIP, clip_eps_high=CLIP,
-                                                kl_coef=KL_COEF, **kw)
+                                                beta=KL_COEF, **kw)
         total, norm = aggregate(per_token, valid, "token_mean")
         opt.zero_grad()
         (total / norm).backward()

@@ -37,7 +37,7 @@ def test_on_policy_gradient_is_minus_advantage_over_the_normaliser(aggregation):
     logp, mask = _tokens()
     adv = torch.tensor([1.5, -0.5, 0.25])
     x = logp.clone().requires_grad_(True)
-    per_token, valid, _ = grpo_token_losses(x, logp, None, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0)
+    per_token, valid, _ = grpo_token_losses(x, logp, None, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0)
     total, norm = aggregate(per_token, valid, aggregation)
     (total / norm).backward()
     n_tokens = mask.sum(1, keepdim=True)
@@ -52,7 +52,7 @@ def test_clipping_stops_the_gradient_outside_the_trust_region():
     x = logp.clone().requires_grad_(True)
     adv = torch.tensor([1.0, -1.0, 1.0])
     per_token, valid, stats = grpo_token_losses(x, behaviour, None, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2,
-                                                kl_coef=0.0)
+                                                beta=0.0)
     per_token.sum().backward()
     # positive advantage above 1 + eps: clipped, no gradient; negative advantage: min picks the unclipped term
     assert x.grad[0].abs().sum() == 0 and x.grad[2].abs().sum() == 0
@@ -60,7 +60,7 @@ def test_clipping_stops_the_gradient_outside_the_trust_region():
     assert stats["clipped"].sum() == valid.sum()
     # DAPO's clip-higher: with eps_high = 1.0 the same ratio is inside the region again
     x.grad = None
-    per_token, _, _ = grpo_token_losses(x, behaviour, None, adv, mask, clip_eps_low=0.2, clip_eps_high=1.0, kl_coef=0.0)
+    per_token, _, _ = grpo_token_losses(x, behaviour, None, adv, mask, clip_eps_low=0.2, clip_eps_high=1.0, beta=0.0)
     per_token.sum().backward()
     torch.testing.assert_close(x.grad[0], -math.exp(0.5) * mask[0])
 
@@ -70,12 +70,12 @@ def test_k3_kl_penalty_is_exact_and_nonnegative():
     ref = logp + torch.linspace(-1, 1, logp.numel()).view_as(logp)
     adv = torch.zeros(3)
     per_token, valid, stats = grpo_token_losses(logp, logp, ref, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2,
-                                                kl_coef=0.1)
+                                                beta=0.1)
     d = ref - logp
     k3 = (d.exp() - d - 1) * mask
     torch.testing.assert_close(per_token, 0.1 * k3)
     assert (stats["kl_ref"] >= 0).all()
-    same, _, _ = grpo_token_losses(logp, logp, logp, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=1.0)
+    same, _, _ = grpo_token_losses(logp, logp, logp, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, beta=1.0)
     assert same.abs().max() == 0
 
 
@@ -92,7 +92,7 @@ def test_grpo_learns_the_best_arm_of_a_bandit():
         logp = torch.log_softmax(logits, 0)[arms].unsqueeze(1)  # one token per sample
         adv = grpo_advantages(reward_of[arms], torch.zeros(8, dtype=torch.long))
         per_token, valid, _ = grpo_token_losses(logp, logp.detach(), None, adv, torch.ones(8, 1), clip_eps_low=0.2,
-                                                clip_eps_high=0.2, kl_coef=0.0)
+                                                clip_eps_high=0.2, beta=0.0)
         total, norm = aggregate(per_token, valid, "token_mean")
         opt.zero_grad()
         (total / norm).backward()
@@ -112,3 +112,30 @@ def test_grpo_and_ppo_refuse_behaviour_logprobs_of_another_distribution():
     with pytest.raises(ValueError, match="algo grpo is on-policy: use only the 'online' source"):
         TrainConfig.model_validate({**base, "algo": "grpo", "rollout": {"temperature_range": [1, 1], "top_p": 1},
                                     "sources": {"online": {}, "offline": {"path": "x"}}})
+
+
+def test_beta_is_grpos_kl_coefficient_and_the_old_kl_coef_still_reads(caplog):
+    """One name for the KL coefficient: GRPO reads beta; unset it is 0 for GRPO (its old kl_coef default, TRL's:
+    no KL term) and 1/log(1e5) for the others; grpo.kl_coef maps to beta with one warning line."""
+    from megatron_spo.data.q0 import PAPER_BETA
+    from megatron_spo.experiments.quickstart import QuickstartConfig
+    from megatron_spo.training.config import TrainConfig
+
+    base = {"init": {"hf": "x"}, "rollout": {"temperature_range": [1.0, 1.0], "top_p": 1.0}}
+    assert TrainConfig.model_validate({**base, "algo": "grpo"}).beta == 0.0
+    assert TrainConfig.model_validate({**base, "algo": "spo"}).beta == PAPER_BETA == 1 / math.log(1e5)
+    with caplog.at_level("WARNING", logger="megatron_spo.config"):
+        cfg = TrainConfig.model_validate({**base, "algo": "grpo", "grpo": {"kl_coef": 0.04}})
+        assert (cfg.beta, cfg.grpo.kl_coef) == (0.04, None)
+        again = TrainConfig.model_validate(cfg.model_dump(mode="json"))  # the ranks' copy: no second warning
+    assert again.beta == 0.04
+    assert [r.getMessage() for r in caplog.records if r.name == "megatron_spo.config"] == [
+        "grpo.kl_coef is deprecated: the KL coefficient of every algorithm is beta (read as beta = 0.04)"]
+    with pytest.raises(ValueError, match=r"grpo.kl_coef 0.04 \(deprecated: it is beta now\) disagrees with beta 0.1"):
+        TrainConfig.model_validate({**base, "algo": "grpo", "beta": 0.1, "grpo": {"kl_coef": 0.04}})
+    with pytest.raises(ValueError, match=r"beta: algo spo needs beta > 0, got 0.0"):
+        TrainConfig.model_validate({**base, "algo": "spo", "beta": 0})
+    # the quickstart: 0.5 for SPO as before, 0 for GRPO (as its kl_coef was), the old key still read
+    assert QuickstartConfig().train.beta == 0.5
+    assert QuickstartConfig(algo="grpo").train.beta == 0.0
+    assert QuickstartConfig.model_validate({"algo": "grpo", "grpo": {"kl_coef": 0.04}}).train.beta == 0.04

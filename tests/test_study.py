@@ -148,7 +148,7 @@ def test_finished_runs_are_skipped_and_failures_named(tmp_path, monkeypatch):
 def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "quickstart": {"train": {"steps": 30}}})
     grid = st.sweep_grid(study, "grpo")
-    assert grid[:2] == [(("train.lr", 1e-4), ("train.grpo.kl_coef", 0.0)), (("train.lr", 1e-4), ("train.grpo.kl_coef", 0.04))]
+    assert grid[:2] == [(("train.lr", 1e-4), ("train.beta", 0.0)), (("train.lr", 1e-4), ("train.beta", 0.04))]
     assert len(grid) == 6 and len(st.sweep_grid(study, "ppo")) == 6
     sweep = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("sweep", "spo-online", 0, grid[0][:1]), tmp_path))
     test = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("runs", "spo-online", 0, ()), tmp_path))
@@ -198,7 +198,7 @@ def test_the_sweep_chooses_the_best_validation_score_and_ablations_inherit(tmp_p
     monkeypatch.setattr(st.subprocess, "run", lambda *a, **k: pytest.fail("every sweep run is finished"))
     chosen = st.choose(study, tmp_path, print)
     assert chosen["spo"]["settings"] == {"train.lr": 2e-4}
-    assert chosen["grpo"]["settings"] == {"train.lr": 2e-4, "train.grpo.kl_coef": 0.0}
+    assert chosen["grpo"]["settings"] == {"train.lr": 2e-4, "train.beta": 0.0}
     assert chosen["spo-online"]["settings"] == {"train.lr": 2e-4} and chosen["spo-online"]["inherited_from"] == "spo"
     assert [g["validation"] for g in chosen["grpo"]["grid"]] == scores["grpo"]
 

@@ -3,7 +3,7 @@
 For the samples of one prompt (a group) with rewards r_i, the advantage of every token of sample i is
     A_i = (r_i - mean_group(r)) / (std_group(r) + eps)        (scale_rewards=False: r_i - mean, "Dr. GRPO")
 and the per-token objective, with ratio rho_t = exp(log pi_theta - log pi_behaviour)(a_t), is
-    l_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i) + kl_coef * k3_t,
+    l_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i) + beta * k3_t,
     k3_t = exp(log pi_0 - log pi_theta) - (log pi_0 - log pi_theta) - 1     (>= 0, unbiased KL(pi || pi_0))
 aggregated as "sequence_mean" (mean over a sequence's tokens, then over sequences: the paper) or
 "token_mean" (sum over every response token / their number: DAPO, TRL's default "dapo"-like loss).
@@ -42,7 +42,7 @@ def grpo_advantages(reward: Tensor, group: Tensor, *, scale_rewards: bool = True
 
 
 def grpo_token_losses(logp: Tensor, behaviour_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor,
-                      mask: Tensor, *, clip_eps_low: float, clip_eps_high: float, kl_coef: float,
+                      mask: Tensor, *, clip_eps_low: float, clip_eps_high: float, beta: float,
                       old_logp: Tensor | None = None, correction: str = "none", correction_cap: float = 2.0,
                       correction_level: str = "token") -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """(per-token losses [B, T] (0 off the mask), valid mask [B, T] bool, per-token stats for metrics).
@@ -58,9 +58,9 @@ def grpo_token_losses(logp: Tensor, behaviour_logp: Tensor, ref_logp: Tensor | N
     if ref_logp is not None:
         tensors["ref_logp"] = ref_logp
     valid = check_token_inputs(where, mask, tensors, {"advantages": advantages})
-    if clip_eps_low <= 0 or clip_eps_high <= 0 or kl_coef < 0:
-        raise ValueError(f"{where}: clip_eps_low/high must be > 0 and kl_coef >= 0, got {clip_eps_low}, "
-                         f"{clip_eps_high}, {kl_coef}")
+    if clip_eps_low <= 0 or clip_eps_high <= 0 or beta < 0:
+        raise ValueError(f"{where}: clip_eps_low/high must be > 0 and beta >= 0, got {clip_eps_low}, "
+                         f"{clip_eps_high}, {beta}")
     logp, behaviour_logp = upcast(logp), upcast(behaviour_logp)
     denominator = behaviour_logp if old_logp is None else upcast(old_logp).detach()
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -75,8 +75,8 @@ def grpo_token_losses(logp: Tensor, behaviour_logp: Tensor, ref_logp: Tensor | N
         d = torch.where(valid, upcast(ref_logp) - logp, zero)
         k3 = d.exp() - d - 1
         stats["kl_ref"] = k3.detach()
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * k3
+        if beta > 0:
+            per_token = per_token + beta * k3
     if correction != "none":
         w, corrected, mismatch = behaviour_weights(old_logp, behaviour_logp, valid, correction=correction,
                                                    cap=correction_cap, level=correction_level)

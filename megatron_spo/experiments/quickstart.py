@@ -36,14 +36,26 @@ from megatron_spo.engine_tools.config import ToolSamplingConfig
 from megatron_spo.experiments.config import QuickstartModelConfig
 from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rollout.config import RolloutConfig
-from megatron_spo.training.config import AlgoName, GRPOConfig, LossName, Objective, PPOConfig, TrainConfig
+from megatron_spo.training.config import (
+    AlgoName,
+    GRPOConfig,
+    LossName,
+    Objective,
+    PPOConfig,
+    TrainConfig,
+    kl_coef_as_beta,
+)
+
+# beta <= 0.2 with squared loss collapsed on this task (docs/engineering-notes.md, "Collapse of online SPO")
+QUICKSTART_BETA = 0.5
 
 
 class QuickstartTrainConfig(StrictModel):
     steps: int = Field(90, gt=0)
     lr: float = Field(2e-4, gt=0)
     warmup_steps: int = Field(10, ge=0)
-    beta: float = Field(0.5, gt=0, description="beta <= 0.2 with squared loss collapsed on this task (docs/engineering-notes.md)")
+    beta: float | None = Field(None, ge=0, description="KL strength (the trainer's beta). Unset: 0.5 (QUICKSTART_BETA), "
+                               "or 0 for an algorithm whose own default is 0 (GRPO: no KL term)")
     prompts_per_step: int = Field(4, gt=0)
     samples_per_prompt: int = Field(8, gt=1)
     online_fraction: float = Field(0.5, ge=0, le=1, description="the rest of each SPO batch is offline data")
@@ -137,6 +149,13 @@ class QuickstartConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self):
+        from megatron_spo.training.algos import algorithm_class
+
+        beta = kl_coef_as_beta(self.train.grpo, self.train.beta, "train.")
+        if beta is None:
+            algo = algorithm_class(self.algo, load_hooks=False)
+            beta = 0.0 if algo is not None and algo.default_beta == 0 else QUICKSTART_BETA
+        self.train.__dict__["beta"] = beta
         if self.trainer == "trl" and self.algo != "grpo":
             raise ValueError(f"trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not '{self.algo}'")
         if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):
@@ -401,7 +420,8 @@ def run(cfg: QuickstartConfig) -> dict:
             async def q0_now():
                 async with EngineClient(fleet.router_url) as client:
                     return await estimate_q0(train_prompts, client, rewards, samples=cfg.q0_samples,
-                                             beta=cfg.train.beta, out_path=shared / "q0.jsonl",
+                                             beta=cfg.train.beta or QUICKSTART_BETA,  # GRPO's 0: no soft value
+                                             out_path=shared / "q0.jsonl",
                                              sampling=ToolSamplingConfig(temperature=1.0,
                                                                          max_new_tokens=cfg.train.max_new_tokens),
                                              trajectories_out=shared / "q0_correct_samples.jsonl",
@@ -462,7 +482,7 @@ def train_with_trl(cfg: QuickstartConfig, ref: Path, prompts, rewards, out: Path
     from megatron_spo.experiments.trl_grpo import train_trl_grpo
 
     t = cfg.train
-    return train_trl_grpo(ref, prompts, rewards, out, steps=t.steps, lr=t.lr, beta=t.grpo.kl_coef,
+    return train_trl_grpo(ref, prompts, rewards, out, steps=t.steps, lr=t.lr, beta=t.beta,
                           prompts_per_step=t.prompts_per_step, samples_per_prompt=t.samples_per_prompt,
                           max_new_tokens=t.max_new_tokens, warmup_steps=t.warmup_steps, seed=cfg.seed,
                           progress=cfg.progress)

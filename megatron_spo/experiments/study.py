@@ -38,7 +38,7 @@ class Arm:
 
     algo: str
     overrides: tuple[str, ...]
-    coefficient: str  # dotted quickstart path: SPO / AGRO beta, PPO's KL-reward beta, GRPO's k3 KL coefficient
+    coefficient: str  # dotted quickstart path of the swept KL coefficient (train.beta for every algorithm)
     grid: tuple[float, ...]
     about: str
 
@@ -48,11 +48,11 @@ ARMS: dict[str, Arm] = {
     "spo-online": Arm("spo", ("train.online_fraction=1.0",), "train.beta", (0.5, 1.0), "SPO, online rollouts only"),
     "agro": Arm("agro", (), "train.beta", (0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
-    "grpo": Arm("grpo", (), "train.grpo.kl_coef", (0.0, 0.04), "GRPO on megatron-core"),
+    "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
     "grpo-tis": Arm("grpo", ("train.model_update_interval=10", "train.grpo.behaviour_correction=tis"),
-                    "train.grpo.kl_coef", (0.0, 0.04), "asynchronous GRPO: pushes every 10 steps like SPO, stale "
+                    "train.beta", (0.0, 0.04), "asynchronous GRPO: pushes every 10 steps like SPO, stale "
                     "samples weighted by min(pi_old / mu, 2) (TIS, as slime / AReaL / verl run it)"),
-    "trl-grpo": Arm("grpo", ("trainer=trl",), "train.grpo.kl_coef", (0.0, 0.04),
+    "trl-grpo": Arm("grpo", ("trainer=trl",), "train.beta", (0.0, 0.04),
                     "TRL's GRPOTrainer (outside reference)"),
 }
 

@@ -7,6 +7,7 @@ registry (training/algos/) and the SPO objectives and losses (algorithms/spo.py)
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
@@ -17,6 +18,8 @@ from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.models.config import InitConfig, ModelConfig, ParallelConfig
 from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rollout.config import FleetEndpoints, RolloutConfig
+
+log = logging.getLogger("megatron_spo.config")
 
 
 def _objective(value: str) -> str:
@@ -136,7 +139,8 @@ class GRPOConfig(StrictModel):
 
     clip_eps: float = Field(0.2, gt=0, description="lower clip of the importance ratio: 1 - clip_eps")
     clip_eps_high: float | None = Field(None, gt=0, description="upper clip 1 + clip_eps_high (DAPO); default clip_eps")
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL(pi || pi_0) penalty; TRL's default beta is 0.0")
+    kl_coef: float | None = Field(None, ge=0, description="deprecated: the KL coefficient of every algorithm is "
+                                  "`beta` (GRPO's k3 KL(pi || pi_0) penalty; read as beta, with a warning)")
     scale_rewards: bool = Field(True, description="divide group-centred rewards by the group std")
     aggregation: Literal["sequence_mean", "token_mean"] = Field(
         "token_mean", description="token_mean: over all response tokens of the batch (DAPO / TRL); "
@@ -196,13 +200,31 @@ class LoggingConfig(StrictModel):
     )
 
 
+def kl_coef_as_beta(grpo: GRPOConfig, beta: float | None, where: str = "") -> float | None:
+    """beta, or the deprecated grpo.kl_coef read as beta (one warning line; kl_coef is then cleared, so a config
+    dumped and read again does not warn twice). Both given and different: ValueError naming both."""
+    kl = grpo.kl_coef
+    if kl is None:
+        return beta
+    if beta is not None and beta != kl:
+        raise ValueError(f"{where}grpo.kl_coef {kl} (deprecated: it is {where}beta now) disagrees with {where}beta "
+                         f"{beta}")
+    log.warning("%sgrpo.kl_coef is deprecated: the KL coefficient of every algorithm is %sbeta (read as beta = %g)",
+                where, where, kl)
+    grpo.__dict__["kl_coef"] = None
+    return kl
+
+
 class TrainConfig(StrictModel):
     run_dir: str = "runs/spo"
     seed: int = 1234
     steps: int = Field(100_000, gt=0)
     algo: AlgoName = Field("spo", description="a registered algorithm (training/algos/) or a hook "
                            "'package.module:Class'")
-    beta: float = Field(PAPER_BETA, gt=0, description="KL strength; paper 1/log(1e5)")
+    beta: float | None = Field(
+        None, ge=0, description="KL strength of every algorithm (SPO / AGRO: the soft value's temperature; PPO: the KL "
+        "reward; GRPO: the k3 penalty). Unset: the algorithm's default_beta (training/algos/): 1/log(1e5), the SPO "
+        "paper's, for SPO / AGRO / PPO; 0 for GRPO (TRL's default: no KL term)")
     model_update_interval: int = Field(10, gt=0, description="steps between weight pushes to the rollout fleet")
     init: InitConfig = Field(default_factory=InitConfig)
     model: ModelConfig | None = Field(None, description="default: read from init.hf/config.json")
@@ -237,6 +259,9 @@ class TrainConfig(StrictModel):
         from megatron_spo.training.algos import algorithm_class
 
         algo = algorithm_class(self.algo, load_hooks=False)  # a hook is loaded (and checked) by the trainer
+        beta = kl_coef_as_beta(self.grpo, self.beta)
+        # resolved here, so a config dumped for the ranks (or a checkpoint) carries the number itself
+        self.__dict__["beta"] = beta if beta is not None else algo.default_beta if algo is not None else PAPER_BETA
         if algo is not None:
             algo.check_config(self)
         if self.init.hf is None and self.init.megatron is None:

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from megatron_spo.data.q0 import PAPER_BETA
+
 log = logging.getLogger("megatron_spo.algos")
 
 
@@ -59,6 +61,9 @@ class Algorithm:
     # its loss reads each trajectory's Q0 (SPO): every prompt it trains on needs one, from task.q0_path or the
     # record itself (training/online.py, training/sources.py refuse a missing one; Q0 = 0 is not neutral)
     uses_q0: ClassVar[bool] = False
+    # beta when the config leaves it unset; an algorithm whose default is 0 (no KL term: GRPO) accepts beta = 0,
+    # the others need beta > 0 (SPO divides by it)
+    default_beta: ClassVar[float] = PAPER_BETA
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -76,6 +81,8 @@ class Algorithm:
         if cls.on_policy and set(cfg.sources) != {"online"}:
             raise ValueError(f"algo {cls.name} is on-policy: use only the 'online' source "
                              f"(got {', '.join(sorted(cfg.sources))})")
+        if cfg.beta is not None and cfg.beta <= 0 and cls.default_beta > 0:
+            raise ValueError(f"beta: algo {cls.name} needs beta > 0, got {cfg.beta}")
         r = cfg.rollout
         if cls.uses_behaviour_logprobs and (tuple(r.temperature_range) != (1.0, 1.0) or r.top_p != 1.0):
             raise ValueError(f"rollout.temperature_range: algo {cls.name} takes importance ratios against the "

@@ -27,7 +27,7 @@ def grpo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, cfg, *, g
     adv = grpo_advantages(batch.reward, batch.group, scale_rewards=g.scale_rewards).to(logp.device)
     per_token, valid, stats = grpo_token_losses(
         logp, batch.behaviour_logp, ref_logp, adv, batch.loss_mask, clip_eps_low=g.clip_eps,
-        clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef, old_logp=old_logp,
+        clip_eps_high=g.clip_eps_high or g.clip_eps, beta=cfg.beta, old_logp=old_logp,
         correction=g.behaviour_correction, correction_cap=g.correction_cap, correction_level=g.correction_level)
     total, _ = aggregate(per_token, valid, g.aggregation)
     n_mb = batch.num_sequences
@@ -56,6 +56,7 @@ class GRPO(Algorithm):
     keeps_prompt_groups = True
     on_policy = True
     uses_behaviour_logprobs = True
+    default_beta = 0.0  # TRL's GRPOTrainer default: no KL term (and no reference forward needed for it)
 
     @classmethod
     def required_update_interval(cls, cfg) -> int | None:
