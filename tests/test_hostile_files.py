@@ -197,7 +197,7 @@ def test_rng_state_file_that_unpickles_code_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "empty", "truncated-distcp", "outside", "chunk-outside", "common",
-                                    "record-header", "no-metadata", "metadata-json"])
+                                    "record-header", "no-metadata", "metadata-json", "int8"])
 def test_damaged_dist_checkpoint_is_one_line_naming_the_file(ckpts, tmp_path, capsys, damage):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -238,6 +238,12 @@ def test_damaged_dist_checkpoint_is_one_line_naming_the_file(ckpts, tmp_path, ca
             f.seek(info.offset)
             f.write(b"A" * 200)
         names = (f"{bad}: reading tensor 'decoder.layers.mlp.linear_fc2.weight' failed: unreadable",)
+    elif damage == "int8":  # a quantized checkpoint: never cast to float silently
+        md.state_dict_metadata["decoder.final_layernorm.weight"].properties.dtype = torch.int8
+        md.storage_meta = None
+        with open(bad / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+        names = (f"{bad}: tensor 'decoder.final_layernorm.weight' is stored as torch.int8: quantized",)
     elif damage == "no-metadata":
         (bad / ".metadata").unlink()
         names = (f"{bad}/.metadata: missing",)
