@@ -123,6 +123,23 @@ def test_crafted_metadata_pickle_runs_nothing_in_a_real_cli_process(ckpts, tmp_p
     no_leftovers(tmp_path / "out")
 
 
+def test_crafted_pickle_in_a_trainer_run_dir_runs_nothing(ckpts, tmp_path, capsys):
+    """convert megatron-to-hf of RUN_DIR (latest complete step's dist/): refused before any key is looked up."""
+    _, meg = ckpts
+    marker = tmp_path / "PWNED"
+    step = tmp_path / "run" / "checkpoints" / "iter_0000003"
+    copy(meg, step / "dist")
+    shutil.copy(meg / "model_config.json", step / "model_config.json")
+    (step / "COMPLETE").write_text("{}")
+    with open(step / "dist" / ".metadata", "wb") as f:
+        pickle.dump(payloads(marker)["subprocess"], f)
+    for path in (tmp_path / "run", step):
+        refused(capsys, "convert", "megatron-to-hf", "--megatron", path, "--out", tmp_path / "out",
+                inputs=(tmp_path / "run",), names=(f"{step}/dist/.metadata: refused", "'subprocess.call'"))
+    assert not marker.exists()
+    no_leftovers(tmp_path / "out")
+
+
 @pytest.mark.parametrize("how", ["os.system", "subprocess", "exec", "nested"])
 def test_crafted_metadata_is_refused_naming_the_global(ckpts, tmp_path, capsys, how):
     _, meg = ckpts
