@@ -156,9 +156,11 @@ def _bandit_optimum() -> torch.Tensor:
     return torch.softmax(z.detach(), 0)
 
 
-def _train_bandit(correction: str, refresh: int, steps: int = 150, seed: int = 0) -> list[torch.Tensor]:
+def _train_bandit(correction: str, refresh: int, steps: int = 150, seed: int = 0,
+                  sampler_temperature: float = 1.0) -> list[torch.Tensor]:
     """GRPO (Dr. GRPO advantages, k3 penalty, SGD) on one prompt; the sampler mu is the policy of the last
-    refresh. correction 'none' is today's loss: the clipped ratio against mu. Returns pi after each step."""
+    refresh at sampler_temperature. correction 'none' is today's loss: the clipped ratio against mu;
+    'decoupled': the ratio against pi_old with no weight. Returns pi after each step."""
     gen = torch.Generator().manual_seed(seed)
     z = REF_LOGITS.clone().requires_grad_(True)
     opt = torch.optim.SGD([z], lr=LR)
@@ -166,11 +168,12 @@ def _train_bandit(correction: str, refresh: int, steps: int = 150, seed: int = 0
     out = []
     for step in range(steps):
         if step % refresh == 0:
-            mu = torch.log_softmax(z.detach(), 0)
+            mu = torch.log_softmax(z.detach() / sampler_temperature, 0)
         arms = torch.multinomial(mu.exp(), SAMPLES, replacement=True, generator=gen)
         logp = torch.log_softmax(z, 0)[arms].unsqueeze(1)
         adv = grpo_advantages(REWARDS[arms], torch.zeros(SAMPLES, dtype=torch.long), scale_rewards=False)
-        kw = {} if correction == "none" else dict(old_logp=logp.detach(), correction=correction)
+        kw = {"none": {}, "decoupled": dict(old_logp=logp.detach())}.get(
+            correction, dict(old_logp=logp.detach(), correction=correction))
         per_token, valid, _ = grpo_token_losses(logp, mu[arms].unsqueeze(1), ref[arms].unsqueeze(1), adv,
                                                 torch.ones(SAMPLES, 1), clip_eps_low=CLIP, clip_eps_high=CLIP,
                                                 beta=KL_COEF, **kw)
@@ -336,3 +339,15 @@ def test_the_study_has_an_async_grpo_arm_pushing_every_10_steps(tmp_path):
     endpoints = type("E", (), {"router_url": "http://127.0.0.1:1", "engine_urls": ["http://127.0.0.1:2"]})()
     tcfg = train_config(cfg, tmp_path, tmp_path / "ref", tmp_path / "init", endpoints, tmp_path / "q0.jsonl", None)
     assert (tcfg.algo, tcfg.model_update_interval, tcfg.grpo.behaviour_correction) == ("grpo", 10, "tis")
+
+
+def test_a_sampler_that_never_matches_the_policy_converges_to_the_optimum_only_with_tis():
+    """The engines sample at T = 1.5 (a lasting mismatch, as a different numeric backend gives; refreshed every
+    step). KL(pi* || mean pi of the last 100 of 200 steps), measured: TIS 6e-6 (pi_old / mu stays under C = 2);
+    the ratio against pi_old with no weight 3.4e-3 (the fixed point of mu's samples: pi(best) 0.83 for 0.86);
+    MIS 7e-3 (it drops the rare arms, rho < 1/2); today's loss 0.47 (clipped against mu it stops at 0.40)."""
+    pstar = _bandit_optimum()
+    end = {c: _kl(pstar, torch.stack(_train_bandit(c, 1, steps=200, sampler_temperature=1.5)[-100:]).mean(0))
+           for c in ("tis", "decoupled", "mis", "none")}
+    assert end["tis"] < 1e-4
+    assert end["decoupled"] > 1e-3 and end["mis"] > 1e-3 and end["none"] > 0.1
