@@ -125,3 +125,26 @@ def train_with_failing_pushes(cfg_data: dict, failures: int, out_file: str) -> N
             json.dump({"pushes": source.pushes, "error": error, "step": trainer.step}, f)
     elif (error is not None) != (failures >= trainer.cfg.rollout.weight_sync_attempts):
         raise AssertionError(f"rank {trainer.rank} did not act with rank 0: {error}")
+
+
+def train_and_dump_dtypes(runs: list[tuple[dict, str]]) -> None:
+    """One rank: for each (config, out_file), train (the online source, if the config has one, is the
+    deterministic one), then save {"weights": HF-named weights, "params": {policy parameter name: dtype},
+    "main_params": dtypes of the optimizer's main (master) parameters} to out_file."""
+    from megatron_spo.models.hf_map import iter_hf_tensors
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    for i, (cfg_data, out_file) in enumerate(runs):
+        cfg = TrainConfig.model_validate(cfg_data)
+        trainer = Trainer(cfg, online_source=DeterministicSource() if "online" in cfg.sources else None)
+        try:
+            trainer.train()
+            weights = {name: t.clone() for name, t in iter_hf_tensors(trainer.policy, trainer.model_cfg)}
+            params = {name: str(p.dtype) for chunk in trainer.policy for name, p in chunk.named_parameters()}
+            optimizers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+            main = [str(p.dtype) for opt in optimizers for group in opt.optimizer.param_groups for p in group["params"]]
+            if trainer.rank == 0:
+                torch.save({"weights": weights, "params": params, "main_params": main}, out_file)
+        finally:
+            trainer.close(keep_process_group=i < len(runs) - 1)

@@ -249,10 +249,26 @@ def _build_chunks(
             )
             rope.inv_freq = _llama3_inv_freq(base, model_cfg)
             model.rotary_pos_emb_cache.clear()
+        _cast_to_params_dtype(model, config.params_dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _cast_to_params_dtype(model, dtype: torch.dtype) -> None:
+    """Every floating-point parameter and buffer in ``dtype``, as megatron-LM's ``Float16Module`` makes them
+    (its __init__ is ``module.bfloat16()`` / ``module.half()``; megatron-core 0.16 transformer/module.py).
+
+    The local spec's norms are ``torch.nn.RMSNorm`` made without a dtype (``WrappedTorchNorm``), so in a bf16
+    model they would stay fp32; megatron's mixed-precision optimizer then keeps them apart from the bf16
+    params, and its sharded state dict numbers only the bf16 ones ("Param id N does not match any model
+    sharded param" on checkpoint save). The wrapper itself is not used: its forward upcasts the last stage's
+    output to fp32, and that output is the final hidden states, which the fused log-prob op takes in the LM
+    head's dtype (it accumulates in fp32 itself); its input cast has nothing to do (token and position ids).
+    The rotary ``inv_freq`` is a plain attribute, not a buffer: it stays fp32, as under Float16Module."""
+    if dtype != torch.float32:
+        model.to(dtype=dtype)
 
 
 def build_policy(
