@@ -44,7 +44,8 @@ class Problem:
     prompt: the problem statement (no instruction, no chat formatting: see build_prompt).
     tests / hidden_tests: (stdin, expected stdout) pairs; rewards use ``tests``, evaluation may add the
     hidden ones. answer: the reference final answer (math). time_limit_s / memory_mb: the problem's own
-    limits when its source gives them.
+    limits when its source gives them. The generated tasks' problems (toy_code.Problem, toy_math.Problem) are
+    Problems too, with the fields of how they were generated.
     """
 
     id: str

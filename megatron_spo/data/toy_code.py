@@ -34,26 +34,24 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from megatron_spo.data.tasks import Problem as TaskProblem
+
 GENERATOR_VERSION = 2  # bump when problems, tests or solutions change (part of the reference-model cache key)
 
 FAMILIES = ("num", "str", "list")
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One programming problem.
+@dataclass(frozen=True, kw_only=True)
+class Problem(TaskProblem):
+    """One generated programming problem: a data/tasks.py Problem (kind code) with how it was generated.
 
     prompt: the model's input text (a one-line comment ending in a newline).
     tests / hidden_tests: (stdin, expected stdout) pairs; stdout is exactly what ``print`` writes.
-    solutions: distinct correct programs (each ends in a newline).
+    family / ops: the pipeline it was drawn from. solutions: distinct correct programs (each ends in a newline).
     """
 
-    id: str
     family: str
     ops: tuple[str, ...]
-    prompt: str
-    tests: tuple[tuple[str, str], ...]
-    hidden_tests: tuple[tuple[str, str], ...]
     solutions: tuple[str, ...]
 
 

@@ -30,6 +30,8 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from megatron_spo.data.tasks import Problem as TaskProblem
+
 GENERATOR_VERSION = 1  # bump when problems or solutions change (part of the reference-model cache key)
 
 OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b,
@@ -68,26 +70,21 @@ NAMES = ("Ann", "Ben", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "K
 ITEMS = ("apples", "pens", "cards", "eggs", "shells", "stamps", "beads", "cups")
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One word problem.
+@dataclass(frozen=True, kw_only=True)
+class Problem(TaskProblem):
+    """One generated word problem: a data/tasks.py Problem of kind math (scored by ``answer``; no tests to
+    run) with how it was generated.
 
     prompt: the model's input text (one line ending in a newline). numbers: n0..nk of the template.
     values: the chain's running values after each step (values[-1] == int(answer)).
-    solutions: distinct correct solution texts (each ends in a newline). kind / tests: what the reward
-    interface reads (rewards/reward.py scores kind "math" by ``answer``; there are no tests to run).
+    solutions: distinct correct solution texts (each ends in a newline).
     """
 
-    id: str
     template: str
     numbers: tuple[int, ...]
-    prompt: str
-    answer: str
     values: tuple[int, ...]
     solutions: tuple[str, ...]
     kind: str = "math"
-    tests: tuple = ()
-    hidden_tests: tuple = ()
 
 
 @dataclass(frozen=True)
