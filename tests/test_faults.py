@@ -239,3 +239,65 @@ def test_the_router_keeps_workers_through_a_paused_push():
     cmd = fleet.router.command
     assert cmd[cmd.index("--health-failure-threshold") + 1] == "20"
     assert cmd[cmd.index("--health-check-timeout-secs") + 1] == str(health.timeout_s)
+
+
+# -- a signal after a step finished: the step is checkpointed, every rank stops together ------------------------
+class StopsOnThirdTake:
+    """An online source that gives two batches, then ends the wait for the third as a SIGTERM does."""
+
+    def __init__(self):
+        from trainer_helpers import DeterministicSource
+
+        self.inner, self.takes = DeterministicSource(), 0
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        self.takes += 1
+        if self.takes == 3:
+            raise Stopped("SIGTERM received while waiting for rollouts")
+        return self.inner.take(k)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def train_until_stopped(cfg_data: dict, out_file: str) -> None:
+    """One rank: train with StopsOnThirdTake on rank 0; each rank writes the step it ended at and the latest
+    checkpoint (a rank that did not learn of the stop would hang in the batch broadcast)."""
+    import json
+
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig.model_validate(cfg_data), online_source=StopsOnThirdTake())
+    try:
+        step = trainer.train()
+    finally:
+        trainer.close()
+    latest = trainer.ckpt.latest()
+    with open(f"{out_file}.{trainer.rank}", "w") as f:
+        json.dump({"step": step, "latest": latest[0] if latest else None}, f)
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_a_stop_after_a_finished_step_checkpoints_it_and_every_rank_exits(tmp_path, capfd):
+    import json
+
+    from trainer_helpers import make_tiny_hf
+
+    from megatron_spo.models.parallel import spawn_local
+
+    hf = make_tiny_hf(str(tmp_path / "hf"))
+    cfg = dict(run_dir=str(tmp_path / "run"), steps=5, algo="grpo", beta=0.5, init={"hf": hf},
+               optimizer={"lr": 1e-3, "warmup_steps": 2}, rollout={"temperature_range": [1.0, 1.0], "top_p": 1.0},
+               batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 64, "max_seq_length": 64},
+               model_update_interval=1, checkpoint={"interval": 100, "export_hf": False}, logging={"progress": False})
+    spawn_local(train_until_stopped, 2, cfg, str(tmp_path / "result"))
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"result.{rank}").read_text()) == {"step": 2, "latest": 2}
+    assert ("[megatron-spo] SIGTERM received while waiting for rollouts: checkpoint at step 2 saved, exiting"
+            in capfd.readouterr().out)
