@@ -27,6 +27,26 @@ def test_config_changes_lists_fields_old_to_new_and_ignores_free_ones():
     assert config_changes(old, new) == ["optimizer.lr: 0.002 -> 0.001", "sources.online.weight: '(absent)' -> 1.0"]
 
 
+def test_a_config_written_by_another_version_is_compared_on_what_the_user_set(tmp_path, capsys):
+    """An old checkpoint's config that today's class refuses (here a field since removed, and a default that
+    moved): differences at today's defaults are reported, not refused; a changed lr still is."""
+    from megatron_spo.config import ConfigError
+    from megatron_spo.training.checkpoint import check_resume_config
+    from megatron_spo.training.config import TrainConfig
+
+    cfg = TrainConfig.model_validate({"init": {"hf": "x"}, "optimizer": {"lr": 1e-3}})
+    old = cfg.model_dump(mode="json")
+    old["removed_field"] = 1
+    old["optimizer"]["warmup_steps"] = 100  # the old default; today's is 200
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert check_resume_config(cfg, tmp_path, tmp_path) == []
+    assert ("not compared, at today's defaults: optimizer.warmup_steps: 100 -> 200; removed_field: 1 -> "
+            "'(absent)'") in capsys.readouterr().out
+    changed = TrainConfig.model_validate({"init": {"hf": "x"}, "optimizer": {"lr": 2e-3}})
+    with pytest.raises(ConfigError, match=r"\(optimizer.lr: 0.001 -> 0.002\); to resume with it"):
+        check_resume_config(changed, tmp_path, tmp_path)
+
+
 def _write(root: Path, hf: str, steps: int, lr: float) -> Path:
     path = _config(root, hf, "run", steps)
     cfg = yaml.safe_load(path.read_text())

@@ -166,11 +166,19 @@ def check_resume_config(cfg, step_dir: Path, run_dir: Path) -> list[str]:
     if saved is None:
         return []
     old = yaml.safe_load(saved.read_text()) or {}
+    new = cfg.model_dump(mode="json")
     try:  # through today's config class: a field added since (with its default) is no change of the user's
         old = type(cfg).model_validate(old).model_dump(mode="json")
-    except ValueError:
-        pass  # a field since removed: compare the dumps as they are
-    changes = config_changes(old, cfg.model_dump(mode="json"))
+        changes = config_changes(old, new)
+    except ValueError:  # written by an older version whose config this one reads differently (a field changed
+        # meaning or default): a difference where the new value is today's default is that, not the user's
+        defaults = flatten(type(cfg).model_construct().model_dump(mode="json"))
+        changes = config_changes(old, new)
+        moved = [c for c in changes if flatten(new).get(c.split(":")[0]) == defaults.get(c.split(":")[0])]
+        if moved:
+            print(f"[megatron-spo] resume: {step_dir}'s config was written by another version; not compared, at "
+                  f"today's defaults: {'; '.join(moved)}", flush=True)
+        changes = [c for c in changes if c not in moved]
     if changes and not cfg.checkpoint.allow_config_change:
         raise ConfigError(f"resume: the config differs from the one {step_dir} was written with ({'; '.join(changes)})"
                           f"; to resume with it pass checkpoint.allow_config_change=true (megatron-spo train "
