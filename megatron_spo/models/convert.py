@@ -131,14 +131,18 @@ def check_finite(tensor, name: str, where: Path) -> None:
     """Refuse NaN / inf weights by name (row blocks of ~16M elements: no model-sized temporary)."""
     import torch
 
-    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
-    step = 1 << 24
-    for start in range(0, flat.numel(), step):
-        block = flat[start:start + step]
-        if not bool(torch.isfinite(block).all()):
-            bad = start + int((~torch.isfinite(block)).nonzero()[0, 0])
-            raise HFCheckpointError(f"{where}: tensor '{name}' holds a non-finite value ({flat[bad].item()} at flat "
-                                    f"index {bad}); --allow-nonfinite converts it anyway (forensics)")
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    rows = max(1, (1 << 24) // max(1, tensor[0].numel()))  # views of the tensor (often strided): never a copy
+    for start in range(0, tensor.shape[0], rows):
+        block = tensor[start:start + rows]
+        # a sum is NaN / inf when any element is (a finite overflow only sends it to the exact check); ~10x
+        # faster than isfinite on every element
+        if not bool(torch.isfinite(block.sum())) and not bool(torch.isfinite(block).all()):
+            bad = (~torch.isfinite(block)).nonzero()[0]
+            index = [start + int(bad[0]), *(int(i) for i in bad[1:])]
+            raise HFCheckpointError(f"{where}: tensor '{name}' holds a non-finite value ({block[tuple(bad)].item()} "
+                                    f"at {index}); --allow-nonfinite converts it anyway (forensics)")
 
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, allow_nonfinite: bool = False) -> None:
