@@ -104,7 +104,7 @@ def test_sigterm_ends_the_wait_for_engines_before_a_push_and_the_gather_is_drain
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
     try:
         timer.start()
-        with pytest.raises(Stopped, match="SIGTERM received while waiting for the rollout engines to become healthy"):
+        with pytest.raises(Stopped, match="SIGTERM received while waiting for the rollout engines to answer"):
             source.push_weights(1, tensors())
     finally:
         timer.cancel()
@@ -226,6 +226,24 @@ def test_a_lagging_engine_is_resynced_with_sglang_health_behaviour(model_dir):
         assert get_json(flaky.url + "/health", 5)[0] == 200
         status, item = post_json(flaky.url + "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
         assert status == 200 and item["meta_info"]["weight_version"] == "2"
+
+
+def test_the_first_push_finds_an_engine_a_stopped_run_left_paused(model_dir):
+    """A resumed trainer's first push waits for the engines; one that a stopped run's push left paused answers
+    /health 503 (SGLang) for ever, so the wait asks /model_info and the push resyncs it."""
+    new_state = perturbed_state_dict(model_dir, seed=3)
+    with ServerThread(LocalEngine(model_dir), free_port(), health_timeout_s=0.5) as srv:
+        assert post_json(srv.url + "/pause_generation", {"mode": "retract"}, 10)[0] == 200
+        source = source_on(srv.url, engine_wait_s=4.0)
+        source.broadcaster = WeightBroadcaster([srv.url], bucket_bytes=20_000)
+        try:
+            metrics = source.push_weights(1, iter(new_state.items()))
+        finally:
+            source.broadcaster.close()
+            source.broadcaster = None
+            source.close()
+        assert metrics["weight_sync/engines_updated"] == 1.0 and metrics["weight_sync/failed"] == 0.0
+        assert get_json(srv.url + "/health", 5)[0] == 200  # continued: serving the new weights
 
 
 def test_the_router_keeps_workers_through_a_paused_push():

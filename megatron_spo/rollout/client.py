@@ -140,10 +140,13 @@ def get_json(url: str, timeout_s: float = 10.0) -> tuple[int, Any]:
 
 
 def wait_healthy(urls: Sequence[str], timeout_s: float, poll_s: float = 1.0, *, what: str = "rollout engines",
-                 dead: Callable[[str], str | None] | None = None) -> None:
-    """Block until every URL answers GET /health with 200. ``dead(url)``, asked at every poll, names why the
-    server behind a URL can never answer (its process exited): that is raised at once. RuntimeError naming the
-    URLs still pending, each with its last answer, after timeout_s."""
+                 dead: Callable[[str], str | None] | None = None, path: str = "/health") -> None:
+    """Block until every URL answers GET ``path`` (/health) with 200. ``dead(url)``, asked at every poll, names
+    why the server behind a URL can never answer (its process exited): that is raised at once. RuntimeError
+    naming the URLs still pending, each with its last answer, after timeout_s.
+
+    path="/model_info" for engines that may be paused: SGLang's /health runs a one-token generation, which
+    waits while generation is paused and answers 503 after 20 s; /model_info answers (once the model loaded)."""
     pending, deadline, last = list(urls), time.monotonic() + timeout_s, {}
     while pending:
         for url in list(pending):
@@ -151,7 +154,7 @@ def wait_healthy(urls: Sequence[str], timeout_s: float, poll_s: float = 1.0, *, 
             if why:
                 raise RuntimeError(why)
             try:
-                status, _ = get_json(url.rstrip("/") + "/health", min(5.0, max(poll_s, 1.0)))
+                status, _ = get_json(url.rstrip("/") + path, min(5.0, max(poll_s, 1.0)))
                 last[url] = f"HTTP {status}"
                 if status == 200:
                     pending.remove(url)

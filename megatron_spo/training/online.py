@@ -221,10 +221,12 @@ class OnlineSource:
             # the first push may come before a freshly (re)started fleet is up (a resumed run re-sends its
             # weights at once): an engine missing it would stay gated off with nothing left to train on
             def stopped(_url: str) -> None:  # asked at every poll: SIGTERM ends the wait (Stopped)
-                raise_if_stopped("the rollout engines to become healthy")
+                raise_if_stopped("the rollout engines to answer")
 
             try:
-                wait_healthy(self.broadcaster.engine_urls, self.manager.cfg.engine_wait_s, dead=stopped)
+                # /model_info: an engine a stopped run's push left paused must still be found (and resynced)
+                wait_healthy(self.broadcaster.engine_urls, self.manager.cfg.engine_wait_s, dead=stopped,
+                             path="/model_info")
             except (RuntimeError, Stopped) as err:
                 for _ in named_tensors:  # a collective gather: the other ranks see it through
                     pass
