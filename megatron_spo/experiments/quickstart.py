@@ -466,10 +466,22 @@ def run(cfg: QuickstartConfig) -> dict:
     result.update({"algo": cfg.algo, "trainer": cfg.trainer, "seed": cfg.seed, "wall_s": wall,
                    "train_steps": len(train_metrics),
                    "weight_pushes": int(max(m.get("policy_version", 0) for m in train_metrics))})
+    gaps = [m for m in train_metrics if "logprob_gap/mean_abs" in m]
+    if gaps:  # engines vs trainer on the same tokens (training/logprob_gap.py): ~1e-6 in fp32 with correct pushes
+        result["logprob_gap"] = {
+            "mean_abs": sum(m["logprob_gap/mean_abs"] for m in gaps) / len(gaps),
+            "max_abs": max(m["logprob_gap/max_abs"] for m in gaps),
+            "mismatch_kl": max((m.get("logprob_gap/mismatch_kl", 0.0) for m in gaps), default=0.0),
+            "steps": len(gaps), "steps_of_current_weights": int(sum(m["logprob_gap/current"] for m in gaps))}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     for name in evaluated:
         print_table(console, result if name == "heldout" else result[name], cfg.algo,
                     wall if name == evaluated[0] else {}, where=EVAL_SPLITS[name])
+    if "logprob_gap" in result:
+        g = result["logprob_gap"]
+        console.print(f"engine vs trainer log-prob gap per token: mean {g['mean_abs']:.2g}, max {g['max_abs']:.2g}, "
+                      f"mismatch KL up to {g['mismatch_kl']:.2g} ({g['steps']} steps, "
+                      f"{g['steps_of_current_weights']} on samples of the current weights)")
     plots = plot_run(out / "train", out / "plots", smooth=5)
     if "heldout" in before:
         plot_comparison(result, out / "plots" / "pass_at_k.png", cfg.algo)
