@@ -34,7 +34,8 @@ setup(
         "pyseccomp",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang", "liger-kernel"],
+        # sglang: the version whose request, pause and weight-update protocol the tests check (rollout/protocol.py)
+        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "liger-kernel"],
         "wandb": ["wandb"],
         # TRL's GRPOTrainer as an outside GRPO baseline for benchmarks (megatron_spo/experiments/trl_grpo.py); it
         # brings accelerate. 1.16.0 is the version the baseline's settings and its prompt / reward bridging were

@@ -1,7 +1,7 @@
 """Capacity plan (`megatron-spo plan`): per-GPU memory, weight-sync time and rollout throughput for a cluster.
 
     megatron-spo plan --preset llama3.1-70b                      # the 64 + 64 H100 layout, rich tables
-    megatron-spo plan --preset llama3.1-8b --tp 2 --seq-length 8192 --json
+    megatron-spo plan --preset llama3.1-8b --tp 2 seq_length=8192 --json   # CapacityConfig fields as overrides
     megatron-spo plan --validate-cpu                             # model vs a measured CPU training step
 
 Memory model (bytes per GPU, worst pipeline stage), megatron-core mixed precision:
