@@ -4,7 +4,8 @@ Every loss takes token log-probs [B, T] of the sampled tokens, a response mask [
 tensors [B], validates them cheaply, and returns (scalar loss, dict of float metrics).
 """
 
-from megatron_spo.algorithms.agro import agro_loss, kl_pg_loss, leave_one_out_stats, regularised_reward
+from megatron_spo.algorithms.agro import agro_loss, kl_pg_loss, regularised_reward
+from megatron_spo.algorithms.groups import leave_one_out_stats
 from megatron_spo.algorithms.ppo import (
     gae,
     kl_regularised_token_rewards,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_spo.algorithms.groups import leave_one_out_stats
 from megatron_spo.algorithms.spo import _check_beta
 from megatron_spo.algorithms.validation import check_token_inputs, upcast
 
@@ -18,36 +19,6 @@ from megatron_spo.algorithms.validation import check_token_inputs, upcast
 def sequence_logp(logp: Tensor, valid: Tensor) -> Tensor:
     """log pi(a | x) = sum of token log-probs over response tokens, [B]."""
     return torch.where(valid, logp, torch.zeros((), dtype=logp.dtype, device=logp.device)).sum(1)
-
-
-def leave_one_out_stats(
-    values: Tensor, group: Tensor, min_group_size: int, where: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per element i, inside its group g: (values_i - mean_{j != i} values_j, the unbiased variance of
-    {values_j : j != i}, the unbiased variance of the whole group), each [B].
-
-    values, group: [B]. Centred on the group mean first, so nothing cancels catastrophically:
-    with d_i = v_i - mean_g and n = |g|: v_i - b_i = d_i * n / (n - 1) and
-    var_{-i} = (sum_g d^2 - d_i^2 * n / (n - 1)) / (n - 2) (NaN-free only for n >= 3).
-    """
-    _, index = torch.unique(group, return_inverse=True)
-    n_groups = int(index.max()) + 1
-    counts = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(
-        0, index, torch.ones_like(values)
-    )
-    smallest = int(counts.min())
-    if smallest < min_group_size:
-        raise ValueError(
-            f"{where}: every prompt group needs >= {min_group_size} responses for leave-one-out baselines, "
-            f"the smallest has {smallest}"
-        )
-    sums = torch.zeros_like(counts).index_add_(0, index, values)
-    n = counts[index]
-    centred = values - (sums / counts)[index]
-    minus_baseline = centred * n / (n - 1)
-    sq = torch.zeros_like(counts).index_add_(0, index, centred**2)[index]
-    var_others = (sq - centred**2 * n / (n - 1)) / (n - 2).clamp(min=1)
-    return minus_baseline, var_others, sq / (n - 1)
 
 
 def regularised_reward(logp: Tensor, ref_logp: Tensor, valid: Tensor, reward: Tensor, beta: float) -> Tensor:

@@ -15,9 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_spo.algorithms.groups import centred_on_others
 from megatron_spo.algorithms.validation import check_token_inputs, upcast
 
 OBJECTIVES = ("terminal", "reverse_q", "advantage", "mc")
+# Objectives whose per-sequence loss is a function of Q_T alone: their gradient is coefficient * grad Q_T, the
+# coefficient a group-centred control variate can replace (MATH.md section 7).
+CENTRABLE_OBJECTIVES = ("terminal", "advantage")
 # spo_loss's metrics, each a mean over the batch's sequences except mean_token_advantage (over its tokens)
 METRIC_NAMES = ("loss", "terminal_q_abs_error", "mean_token_advantage", "mean_seq_log_ratio", "mean_q_terminal")
 # (LOSSES: the names of REGRESSION_LOSSES, below.)
@@ -177,6 +181,8 @@ def spo_loss(
     mc_q: Tensor | None = None,
     weights: Tensor | None = None,
     per_token_mean: bool = False,
+    centre_groups: Tensor | None = None,
+    token_normalised: bool = False,
     eps: float = 1e-6,
 ) -> tuple[Tensor, dict[str, float]]:
     """SPO loss, mean over sequences, and metrics (floats).
@@ -192,6 +198,16 @@ def spo_loss(
     loss: a REGRESSION_LOSSES name (squared | cross_entropy | sigmoid_bce) or a callable L(pred_q, target_q, beta, eps).
     weights: optional [B] sequence weights (e.g. exact probabilities); default uniform.
     per_token_mean: for reverse_q / mc, average instead of sum the per-position terms of a sequence.
+    centre_groups: optional [B] prompt-group ids (terminal / advantage only; a sequence alone in its group is
+      centred on all the others: algorithms/groups.py centred_on_others). The
+      gradient of a sequence's loss is c_i * grad Q_T with c_i = dL/dQ_T (2 (Q_T - r) for squared); centring
+      replaces c_i by c_i - mean_{j in group, j != i} c_j (computed without gradient). On samples of a stale or
+      tempered sampler mu the group mean of c drives KL(mu || pi) up (MATH.md section 7); centring removes that
+      push, keeps pi* a fixed point (there c is equal within a group) and, on-policy, the expected gradient.
+      The reported loss stays the uncentred regression loss.
+    token_normalised: weigh each sequence's loss by (mean response length / its length), so a long response
+      no longer gets a larger gradient than a short one (every token's push is the same size); the batch's
+      scale is unchanged and pi* (every residual 0) stays the optimum.
     """
     where = "spo_loss"
     if objective not in OBJECTIVES:
@@ -220,10 +236,21 @@ def spo_loss(
     q_terminal = q[:, -1]
     seq_log_ratio = q_terminal.detach() - q0  # = beta * sum_t log(pi / pi_0); divided by beta below
 
-    if objective == "terminal":
-        per_sequence = regression_loss(q_terminal, reward, loss, beta, eps)
-    elif objective == "advantage":
-        per_sequence = regression_loss(q_terminal - q0, reward - q0, loss, beta, eps)
+    if centre_groups is not None and objective not in CENTRABLE_OBJECTIVES:
+        raise ValueError(f"{where}: centre_groups needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, "
+                         f"not '{objective}' (its loss is not a function of Q_T alone)")
+    if objective in CENTRABLE_OBJECTIVES:
+        def of_q_terminal(q_t: Tensor) -> Tensor:
+            if objective == "terminal":
+                return regression_loss(q_t, reward, loss, beta, eps)
+            return regression_loss(q_t - q0, reward - q0, loss, beta, eps)
+
+        per_sequence = of_q_terminal(q_terminal)
+        coefficient = loss_coefficients(of_q_terminal, q_terminal)
+        if centre_groups is not None:
+            coefficient = centred_on_others(coefficient, centre_groups.to(q_terminal.device))
+            surrogate = coefficient * q_terminal  # gradient: centred coefficient * grad Q_T; value unchanged
+            per_sequence = per_sequence.detach() + (surrogate - surrogate.detach())
     elif objective == "reverse_q":
         targets = reverse_q_targets(logp, ref_logp, valid, reward, beta)
         per_token = regression_loss(q, targets, loss, beta, eps)
@@ -238,6 +265,9 @@ def spo_loss(
         if per_token_mean:
             per_sequence = per_sequence / mc_valid.sum(1).clamp(min=1).to(per_sequence.dtype)
 
+    if token_normalised:
+        lengths = fvalid.sum(1)
+        per_sequence = per_sequence * (lengths.mean() / lengths)
     total = _weighted_mean(per_sequence, weights)
     with torch.no_grad():
         n_tokens = fvalid.sum()
@@ -250,14 +280,18 @@ def spo_loss(
                 q_terminal.detach().mean(),
             ]
         ).tolist()  # one sync for all metrics
-    metrics = dict(
-        zip(
-            METRIC_NAMES,
-            stats,
-            strict=True,
-        )
-    )
+    metrics = dict(zip(METRIC_NAMES, stats, strict=True))
+    if objective in CENTRABLE_OBJECTIVES:  # the size of each sequence's push, as used (centred or not)
+        metrics["coefficient_abs"] = float(coefficient.abs().mean())
     return total, metrics
+
+
+def loss_coefficients(of_q_terminal: Callable[[Tensor], Tensor], q_terminal: Tensor) -> Tensor:
+    """c_i = dL_i / dQ_T,i for a per-sequence loss of Q_T [B] -> [B], detached (no graph kept)."""
+    with torch.enable_grad():
+        q = q_terminal.detach().requires_grad_(True)
+        (coefficient,) = torch.autograd.grad(of_q_terminal(q).sum(), q)
+    return coefficient
 
 
 def _mc_targets(

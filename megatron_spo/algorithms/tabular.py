@@ -261,18 +261,20 @@ def sample_sequences(task: TabularTask, logits: Tensor, n: int, generator: torch
 class Method:
     """What to train with. family: spo | agro | kl_pg | ppo. data: where responses come from:
     "offline" a fixed sample of pi_0 | "on_policy" fresh samples of the current pi every step |
-    "exact" every response once, weighted by its pi_0 probability."""
+    "exact" every response once, weighted by its pi_0 probability | "stale" a lagging tempered copy of pi
+    (train_from_stale_sampler)."""
 
     family: str
     objective: str = ""
     loss: str = ""
     on_policy: bool = False
     data: str = "offline"
+    centre: bool = False  # spo terminal / advantage: group-centred loss coefficient (MATH.md section 7)
 
     @property
     def label(self) -> str:
         if self.family == "spo":
-            return f"spo {self.objective}/{self.loss}"
+            return f"spo {self.objective}/{self.loss}" + (" centred" if self.centre else "")
         if self.family == "agro":
             return "agro on-policy" if self.on_policy else "agro off-policy"
         if self.family == "ppo":
@@ -310,7 +312,8 @@ def method_loss(method: Method, task: TabularTask, logits: Tensor, ref_logits: T
                 mc["mc_q"] = batch.mc_q
         return spo_loss(
             logp, ref_logp, batch.mask, batch.reward, batch.q0,
-            beta=task.beta, objective=method.objective, loss=method.loss, weights=batch.weights, **mc,
+            beta=task.beta, objective=method.objective, loss=method.loss, weights=batch.weights,
+            centre_groups=batch.group if method.centre else None, **mc,
         )  # fmt: skip
     if method.family == "agro":
         return agro_loss(
@@ -400,6 +403,52 @@ def train(
     return RunResult(task.name, method, method.data, kl_start, curve[-1], curve_steps, curve)
 
 
+def train_from_stale_sampler(
+    task: TabularTask,
+    *,
+    centre: bool,
+    steps: int = 400,
+    lr: float = 0.1,
+    q0_error: float = 0.3,
+    refresh_every: int = 10,
+    temperature_range: tuple[float, float] = (0.7, 1.0),
+    groups: int = 16,
+    group_size: int = 8,
+    seed: int = 0,
+    record_every: int = 50,
+) -> RunResult:
+    """SPO (terminal, squared) on the samples of a stale, tempered sampler, as asynchronous rollouts give them:
+    the sampler is a copy of the policy refreshed every refresh_every steps, each group of group_size responses
+    drawn at a temperature ~ U(temperature_range), Q0 off by q0_error (an estimate, not V). Adam at a constant
+    lr, gradient norm clipped to 1 (the quickstart's optimizer). centre: the group-centred coefficient.
+    The plain loss drifts off pi* here (MATH.md section 7); the curve records KL(pi || pi*)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = task.ref_logits.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([logits], lr=lr)
+    method = Method("spo", "terminal", "squared", data="stale", centre=centre)
+    kl_start = task.kl_to_optimum(logits)
+    curve_steps, curve = [0], [kl_start]
+    sampler = logits.detach().clone()
+    low, high = temperature_range
+    for step in range(1, steps + 1):
+        if (step - 1) % refresh_every == 0:
+            sampler = logits.detach().clone()
+        temperatures = low + (high - low) * torch.rand(groups, generator=gen, dtype=torch.float64)
+        seqs = torch.cat([sample_sequences(task, sampler / float(t), group_size, gen) for t in temperatures])
+        batch = make_batch(task, seqs, group_size=group_size, generator=gen)
+        loss, _ = spo_loss(batch.token_logp(logits), batch.token_logp(task.ref_logits, padding_value=float("nan")),
+                           batch.mask, batch.reward, batch.q0 + q0_error, beta=task.beta, objective="terminal",
+                           loss="squared", centre_groups=batch.group if centre else None)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([logits], 1.0)
+        optimizer.step()
+        if step % record_every == 0 or step == steps:
+            curve_steps.append(step)
+            curve.append(task.kl_to_optimum(logits))
+    return RunResult(task.name, method, "stale", kl_start, curve[-1], curve_steps, curve)
+
+
 def ppo_updates(task: TabularTask, logits: Tensor, values: Tensor, batch: TabularBatch, *, epochs: int):
     """PPO on one on-policy batch: advantages from the behaviour log-probs (the policy when sampled) and
     the KL-regularised token rewards, then `epochs` losses (each followed by an optimizer step by the
@@ -430,9 +479,12 @@ def default_steps(method: Method) -> int:
 
 
 def all_methods() -> list[Method]:
-    """Every supported SPO objective x loss on offline pi_0 data, AGRO off- and on-policy, and the
-    KL-regularised policy gradient on the same offline data."""
+    """Every supported SPO objective x loss on offline pi_0 data, the centred SPO coefficient off- and on-policy,
+    AGRO off- and on-policy, and the KL-regularised policy gradient on the same offline data."""
     methods = [Method("spo", o, loss) for o, loss in supported_combinations()]
+    # the group-centred coefficient (the online default) keeps pi* as the optimum, off- and on-policy
+    methods += [Method("spo", "terminal", "squared", centre=True),
+                Method("spo", "terminal", "squared", data="on_policy", centre=True)]
     methods += [Method("agro"), Method("agro", on_policy=True, data="on_policy")]
     methods += [Method("ppo", data="on_policy"), Method("kl_pg")]
     return methods

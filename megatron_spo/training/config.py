@@ -69,15 +69,35 @@ class SourceConfig(StrictModel):
     select: ProvenanceSelect | None = None
     objective: Objective = "terminal"
     loss: LossName = "cross_entropy"
+    centre: bool | None = Field(
+        None, description="SPO: centre each sequence's loss coefficient dL/dQ_T on the leave-one-out mean of its "
+        "prompt group (a control variate; MATH.md section 7). Samples of a stale or tempered sampler otherwise "
+        "push the policy away from that sampler whenever the mean residual Q_T - r is positive, which feeds itself "
+        "(online-only SPO diverged). pi* stays the fixed point. Default: on for 'online' (terminal / advantage "
+        "objectives), off for offline sources")
+    normalise: Literal["sequence", "token"] = Field(
+        "sequence", description="SPO: each sequence's loss counts once (sequence) or divided by its response "
+        "tokens (token: long responses no longer dominate the gradient); pi* stays the optimum either way")
 
     @model_validator(mode="after")
     def _check_pair(self) -> SourceConfig:
-        from megatron_spo.algorithms.spo import UNSUPPORTED
+        from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES, UNSUPPORTED
 
         why = UNSUPPORTED.get((self.objective, self.loss))
         if why:
             raise ValueError(f"objective '{self.objective}' with loss '{self.loss}' is not supported ({why})")
+        if self.centre and self.objective not in CENTRABLE_OBJECTIVES:
+            raise ValueError(f"centre: needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, not '{self.objective}' "
+                             "(its loss is not a function of Q_T alone)")
         return self
+
+    def centred(self, name: str) -> bool:
+        """Whether source `name` trains with the group-centred coefficient (resolving the default)."""
+        from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES
+
+        if self.centre is not None:
+            return self.centre
+        return name == "online" and self.objective in CENTRABLE_OBJECTIVES
 
 
 class OptimizerConfig(StrictModel):
@@ -88,6 +108,10 @@ class OptimizerConfig(StrictModel):
     adam_beta2: float = Field(0.95, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     clip_grad: float = Field(1.0, gt=0)
+    decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warm-up: constant (the paper's), or linear / cosine down to "
+        "min_lr_fraction * lr at the last step")
+    min_lr_fraction: float = Field(0.1, ge=0, le=1, description="the decay's final lr as a fraction of lr")
     value_lr: float | None = Field(None, gt=0, description="PPO value model (default: lr)")
 
 
@@ -190,6 +214,11 @@ class LoggingConfig(StrictModel):
     max_log_ratio: float | None = Field(
         50.0, gt=0, description="stop when the mean sequence log(pi / pi_0) exceeds this (a collapse; docs/engineering-notes.md)"
     )
+    max_residual: float | None = Field(
+        1.0, gt=0, description="stop when the signed mean residual Q_T - r of an SPO source stays above this for "
+        "residual_patience steps: the drift that precedes a collapse (MATH.md section 7), which rises long before "
+        "the log-ratio does. Rewards in [-1, 0] give residuals of order beta * KL(pi || pi*) near the optimum")
+    residual_patience: int = Field(5, gt=0, description="consecutive steps over max_residual before stopping")
     policy_entropy: bool = Field(
         True, description="log the policy's mean per-token entropy (nats) from its log-prob pass: no extra GEMM"
     )

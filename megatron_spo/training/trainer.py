@@ -44,14 +44,11 @@ from megatron_spo.training.micro_batches import micro_batches, microbatch_group_
 from megatron_spo.training.online import FleetUnavailable
 from megatron_spo.training.run_log import LIBRARY_WARNINGS, start_banner
 from megatron_spo.training.sources import build_archive, build_sampler
+from megatron_spo.training.stability import DivergenceGuard, TrainingDiverged, lr_at
 
 LIBRARY_WARNINGS.install()  # megatron-core's import-time warnings: kept for RUN_DIR/warnings.log, not printed
 WAIT_ENDED = (Stopped, FleetUnavailable)  # a wait of rank 0 that ends the run: all ranks raise it together
 IGNORE_INDEX = -100  # targets the fused log-prob op skips: prompt and padding positions (outside loss_mask)
-
-
-class TrainingDiverged(RuntimeError):
-    pass
 
 
 def make_algorithm(cfg: TrainConfig):
@@ -138,6 +135,7 @@ class Trainer:
         self.pad_id = 0
         self._resume()
         log_cfg = cfg.logging
+        self.divergence_guard = DivergenceGuard(log_cfg.max_log_ratio, log_cfg.max_residual, log_cfg.residual_patience)
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0,
                                      wandb_project=log_cfg.wandb_project if log_cfg.wandb_mode != "disabled" else None,
                                      wandb_mode=log_cfg.wandb_mode, run_name=log_cfg.wandb_name,
@@ -216,9 +214,10 @@ class Trainer:
 
     # -- the step ------------------------------------------------------------------------------
     def lr_at(self, step: int, base: float) -> float:
-        """Linear warm-up over warmup_steps, then constant (the paper's schedule). step is 1-based."""
-        w = self.cfg.optimizer.warmup_steps
-        return base * min(1.0, step / w) if w > 0 else base
+        """Linear warm-up, then optimizer.decay (constant by default: the paper's schedule). step is 1-based."""
+        o = self.cfg.optimizer
+        return lr_at(step, base, warmup_steps=o.warmup_steps, total_steps=self.cfg.steps, decay=o.decay,
+                     min_lr_fraction=o.min_lr_fraction)
 
     def _global_batch(self) -> tuple[list, float]:
         t0 = time.perf_counter()
@@ -403,11 +402,7 @@ class Trainer:
         warning = gap_warning(self.step, metrics, cfg.logging.max_logprob_gap)
         if warning and self.rank == 0:
             print(warning, flush=True)
-        limit = cfg.logging.max_log_ratio
-        if limit is not None and abs(metrics.get("mean_seq_log_ratio", 0.0)) > limit:
-            raise TrainingDiverged(f"step {self.step}: mean sequence log(pi/pi_0) = "
-                                   f"{metrics['mean_seq_log_ratio']:.3g} exceeds logging.max_log_ratio {limit}: "
-                                   "the policy is collapsing (lower the LR, raise beta, or mix in offline data)")
+        self.divergence_guard.check(self.step, metrics)
         return metrics
 
     def _sum_across_data_parallel(self, t: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from collections import defaultdict
 from torch import Tensor
 
 from megatron_spo import algorithms
+from megatron_spo.algorithms.spo_diagnostics import spo_diagnostics
 from megatron_spo.data.batching import TrainBatch
 from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
 
@@ -38,12 +39,16 @@ def seq_log_ratio_by_source(batch: TrainBatch, logp: Tensor, ref_logp: Tensor) -
 
 
 def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: float,
-                   objectives: dict[str, tuple[str, object]]) -> tuple[Tensor, dict[str, float]]:
-    """Mean over sequences of spo_loss, each source with its own (objective, loss).
+                   objectives: dict[str, tuple[str, object]], centred: frozenset[str] = frozenset(),
+                   token_normalised: frozenset[str] = frozenset()) -> tuple[Tensor, dict[str, float]]:
+    """Mean over sequences of spo_loss, each source with its own (objective, loss), plus drift diagnostics.
 
     objectives: source name -> (objective, loss), e.g. {"online": ("terminal", "cross_entropy"),
     "mc": ("mc", "cross_entropy")}; a loss may be a callable (a config hook). A source in the batch with no
-    entry is an error naming it.
+    entry is an error naming it. centred: sources whose loss coefficient is centred in its prompt group;
+    token_normalised: sources whose sequences are weighed by mean length / length. Diagnostics per source
+    (algorithms/spo_diagnostics.py): signed residual Q_T - r, its spread, KL(sampler || pi) from behaviour
+    log-probs, log-ratio by position, response length.
     """
     total = logp.new_zeros(())
     metrics: dict[str, float | tuple[float, int]] = {}
@@ -54,19 +59,24 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
             raise ValueError(f"spo: the batch has trajectories of source '{source}' but the config names no "
                              f"objective for it (configured: {', '.join(sorted(objectives))})")
         objective, loss_name = objectives[source]
-        lp, rlp, mask, reward, q0, mc_pos, mc_succ = _rows(
-            batch, rows, logp, ref_logp, batch.loss_mask, batch.reward, batch.q0, batch.mc_positions,
-            batch.mc_success)
+        lp, rlp, mask, reward, q0, group, behaviour, mc_pos, mc_succ = _rows(
+            batch, rows, logp, ref_logp, batch.loss_mask, batch.reward, batch.q0, batch.group,
+            batch.behaviour_logp, batch.mc_positions, batch.mc_success)
         kw = {}
         if objective == "mc":
             kw = dict(mc_positions=mc_pos, mc_success=mc_succ)
-        loss, m = algorithms.spo_loss(lp, rlp, mask, reward, q0, beta=beta, objective=objective,
-                                      loss=loss_name, **kw)
+        loss, m = algorithms.spo_loss(lp, rlp, mask, reward, q0, beta=beta, objective=objective, loss=loss_name,
+                                      centre_groups=group if source in centred else None,
+                                      token_normalised=source in token_normalised, **kw)
         total = total + loss * (len(rows) / n)
         weights = {k: len(rows) for k in m}
         weights["mean_token_advantage"] = int(mask.sum())  # a mean over response tokens
         for k, v in m.items():
             metrics[f"{k}/{source}"] = (v, weights[k])
+        whole_groups = group if source in centred else None  # only centred sources keep groups whole
+        for k, pair in spo_diagnostics(lp, rlp, mask, reward, q0, beta=beta, group=whole_groups,
+                                       behaviour_logp=behaviour).items():
+            metrics[f"{k}/{source}"] = pair
     for k in algorithms.spo.METRIC_NAMES:  # over sources, with the same weights
         parts = [metrics[f"{k}/{source}"] for source in sources]
         weight = sum(w for _, w in parts)
@@ -90,9 +100,13 @@ class SPO(Algorithm):
         super().__init__(cfg)
         self.objectives = {name: (s.objective, resolve_loss(s.loss, f"sources.{name}.loss"))
                            for name, s in cfg.sources.items()}
+        self.centred = frozenset(name for name, s in cfg.sources.items() if s.centred(name))
+        self.token_normalised = frozenset(name for name, s in cfg.sources.items() if s.normalise == "token")
+        self.keeps_prompt_groups = bool(self.centred)  # a centred coefficient needs its whole group
 
     def update(self, step: StepInputs) -> Update:
         beta, objectives = self.cfg.beta, self.objectives
         reports, grad_norm = step.optimize("policy", "logp", lambda i, mb, logp: spo_batch_loss(
-            mb, logp, step.ref[i], beta=beta, objectives=objectives))
+            mb, logp, step.ref[i], beta=beta, objectives=objectives, centred=self.centred,
+            token_normalised=self.token_normalised))
         return Update(reports, grad_norm)
