@@ -387,6 +387,19 @@ def test_corrupt_safetensors_shard_is_one_line_naming_the_file(ckpts, tmp_path, 
     no_leftovers(tmp_path / "meg")
 
 
+@pytest.mark.parametrize("cut", [1, 4096, 10**9])
+def test_truncated_single_file_checkpoint(ckpts, tmp_path, capsys, cut):
+    """model.safetensors without an index, cut short (1 byte: no header length; 4096: inside the data)."""
+    hf, _ = ckpts
+    bad = _single_file_hf(hf, tmp_path / "hf", mh.all_tensors(hf))
+    single = bad / "model.safetensors"
+    raw = single.read_bytes()
+    single.write_bytes(raw[:1] if cut == 1 else raw[:len(raw) - cut] if cut < len(raw) else b"")
+    refused(capsys, "convert", "hf-to-megatron", "--hf", bad, "--out", tmp_path / "meg", inputs=(bad,),
+            names=(f"{single}: ",))
+    no_leftovers(tmp_path / "meg")
+
+
 @pytest.mark.parametrize("damage", ["wrong-shard", "traversal", "not-json", "weight-map-list", "unlisted"])
 def test_index_that_disagrees_with_the_shards(ckpts, tmp_path, capsys, damage):
     hf, _ = ckpts
