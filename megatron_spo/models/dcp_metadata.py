@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 METADATA_NAME = ".metadata"
-# (module, name) pairs a DCP .metadata pickle needs (torch 2.6-2.13, megatron-core 0.16-0.19)
+# (module, name) pairs a DCP .metadata pickle may name. Our checkpoints (torch 2.13, megatron-core 0.16) need 12 of
+# them plus torch dtypes, collected by unpickling the tests' checkpoints; MCore*, _StoragePrefix, the _shard pair,
+# PurePosixPath and OrderedDict are what other torch / megatron versions write. All are plain data holders:
+# building one runs no code of the file's choosing.
 _ALLOWED = frozenset({
     ("torch.distributed.checkpoint.metadata", "Metadata"),
     ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
@@ -37,6 +40,9 @@ _ALLOWED = frozenset({
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),  # older megatron-core checkpoints
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),  # older torch's metadata
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"),
