@@ -116,7 +116,8 @@ def test_grpo_and_ppo_refuse_behaviour_logprobs_of_another_distribution():
 
 def test_beta_is_grpos_kl_coefficient_and_the_old_kl_coef_still_reads(caplog):
     """One name for the KL coefficient: GRPO reads beta; unset it is 0 for GRPO (its old kl_coef default, TRL's:
-    no KL term) and 1/log(1e5) for the others; grpo.kl_coef maps to beta with one warning line."""
+    no KL term) and 1/log(1e5) for the others; grpo.kl_coef maps to beta with one warning line, and a config
+    dumped before the rename (beta and grpo.kl_coef both in it) reads as it acted then."""
     from megatron_spo.data.q0 import PAPER_BETA
     from megatron_spo.experiments.quickstart import QuickstartConfig
     from megatron_spo.training.config import TrainConfig
@@ -131,8 +132,10 @@ def test_beta_is_grpos_kl_coefficient_and_the_old_kl_coef_still_reads(caplog):
     assert again.beta == 0.04
     assert [r.getMessage() for r in caplog.records if r.name == "megatron_spo.config"] == [
         "grpo.kl_coef is deprecated: the KL coefficient of every algorithm is beta (read as beta = 0.04)"]
-    with pytest.raises(ValueError, match=r"grpo.kl_coef 0.04 \(deprecated: it is beta now\) disagrees with beta 0.1"):
-        TrainConfig.model_validate({**base, "algo": "grpo", "beta": 0.1, "grpo": {"kl_coef": 0.04}})
+    old = {**base, "beta": PAPER_BETA, "grpo": {"kl_coef": 0.0}}  # what every dump before the rename held
+    assert TrainConfig.model_validate({**old, "algo": "grpo"}).beta == 0.0  # GRPO used kl_coef, not beta
+    spo = TrainConfig.model_validate({**old, "algo": "spo"})
+    assert (spo.beta, spo.grpo.kl_coef) == (PAPER_BETA, None)  # SPO used beta; kl_coef never acted
     with pytest.raises(ValueError, match=r"beta: algo spo needs beta > 0, got 0.0"):
         TrainConfig.model_validate({**base, "algo": "spo", "beta": 0})
     # the quickstart: 0.5 for SPO as before, 0 for GRPO (as its kl_coef was), the old key still read

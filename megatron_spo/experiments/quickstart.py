@@ -151,7 +151,7 @@ class QuickstartConfig(StrictModel):
     def _check(self):
         from megatron_spo.training.algos import algorithm_class
 
-        beta = kl_coef_as_beta(self.train.grpo, self.train.beta, "train.")
+        beta = kl_coef_as_beta(self.train.grpo, self.train.beta, self.algo, "train.")
         if beta is None:
             algo = algorithm_class(self.algo, load_hooks=False)
             beta = 0.0 if algo is not None and algo.default_beta == 0 else QUICKSTART_BETA

@@ -229,18 +229,22 @@ class LoggingConfig(StrictModel):
     )
 
 
-def kl_coef_as_beta(grpo: GRPOConfig, beta: float | None, where: str = "") -> float | None:
-    """beta, or the deprecated grpo.kl_coef read as beta (one warning line; kl_coef is then cleared, so a config
-    dumped and read again does not warn twice). Both given and different: ValueError naming both."""
+def kl_coef_as_beta(grpo: GRPOConfig, beta: float | None, algo: str, where: str = "") -> float | None:
+    """beta, with the deprecated grpo.kl_coef read as it acted before the rename: for algo grpo it was the KL
+    coefficient, so it is beta (a beta beside it, as every config dump of those days carried, was unused by
+    GRPO); for any other algorithm it never acted and is dropped. One warning line when it mattered; kl_coef is
+    then cleared, so a config dumped and read again (the ranks', a checkpoint's) does not warn twice."""
     kl = grpo.kl_coef
     if kl is None:
         return beta
-    if beta is not None and beta != kl:
-        raise ValueError(f"{where}grpo.kl_coef {kl} (deprecated: it is {where}beta now) disagrees with {where}beta "
-                         f"{beta}")
-    log.warning("%sgrpo.kl_coef is deprecated: the KL coefficient of every algorithm is %sbeta (read as beta = %g)",
-                where, where, kl)
     grpo.__dict__["kl_coef"] = None
+    if algo != "grpo":
+        if kl != 0.0:  # 0.0, its old default, is in every old dump: nothing to say
+            log.warning("%sgrpo.kl_coef is deprecated and acted only for algo grpo: ignored", where)
+        return beta
+    unused = f"; {where}beta {beta:g} beside it is replaced" if beta is not None and beta != kl else ""
+    log.warning("%sgrpo.kl_coef is deprecated: the KL coefficient of every algorithm is %sbeta (read as beta = %g%s)",
+                where, where, kl, unused)
     return kl
 
 
@@ -288,7 +292,7 @@ class TrainConfig(StrictModel):
         from megatron_spo.training.algos import algorithm_class
 
         algo = algorithm_class(self.algo, load_hooks=False)  # a hook is loaded (and checked) by the trainer
-        beta = kl_coef_as_beta(self.grpo, self.beta)
+        beta = kl_coef_as_beta(self.grpo, self.beta, self.algo)
         # resolved here, so a config dumped for the ranks (or a checkpoint) carries the number itself
         self.__dict__["beta"] = beta if beta is not None else algo.default_beta if algo is not None else PAPER_BETA
         if algo is not None:
