@@ -184,13 +184,15 @@ def _plots(arms: list[ArmRuns], long: list[ArmRuns], out: Path) -> list[Path]:
     for x, label in (("rollouts", "online samples (rollouts)"), ("seconds", "wall clock of training (s)")):
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for i, arm in enumerate(arms):
-            for j, s in enumerate(arm.seeds):
-                xs, ys = _curve(arm.metrics[s], x)
-                if xs:
-                    ax.plot(xs, _smooth(ys), color=f"C{i}", alpha=0.8, lw=1, label=arm.name if j == 0 else None)
+            band = _mean_band([_curve(arm.metrics[s], x) for s in arm.seeds])
+            if band is None:
+                continue
+            xs, mean, lo, hi = band
+            ax.plot(xs, mean, color=f"C{i}", lw=1.5, label=f"{arm.name} ({len(arm.seeds)} seeds)")
+            ax.fill_between(xs, lo, hi, color=f"C{i}", alpha=0.2, lw=0)
         ax.set_xlabel(label)
         ax.set_ylabel("training reward (online samples)")
-        ax.set_title("learning curves, every seed")
+        ax.set_title("learning curves: mean over seeds, band min..max")
         ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(out / f"learning_curve_{x}.png")
@@ -198,25 +200,47 @@ def _plots(arms: list[ArmRuns], long: list[ArmRuns], out: Path) -> list[Path]:
         plt.close(fig)
 
     if long:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+        styles = ("-", "--", ":", "-.")
         for i, arm in enumerate(long):
-            for s in arm.seeds:
+            for j, s in enumerate(arm.seeds):  # one colour per arm, one line style per seed
                 ms = arm.metrics[s]
                 steps = [m["step"] for m in ms]
-                label = arm.name if s == arm.seeds[0] else None  # one legend entry per arm
-                axes[0].plot(steps, _smooth([m.get("grad_norm", math.nan) for m in ms]), color=f"C{i}", label=label)
-                axes[1].plot(steps, _smooth([m.get("mean_seq_log_ratio", math.nan) for m in ms]), color=f"C{i}",
-                             label=label)
+                kw = dict(color=f"C{i}", ls=styles[j % len(styles)], lw=1.2, label=f"{arm.name} seed {s}")
+                axes[0].plot(steps, _smooth([m.get("grad_norm", math.nan) for m in ms]), **kw)
+                axes[1].plot(steps, _smooth([m.get("mean_seq_log_ratio", math.nan) for m in ms]), **kw)
         axes[0].set_title("grad norm (long runs)")
+        axes[0].set_ylabel("grad norm (log scale)")
+        axes[0].set_yscale("log")
         axes[1].set_title("mean sequence log(pi / pi_0) (long runs)")
+        axes[1].set_ylabel("log(pi / pi_0) per sequence (symlog)")
+        axes[1].set_yscale("symlog", linthresh=0.1)  # GRPO's 0.5 and SPO's 50 on one axis, signs kept
         for ax in axes:
             ax.set_xlabel("step")
-            ax.legend()
+            ax.grid(alpha=0.3, which="both")
+        axes[1].legend(fontsize=7)
         fig.tight_layout()
         paths.append(out / "stability.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def _mean_band(curves: list[tuple[list[float], list[float]]], points: int = 60):
+    """(x, mean, min, max) of the seeds' smoothed curves on a common x grid (up to where every seed reaches),
+    or None without data."""
+    import numpy as np
+
+    curves = [(xs, _smooth(ys)) for xs, ys in curves if len(xs) > 1]
+    if not curves:
+        return None
+    end = min(xs[-1] for xs, _ in curves)
+    start = max(xs[0] for xs, _ in curves)
+    if end <= start:
+        return None
+    grid = np.linspace(start, end, points)
+    ys = np.array([np.interp(grid, xs, y) for xs, y in curves])
+    return grid, ys.mean(0), ys.min(0), ys.max(0)
 
 
 def _stability(arm: ArmRuns, short: ArmRuns | None) -> dict[str, float]:

@@ -71,6 +71,8 @@ PANELS: dict[str, tuple[str, ...]] = {
     "online samples per step": ("samples/online",),
     "trainer peak RSS (GB)": ("memory/peak_rss_gb",),
 }
+# Panels on a log y axis (when every value is positive): a correct push's 1e-7 and a broken one's 0.5 on one plot.
+LOG_PANELS = frozenset({"engine vs trainer log-prob gap (per token)"})
 # Logged but not plotted: bookkeeping, not a training signal.
 UNPLOTTED = frozenset({"step", "time", "policy_version"})
 
@@ -165,9 +167,12 @@ class MetricsFileError(ValueError):
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a metrics.jsonl. A malformed line raises, naming file and line."""
+    """All records of a metrics.jsonl. A malformed line raises, naming file and line (and a folder that is not
+    a run says what it is: a folder of runs, or a study report's folder)."""
     path = Path(path)
     if path.is_dir():
+        if not (path / METRICS_FILE).exists():
+            raise MetricsFileError(not_a_run(path))
         path = path / METRICS_FILE
     if not path.exists():
         raise MetricsFileError(f"{path}: no such metrics file")
@@ -189,6 +194,18 @@ def read_metrics(path: str | Path) -> list[dict]:
         records.append({k: (float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v)
                         for k, v in rec.items()})
     return records
+
+
+def not_a_run(folder: Path) -> str:
+    """Why a folder without metrics.jsonl cannot be plotted, in one line."""
+    runs = sorted(p.parent for p in folder.glob(f"**/{METRICS_FILE}"))
+    if runs:
+        return (f"{folder} is a folder of {len(runs)} run{'s' * (len(runs) != 1)}, not a run: plot each one "
+                f"(e.g. megatron-spo plot {runs[0]})")
+    if (folder / "report.md").is_file():
+        return (f"{folder} is a study report (its plots are the PNGs beside report.md; it keeps no metrics): "
+                f"plot a run of the study's out_dir instead")
+    return f"{folder}: no {METRICS_FILE} here or below (not a run directory)"
 
 
 def truncate_after_step(path: Path, step: int) -> int:
@@ -237,6 +254,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, smooth: 
             ys = _moving_average(ys, smooth)
             ax.plot(xs, ys, label=name, lw=1.4)
         ax.set_title(title)
+        if title in LOG_PANELS and all(y > 0 for pts in series.values() for _, y in pts):
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if len(series) > 1:
