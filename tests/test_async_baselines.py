@@ -351,3 +351,20 @@ def test_a_sampler_that_never_matches_the_policy_converges_to_the_optimum_only_w
            for c in ("tis", "decoupled", "mis", "none")}
     assert end["tis"] < 1e-4
     assert end["decoupled"] > 1e-3 and end["mis"] > 1e-3 and end["none"] > 0.1
+
+
+def test_grpo_at_beta_0_reads_no_q0_table(tmp_path):
+    """The quickstart writes a Q0 file for every algorithm; GRPO (beta 0 by default) reads no Q0, and the table
+    at beta 0 does not exist (q0 = beta log E exp(r / beta)): the online source takes none instead of failing
+    ('q0_from_success: beta must be ... > 0, got 0.0' ended every GRPO quickstart at the trainer's start)."""
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.online import online_q0_table
+
+    q0 = tmp_path / "q0.jsonl"
+    q0.write_text('{"prompt_id": "p0", "s0": 0.25, "q0": -0.52, "n": 4, "correct": 1, "beta": 0.5}\n')
+    base = dict(init={"hf": "x"}, rollout={"temperature_range": [1.0, 1.0], "top_p": 1.0},
+                task={"q0_path": str(q0)})
+    grpo = TrainConfig.model_validate({**base, "algo": "grpo"})
+    assert grpo.beta == 0 and online_q0_table(grpo, []) is None
+    ppo = TrainConfig.model_validate({**base, "algo": "ppo", "beta": 0.5})
+    assert online_q0_table(ppo, []) == {"p0": pytest.approx(0.5 * math.log(0.25 + 0.75 * math.exp(-1 / 0.5)))}

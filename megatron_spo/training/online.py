@@ -55,15 +55,16 @@ async def _stats(manager) -> dict[str, float]:
 
 
 def online_q0_table(cfg: TrainConfig, prompts: list) -> dict[str, float] | None:
-    """prompt_id -> Q0 of every training prompt from task.q0_path (None: no file and the algorithm reads no Q0).
+    """prompt_id -> Q0 of every training prompt from task.q0_path (None: no file, or beta 0, and the algorithm
+    reads no Q0).
     An algorithm that reads Q0 (SPO) is refused without the file or with a prompt missing from it, in one
     line: Q0 = 0 is the largest value rewards in {0, -1} allow, not a neutral default."""
     from megatron_spo.data.q0 import ESTIMATE_HINT, q0_table
     from megatron_spo.training.sources import algorithm_needs_q0
 
+    if not algorithm_needs_q0(cfg):  # at beta 0 (GRPO's default) there is no soft value to read
+        return q0_table(cfg.task.q0_path, cfg.beta) if cfg.beta > 0 else None
     table = q0_table(cfg.task.q0_path, cfg.beta)
-    if not algorithm_needs_q0(cfg):
-        return table
     if table is None:
         raise ConfigError(f"task.q0_path: algo {cfg.algo} needs Q0 for every online prompt and none is set; "
                           f"{ESTIMATE_HINT}")
