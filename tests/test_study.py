@@ -148,14 +148,15 @@ def test_finished_runs_are_skipped_and_failures_named(tmp_path, monkeypatch):
 def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "quickstart": {"train": {"steps": 30}}})
     grid = st.sweep_grid(study, "grpo")
-    assert grid[:2] == [(("train.lr", 1e-4), ("train.beta", 0.0)), (("train.lr", 1e-4), ("train.beta", 0.04))]
-    assert len(grid) == 6 and len(st.sweep_grid(study, "ppo")) == 6
+    assert grid[:2] == [(("train.lr", 1e-5), ("train.beta", 0.0)), (("train.lr", 1e-5), ("train.beta", 0.04))]
+    assert len(grid) == 8 and len(st.sweep_grid(study, "ppo")) == 8
+    assert len(st.sweep_grid(study, "spo")) == 12  # beta 1/log(1e5) (the paper's), 0.5, 1
     sweep = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("sweep", "spo-online", 0, grid[0][:1]), tmp_path))
     test = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("runs", "spo-online", 0, ()), tmp_path))
     assert sweep["eval_splits"] == ["validation"] and test["eval_splits"] == ["heldout"]
     assert sweep["reuse_dir"] == test["reuse_dir"] == str(tmp_path / "shared" / "seed0")
     assert sweep["validation_problems"] == test["validation_problems"] == 30  # same training problems
-    assert sweep["train"] == {"steps": 30, "online_fraction": 1.0, "lr": 1e-4} and sweep["algo"] == "spo"
+    assert sweep["train"] == {"steps": 30, "online_fraction": 1.0, "lr": 1e-5} and sweep["algo"] == "spo"
     cfg = build_config(QuickstartConfig, test)
     from megatron_spo.experiments.reference_model import task_from_config
 
@@ -188,7 +189,8 @@ def test_bad_study_settings_fail_naming_the_field(tmp_path):
 
 def test_the_sweep_chooses_the_best_validation_score_and_ablations_inherit(tmp_path, monkeypatch):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo-online", "spo", "grpo"],
-                                          "sweep": {"coefficients": {"spo": [], "grpo": [0.0, 0.04]}}})
+                                          "sweep": {"coefficients": {"spo": [], "grpo": [0.0, 0.04]},
+                                                    "lrs": [1e-4, 2e-4, 4e-4], "inherit": {"spo-online": "spo"}}})
     scores = {"spo": [0.30, 0.35, 0.20], "grpo": [0.1, 0.2, 0.3, 0.3, 0.25, 0.05]}  # grpo: a tie, the first wins
     for arm, values in scores.items():
         for settings, score in zip(st.sweep_grid(study, arm), values):

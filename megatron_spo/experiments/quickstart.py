@@ -61,9 +61,14 @@ class QuickstartTrainConfig(StrictModel):
     online_fraction: float = Field(0.5, ge=0, le=1, description="the rest of each SPO batch is offline data")
     objective: Objective = "terminal"
     loss: LossName = "squared"
+    centre: bool | None = Field(None, description="SPO: group-centred loss coefficient on the online source "
+                                "(sources.online.centre; unset: the trainer's default, on)")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="optimizer.decay after warm-up")
     model_update_interval: int = Field(10, gt=0, description="SPO: 10 (paper); PPO and GRPO use 1 unless their "
                                        "behaviour_correction (tis | mis) is on")
     temperature_range: tuple[float, float] = (0.7, 1.0)
+    top_p: float = Field(1.0, gt=0, le=1, description="sampling top-p of the online rollouts (the paper: 0.95); "
+                         "algorithms taking importance ratios need 1.0")
     max_new_tokens: int = Field(96, gt=0)
     nproc: int = Field(1, gt=0)
     tensor_model_parallel_size: int = Field(1, gt=0)
@@ -182,7 +187,8 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
     # prompt groups, which the online source delivers)
     if not (algo.on_policy or algo.keeps_prompt_groups) and offline_path is not None and t.online_fraction < 1:
         offline_share = 1 - t.online_fraction
-        sources = {"online": {"weight": t.online_fraction, "objective": t.objective, "loss": t.loss},
+        sources = {"online": {"weight": t.online_fraction, "objective": t.objective, "loss": t.loss,
+                              "centre": t.centre},
                    "offline": {"weight": offline_share, "path": str(offline_path),
                                "objective": t.objective, "loss": t.loss}}
         for i, path in enumerate(cfg.experience):  # earlier runs' online trajectories, through the archive path
@@ -191,12 +197,13 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
             sources[f"experience{i}"] = {"weight": share, "path": path, "select": {"kinds": ["online"]},
                                          "objective": t.objective, "loss": t.loss}
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
-        sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss}}
+        sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss, "centre": t.centre}}
     # on-policy algorithms push every step, unless their behaviour correction takes stale samples (the
     # algorithm reads its own section, train.grpo / train.ppo)
     interval = algo.required_update_interval(t) or t.model_update_interval
     rollout = RolloutConfig(samples_per_prompt=t.samples_per_prompt, max_new_tokens=t.max_new_tokens,
-                            temperature_range=(1.0, 1.0) if algo.on_policy else t.temperature_range, top_p=1.0,
+                            temperature_range=(1.0, 1.0) if algo.on_policy else t.temperature_range,
+                            top_p=1.0 if algo.on_policy else t.top_p,
                             max_inflight_requests=2 * cfg.engines, buffer_groups=4 * t.prompts_per_step,
                             max_staleness=2 * t.model_update_interval, stale_policy="drop", seed=cfg.seed)
     data = {
@@ -205,7 +212,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "init": {"hf": str(ref), "megatron": str(megatron_init)},
         "parallel": {"tensor_model_parallel_size": t.tensor_model_parallel_size,
                      "pipeline_model_parallel_size": t.pipeline_model_parallel_size},
-        "optimizer": {"lr": t.lr, "warmup_steps": t.warmup_steps, "clip_grad": 1.0},
+        "optimizer": {"lr": t.lr, "warmup_steps": t.warmup_steps, "clip_grad": 1.0, "decay": t.lr_decay},
         "batch": {"sequences_per_step": n_seq, "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch,
                   "max_seq_length": cfg.reference.max_position_embeddings},
         "sources": sources,

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from megatron_spo.config import StrictModel, apply_overrides, build_config
+from megatron_spo.data.q0 import PAPER_BETA
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,15 @@ class Arm:
 
 
 ARMS: dict[str, Arm] = {
-    "spo": Arm("spo", (), "train.beta", (0.5, 1.0), "SPO, online + offline (the quickstart)"),
-    "spo-online": Arm("spo", ("train.online_fraction=1.0",), "train.beta", (0.5, 1.0), "SPO, online rollouts only"),
+    "spo": Arm("spo", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "SPO, online + offline (the quickstart)"),
+    "spo-online": Arm("spo", ("train.online_fraction=1.0",), "train.beta", (PAPER_BETA, 0.5, 1.0),
+                      "SPO, online rollouts only (centred coefficient)"),
+    "spo-online-plain": Arm("spo", ("train.online_fraction=1.0", "train.centre=false"), "train.beta",
+                            (PAPER_BETA, 0.5, 1.0), "SPO, online only, uncentred coefficient (before issue 26)"),
+    "spo-paper": Arm("spo", ("train.loss=cross_entropy", "train.temperature_range=[0.1,0.8]", "train.top_p=0.95",
+                             "train.online_fraction=0.5", "train.model_update_interval=10"), "train.beta",
+                     (PAPER_BETA,), "SPO at the paper's settings: terminal cross-entropy, beta 1/log(1e5), "
+                     "T ~ U(0.1, 0.8), top-p 0.95, 50/50 online/offline, push every 10 steps"),
     "agro": Arm("agro", (), "train.beta", (0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
@@ -66,10 +74,12 @@ def _known_arms(arms: list[str]) -> list[str]:
 
 class SweepConfig(StrictModel):
     enabled: bool = True
-    lrs: list[float] = Field(default_factory=lambda: [1e-4, 2e-4, 4e-4], min_length=1)
+    lrs: list[float] = Field(default_factory=lambda: [1e-5, 3e-5, 1e-4, 4e-4], min_length=1,
+                             description="the 2026-11-25 study's lowest lr (1e-4) won for every arm: the grid "
+                                         "reaches down to 1e-5")
     coefficients: dict[str, list[float]] = Field(default_factory=dict, description="per arm, replaces the arm's "
                                                  "own grid (ARMS); [] keeps the quickstart's value")
-    inherit: dict[str, str] = Field(default_factory=lambda: {"spo-online": "spo"}, description="arm -> the arm "
+    inherit: dict[str, str] = Field(default_factory=lambda: {"spo-online-plain": "spo-online"}, description="arm -> the arm "
                                     "whose chosen settings it takes (an ablation keeps its parent's settings)")
     validation_problems: int = Field(30, gt=0)
     seed: int = 0
@@ -83,9 +93,9 @@ class SweepConfig(StrictModel):
 
 
 class LongRunConfig(StrictModel):
-    arms: list[str] = Field(default_factory=lambda: ["spo", "grpo"])
+    arms: list[str] = Field(default_factory=lambda: ["spo", "spo-online", "grpo", "grpo-tis"])
     steps_factor: int = Field(3, ge=1)
-    seeds: list[int] = Field(default_factory=lambda: [0])
+    seeds: list[int] = Field(default_factory=lambda: [0, 1])
 
     _check = field_validator("arms")(classmethod(lambda cls, v: _known_arms(v)))
 
