@@ -54,7 +54,7 @@ def test_plot_writes_one_png_per_panel_with_data(tmp_path, capsys):
     assert names == ["loss.png", "overview.png", "reward.png", "step_time_split_s.png"]
     assert (tmp_path / "plots" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_main([str(tmp_path / "missing")]) == 1
-    assert "no such metrics file" in capsys.readouterr().out
+    assert "no such metrics file" in capsys.readouterr().err  # errors go to stderr (issue 28)
 
 
 def _write(name):
