@@ -156,3 +156,40 @@ def test_stale_tempered_samples_hold_the_plain_loss_off_pi_star_and_the_centred_
     assert plain.kl_end > 0.08
     assert centred.kl_end < 0.03
     assert plain.kl_end > 4 * centred.kl_end
+
+
+def test_trust_region_drops_the_gradient_of_tokens_already_moved_past_it_in_the_pushed_direction():
+    logp, ref, mask, reward, q0, group = _case()
+    behaviour = logp.detach().clone()
+    behaviour[1, 0] += 0.5  # log(pi / mu) = -0.5 on this token
+    behaviour[4, 2] -= 0.5  # +0.5 here
+    kw = dict(beta=BETA, objective="terminal", loss="squared")
+    loss, m = spo_loss(logp, ref, mask, reward, q0, trust_region=0.2, behaviour_logp=behaviour, **kw)
+    loss.backward()
+    clipped = logp.grad.clone()
+    logp.grad = None
+    spo_loss(logp, ref, mask, reward, q0, **kw)[0].backward()
+    plain = logp.grad
+    with torch.no_grad():
+        c = 2 * (q0 + BETA * torch.where(mask, logp - ref, 0.0).sum(1) - reward)
+    # the token at -0.5 is frozen only if descent lowers it further (c > 0), the one at +0.5 only if c < 0
+    frozen = torch.zeros_like(mask)
+    frozen[1, 0] = bool(c[1] > 0)
+    frozen[4, 2] = bool(c[4] < 0)
+    assert int(frozen.sum()) >= 1
+    torch.testing.assert_close(clipped, torch.where(frozen, 0.0, plain), rtol=0, atol=1e-12)
+    assert m["trust_region_clipped"] == pytest.approx(float(frozen.sum() / mask.sum()))
+    with pytest.raises(ValueError, match="trust_region needs a value > 0 and behaviour_logp"):
+        spo_loss(logp, ref, mask, reward, q0, trust_region=0.2, **kw)
+
+
+def test_source_config_centres_online_by_default_and_names_the_field_it_refuses():
+    from megatron_spo.config import ConfigError, build_config
+    from megatron_spo.training.config import SourceConfig
+
+    assert SourceConfig().centred("online") and not SourceConfig().centred("offline")
+    assert not SourceConfig(centre=False).centred("online") and SourceConfig(centre=True).centred("offline")
+    assert not SourceConfig(objective="reverse_q").centred("online")  # not a function of Q_T alone
+    for field, value in (("centre", True), ("trust_region", 0.2)):
+        with pytest.raises(ConfigError, match=f"{field}: needs objective terminal or advantage, not 'mc'"):
+            build_config(SourceConfig, {"objective": "mc", field: value}, "sources.mc")

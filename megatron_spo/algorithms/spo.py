@@ -183,6 +183,8 @@ def spo_loss(
     per_token_mean: bool = False,
     centre_groups: Tensor | None = None,
     token_normalised: bool = False,
+    trust_region: float | None = None,
+    behaviour_logp: Tensor | None = None,
     eps: float = 1e-6,
 ) -> tuple[Tensor, dict[str, float]]:
     """SPO loss, mean over sequences, and metrics (floats).
@@ -205,6 +207,10 @@ def spo_loss(
       tempered sampler mu the group mean of c drives KL(mu || pi) up (MATH.md section 7); centring removes that
       push, keeps pi* a fixed point (there c is equal within a group) and, on-policy, the expected gradient.
       The reported loss stays the uncentred regression loss.
+    trust_region: with behaviour_logp [B, T] (log mu of the sampled tokens; rows of zeros = none), a PPO-style
+      clip against the sampler (terminal / advantage only): a token's gradient is dropped once log(pi / mu) has
+      moved past +-trust_region in the direction its sequence's coefficient pushes it, so one batch cannot carry
+      the policy far from the distribution that sampled it. The loss value is unchanged.
     token_normalised: weigh each sequence's loss by (mean response length / its length), so a long response
       no longer gets a larger gradient than a short one (every token's push is the same size); the batch's
       scale is unchanged and pi* (every residual 0) stays the optimum.
@@ -221,7 +227,8 @@ def spo_loss(
         )
     _check_beta(where, beta)
     valid = check_token_inputs(
-        where, mask, {"logp": logp, "ref_logp": ref_logp}, {"reward": reward, "q0": q0, "weights": weights}
+        where, mask, {"logp": logp, "ref_logp": ref_logp, "behaviour_logp": behaviour_logp},
+        {"reward": reward, "q0": q0, "weights": weights}
     )
     logp, ref_logp = upcast(logp), upcast(ref_logp)
     if objective == "mc":
@@ -236,9 +243,12 @@ def spo_loss(
     q_terminal = q[:, -1]
     seq_log_ratio = q_terminal.detach() - q0  # = beta * sum_t log(pi / pi_0); divided by beta below
 
-    if centre_groups is not None and objective not in CENTRABLE_OBJECTIVES:
-        raise ValueError(f"{where}: centre_groups needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, "
-                         f"not '{objective}' (its loss is not a function of Q_T alone)")
+    for name, given in (("centre_groups", centre_groups is not None), ("trust_region", trust_region is not None)):
+        if given and objective not in CENTRABLE_OBJECTIVES:
+            raise ValueError(f"{where}: {name} needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, "
+                             f"not '{objective}' (its loss is not a function of Q_T alone)")
+    if trust_region is not None and (behaviour_logp is None or not trust_region > 0):
+        raise ValueError(f"{where}: trust_region needs a value > 0 and behaviour_logp (got {trust_region!r})")
     if objective in CENTRABLE_OBJECTIVES:
         def of_q_terminal(q_t: Tensor) -> Tensor:
             if objective == "terminal":
@@ -249,7 +259,13 @@ def spo_loss(
         coefficient = loss_coefficients(of_q_terminal, q_terminal)
         if centre_groups is not None:
             coefficient = centred_on_others(coefficient, centre_groups.to(q_terminal.device))
-            surrogate = coefficient * q_terminal  # gradient: centred coefficient * grad Q_T; value unchanged
+        pushed_q = q_terminal
+        if trust_region is not None:
+            frozen = _outside_trust_region(logp, behaviour_logp, valid, coefficient, trust_region)
+            clipped_share = float(frozen.sum() / fvalid.sum())
+            pushed_q = cumulative_q(torch.where(frozen, logp.detach(), logp), ref_logp, valid, q0, beta)[:, -1]
+        if centre_groups is not None or trust_region is not None:
+            surrogate = coefficient * pushed_q  # gradient: coefficient * grad Q_T (frozen tokens: none); same value
             per_sequence = per_sequence.detach() + (surrogate - surrogate.detach())
     elif objective == "reverse_q":
         targets = reverse_q_targets(logp, ref_logp, valid, reward, beta)
@@ -283,7 +299,22 @@ def spo_loss(
     metrics = dict(zip(METRIC_NAMES, stats, strict=True))
     if objective in CENTRABLE_OBJECTIVES:  # the size of each sequence's push, as used (centred or not)
         metrics["coefficient_abs"] = float(coefficient.abs().mean())
+    if trust_region is not None:
+        metrics["trust_region_clipped"] = clipped_share
     return total, metrics
+
+
+def _outside_trust_region(logp: Tensor, behaviour_logp: Tensor, valid: Tensor, coefficient: Tensor,
+                          limit: float) -> Tensor:
+    """[B, T] bool: response tokens of rows with behaviour log-probs whose log(pi / mu) is already past -limit
+    (coefficient > 0: descent lowers log pi) or +limit (coefficient < 0: descent raises it)."""
+    behaviour_logp = upcast(behaviour_logp).to(logp.dtype)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    has_behaviour = (torch.where(valid, behaviour_logp, zero) != 0).any(1, keepdim=True)
+    ratio = logp.detach() - behaviour_logp
+    sign = coefficient.unsqueeze(1)
+    past = ((sign > 0) & (ratio < -limit)) | ((sign < 0) & (ratio > limit))
+    return past & valid & has_behaviour
 
 
 def loss_coefficients(of_q_terminal: Callable[[Tensor], Tensor], q_terminal: Tensor) -> Tensor:

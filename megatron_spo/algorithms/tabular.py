@@ -416,11 +416,13 @@ def train_from_stale_sampler(
     group_size: int = 8,
     seed: int = 0,
     record_every: int = 50,
+    trust_region: float | None = None,
 ) -> RunResult:
     """SPO (terminal, squared) on the samples of a stale, tempered sampler, as asynchronous rollouts give them:
     the sampler is a copy of the policy refreshed every refresh_every steps, each group of group_size responses
     drawn at a temperature ~ U(temperature_range), Q0 off by q0_error (an estimate, not V). Adam at a constant
-    lr, gradient norm clipped to 1 (the quickstart's optimizer). centre: the group-centred coefficient.
+    lr, gradient norm clipped to 1 (the quickstart's optimizer). centre: the group-centred coefficient;
+    trust_region: spo_loss's clip of log(pi / mu) against the sampler's own (tempered) log-probs.
     The plain loss drifts off pi* here (MATH.md section 7); the curve records KL(pi || pi*)."""
     gen = torch.Generator().manual_seed(seed)
     logits = task.ref_logits.clone().requires_grad_(True)
@@ -436,9 +438,12 @@ def train_from_stale_sampler(
         temperatures = low + (high - low) * torch.rand(groups, generator=gen, dtype=torch.float64)
         seqs = torch.cat([sample_sequences(task, sampler / float(t), group_size, gen) for t in temperatures])
         batch = make_batch(task, seqs, group_size=group_size, generator=gen)
+        tables = torch.stack([torch.log_softmax(sampler / float(t), dim=-1) for t in temperatures])  # [G, S, V]
+        behaviour = torch.where(batch.mask, tables[batch.group.unsqueeze(1), batch.states, batch.tokens], 0.0)
         loss, _ = spo_loss(batch.token_logp(logits), batch.token_logp(task.ref_logits, padding_value=float("nan")),
                            batch.mask, batch.reward, batch.q0 + q0_error, beta=task.beta, objective="terminal",
-                           loss="squared", centre_groups=batch.group if centre else None)
+                           loss="squared", centre_groups=batch.group if centre else None,
+                           trust_region=trust_region, behaviour_logp=behaviour if trust_region else None)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([logits], 1.0)

@@ -75,6 +75,10 @@ class SourceConfig(StrictModel):
         "push the policy away from that sampler whenever the mean residual Q_T - r is positive, which feeds itself "
         "(online-only SPO diverged). pi* stays the fixed point. Default: on for 'online' (terminal / advantage "
         "objectives), off for offline sources")
+    trust_region: float | None = Field(
+        None, gt=0, description="SPO: drop a token's gradient once log(pi / mu) against the sampler's log-prob "
+        "(the trajectory's behaviour_logprobs) is past +-this in the direction its sequence is pushed (PPO's clip; "
+        "terminal / advantage objectives; rows without behaviour log-probs are not clipped)")
     normalise: Literal["sequence", "token"] = Field(
         "sequence", description="SPO: each sequence's loss counts once (sequence) or divided by its response "
         "tokens (token: long responses no longer dominate the gradient); pi* stays the optimum either way")
@@ -86,9 +90,10 @@ class SourceConfig(StrictModel):
         why = UNSUPPORTED.get((self.objective, self.loss))
         if why:
             raise ValueError(f"objective '{self.objective}' with loss '{self.loss}' is not supported ({why})")
-        if self.centre and self.objective not in CENTRABLE_OBJECTIVES:
-            raise ValueError(f"centre: needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, not '{self.objective}' "
-                             "(its loss is not a function of Q_T alone)")
+        for name, given in (("centre", self.centre), ("trust_region", self.trust_region is not None)):
+            if given and self.objective not in CENTRABLE_OBJECTIVES:
+                raise ValueError(f"{name}: needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, not "
+                                 f"'{self.objective}' (its loss is not a function of Q_T alone)")
         return self
 
     def centred(self, name: str) -> bool:

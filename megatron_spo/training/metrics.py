@@ -39,6 +39,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "SPO residual spread: mean (Q_T - r)^2, variance within prompt groups": ("residual_sq/*",
                                                                            "residual_group_var/*"),
     "SPO |dL/dQ_T| per sequence, as used (each source's push)": ("coefficient_abs/*",),
+    "SPO trust region: share of tokens clipped": ("trust_region_clipped/*",),
     "KL(sampler || pi) from behaviour log-probs (k1, k3)": ("kl_sampler_k1/*", "kl_sampler_k3/*"),
     "log(pi / pi_0) per token by quarter of the response": ("log_ratio_pos*",),
     "response length (tokens)": ("response_length/*",),
