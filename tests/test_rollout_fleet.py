@@ -164,3 +164,18 @@ def test_sigint_of_fleet_up_leaves_no_process(model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
         stderr.close()
+
+
+def test_wait_healthy_stops_at_once_when_the_process_behind_a_url_died():
+    """The one health wait (rollout/client.py): the fleet's dead() check ends it at once with the process's own
+    reason; without it, the timeout names each pending URL and its last answer."""
+    from megatron_spo.rollout.client import wait_healthy
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^engine-0 exited with code 1 before becoming healthy$"):
+        wait_healthy([url], timeout_s=60, poll_s=0.1, what="engine-0",
+                     dead=lambda u: "engine-0 exited with code 1 before becoming healthy" if u == url else None)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match=rf"^engine-0 not healthy after 0 s: {url} \("):
+        wait_healthy([url], timeout_s=0.2, poll_s=0.1, what="engine-0")
