@@ -150,19 +150,27 @@ EOF
 fi
 
 # ---- validate before any allocation ------------------------------------------------------------------------------
-# The flow's own outputs (stores, Q0, converted checkpoint) do not exist yet: their lines are left to the train
-# stage, which validates again, complete, before it starts the trainer (SPO_VALIDATE=1 in spo.sbatch).
-# Before submitting, the converted checkpoint does not exist: the architecture is read from --model-path.
-validate_cmd="" submit_validate_cmd=""
+# What earlier stages will write (stores, Q0, the converted checkpoint) does not exist yet: those lines are left to
+# the train stage, which validates again, complete, before it starts the trainer (SPO_VALIDATE=1 in spo.sbatch);
+# until then the architecture is read from --model-path.
+validate_cmd="" submit_validate_cmd="" later=""
 if [ "$probe" = 0 ] && megatron-spo validate --help >/dev/null 2>&1; then
-  validate_cmd="megatron-spo validate $(quote "$config" "${train_args[@]}") --world-size $((trainer_nodes * procs))"
-  submit_validate_cmd="megatron-spo validate $(quote "$config" "${train_args[@]/#init.megatron=*/init.megatron=null}") --world-size $((trainer_nodes * procs))"
+  check_args=("${train_args[@]}")
+  if [ "$flow" = 1 ]; then
+    check_args=("${train_args[@]/#init.megatron=*/init.megatron=null}")
+    later='init\.megatron|sources\.offline|sources\.mc|task\.q0_path'
+  elif [ "$q0" = 1 ]; then
+    check_args+=("task.q0_path=$q0_dir/q0.jsonl")
+    later='task\.q0_path'
+  fi
+  world="--world-size $((trainer_nodes * procs))"
+  validate_cmd="megatron-spo validate $(quote "$config" "${train_args[@]}") $world"
+  submit_validate_cmd="megatron-spo validate $(quote "$config" "${check_args[@]}") $world"
 fi
 if [ -n "$validate_cmd" ] && [ "$dry" = 0 ]; then
   report="$(cd "$SPO_HOME" && eval "$submit_validate_cmd" 2>&1)" || {
-    later='^ *(- )?(init\.megatron|sources\.offline|sources\.mc|task\.q0_path)'
-    left="$(grep -E '^ *(- )?[a-z_]+[.:]' <<<"$report" | grep -vE "$later" || true)"
-    if [ "$flow" = 0 ] || [ -n "$left" ]; then
+    left="$(grep -E '^  ' <<<"$report" | grep -vE "^ +(${later:-^})" || true)"
+    if [ -z "$later" ] || [ -n "$left" ]; then
       echo "$report" >&2; die "the config does not validate (above): nothing submitted"
     fi
   }

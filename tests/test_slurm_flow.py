@@ -8,6 +8,7 @@ real on the single-host test cluster (slurm/test_cluster.sh) with a tiny Llama, 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -156,3 +157,23 @@ def test_the_whole_flow_from_a_hf_checkpoint_and_user_jsonl_to_an_evaluated_hf_c
     assert (run_dir / "hf" / "config.json").is_file() and list((run_dir / "hf").glob("*.safetensors"))
     result = json.loads((run_dir / "eval" / "eval.json").read_text())
     assert len(result["problems"]) == len(PROBLEMS), result
+
+
+def test_a_config_that_does_not_validate_is_refused_before_anything_is_submitted(tiny, tmp_path):
+    """submit.sh runs `megatron-spo validate` first: a layout the model cannot take is named and nothing reaches
+    sbatch (a stand-in that records its calls); the flow's own future outputs are not counted as problems."""
+    root, model, _, trajectories, config = tiny
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "sbatch-calls"
+    (bin_dir / "sbatch").write_text(f"#!/bin/bash\necho \"$*\" >> {calls}\necho 7\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = flow(model, config, tmp_path / "run", "parallel.tensor_model_parallel_size=3", env=env, check=False)
+    assert out.returncode == 2 and not calls.exists() and not (tmp_path / "run").exists(), out.stderr
+    assert "parallel.tensor_model_parallel_size" in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "submit.sh: the config does not validate (above): nothing submitted"
+    out = flow(model, config, tmp_path / "run", "--offline-data", str(trajectories), env=env)
+    assert [line.split()[0] for line in out.stdout.splitlines()] == ["convert", "q0", "offline", "train", "eval",
+                                                                     "run_dir"]
+    assert len(calls.read_text().splitlines()) == 5
