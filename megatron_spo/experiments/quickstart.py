@@ -64,6 +64,8 @@ class QuickstartTrainConfig(StrictModel):
     centre: bool | None = Field(None, description="SPO: group-centred loss coefficient on the online source "
                                 "(sources.online.centre; unset: the trainer's default, on)")
     lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="optimizer.decay after warm-up")
+    max_residual: float | None = Field(1.0, gt=0, description="logging.max_residual: stop a run drifting off its "
+                                       "samples (None: watch it diverge)")
     model_update_interval: int = Field(10, gt=0, description="SPO: 10 (paper); PPO and GRPO use 1 unless their "
                                        "behaviour_correction (tis | mis) is on")
     temperature_range: tuple[float, float] = (0.7, 1.0)
@@ -224,7 +226,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "rollout": rollout.model_dump(mode="json"),
         "sandbox": cfg.sandbox.model_dump(mode="json"),
         "checkpoint": {"interval": max(t.steps // 2, 1), "keep_last": 1},
-        "logging": {"progress": cfg.progress, "max_log_ratio": 50.0},
+        "logging": {"progress": cfg.progress, "max_log_ratio": 50.0, "max_residual": t.max_residual},
         "nproc": t.nproc,
     }
     return build_config(TrainConfig, data, "quickstart train config")
