@@ -4,9 +4,9 @@ Each problem is a chain of two or three operations (+ - * /, exact division) on 
 one-line story; the answer is the chain's last value. A solution writes one step per equation and boxes the
 result, the way the math reward (rewards/math_answer.py) reads it:
 
-    prompt    'Eve has 7 boxes of 6 pens and gives away 4. How many pens are left?\\n'
-    solution  '7*6=42\\n42-4=38\\n\\\\boxed{38}\\n'          (also '6*7=42, 42-4=38, \\\\boxed{38}\\n', ...)
-    answer    '38'
+    prompt    'Eve has 4 boxes of 6 pens and gives away 5. How many pens are left?\\n'
+    solution  '4*6=24\\n24-5=19\\n\\\\boxed{19}\\n'          (also '6*4=24, 24-5=19, \\\\boxed{19}\\n', ...)
+    answer    '19'
 
 Distinct correct solutions differ in the order of commutative operands and the separator between steps.
 The sloppy teacher's slip (``with_slip``) drops the last step and boxes the value before it: the same
@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 
 from megatron_spo.data.tasks import Problem as TaskProblem
 
-GENERATOR_VERSION = 1  # bump when problems or solutions change (part of the reference-model cache key)
+GENERATOR_VERSION = 2  # bump when problems or solutions change (part of the reference-model cache key)
 
 OPS: dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b,
                                              "*": lambda a, b: a * b, "/": lambda a, b: a // b}
 SEPARATORS = ("\n", ", ")
-MAX_VALUE = 99  # every value of a chain is an integer in [1, MAX_VALUE]
+MAX_VALUE = 30  # every value of a chain is an integer in [1, MAX_VALUE]: few enough sums and products that
+# the quickstart's 0.6M-parameter model learns them (with values up to 99 pi_0 solved 6% of held-out problems)
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,8 @@ def solution_texts(numbers: tuple[int, ...], ops: tuple[str, ...], values: tuple
 
 
 def _numbers(ops: tuple[str, ...], rng: random.Random) -> tuple[int, ...]:
-    """n0..nk drawn for a chain: factors and divisors 2-9, addends 1-9, a first value 2-30 before + or -."""
-    first = rng.randint(2, 9) if ops[0] in "*/" else rng.randint(2, 30)
+    """n0..nk drawn for a chain: factors and divisors 2-9, addends 1-9, a first value 2-20 before + or -."""
+    first = rng.randint(2, 9) if ops[0] in "*/" else rng.randint(2, 20)
     return (first, *[rng.randint(2, 9) if op in "*/" else rng.randint(1, 9) for op in ops])
 
 

@@ -37,8 +37,9 @@ class QuickstartModelConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     swap_fraction: float = Field(0.0, ge=0, lt=1, description="SFT targets replaced by a neighbour's solution")
-    slip_fraction: float = Field(0.5, ge=0, lt=1, description="SFT targets with their family's input-parsing "
-                                 "slip (a generic error RL can remove on unseen problems too)")
+    slip_fraction: float = Field(0.5, ge=0, lt=1, description="SFT targets with their task's slip (toy_code: the "
+                                 "input-parsing slip; toy_math: the last step dropped): a generic error RL can "
+                                 "remove on unseen problems too")
     num_threads: int = Field(2, gt=0, description="torch CPU threads during SFT (not part of the cache key)")
 
     @model_validator(mode="after")
