@@ -193,3 +193,15 @@ def test_source_config_centres_online_by_default_and_names_the_field_it_refuses(
     for field, value in (("centre", True), ("trust_region", 0.2)):
         with pytest.raises(ConfigError, match=f"{field}: needs objective terminal or advantage, not 'mc'"):
             build_config(SourceConfig, {"objective": "mc", field: value}, "sources.mc")
+
+
+def test_policy_gradient_term_adds_the_leave_one_out_reinforce_gradient():
+    logp, ref, mask, reward, q0, group = _case()
+    kw = dict(beta=BETA, objective="terminal", loss="squared", centre_groups=group)
+    spo_loss(logp, ref, mask, reward, q0, pg_coef=0.5, **kw)[0].backward()
+    with_pg = logp.grad.clone()
+    logp.grad = None
+    spo_loss(logp, ref, mask, reward, q0, **kw)[0].backward()
+    others = torch.stack([reward[(group == group[i]) & (torch.arange(6) != i)].mean() for i in range(6)])
+    expected = -0.5 * ((reward - others) / 6).unsqueeze(1) * mask
+    torch.testing.assert_close(with_pg - logp.grad, expected, rtol=0, atol=1e-12)

@@ -185,6 +185,7 @@ def spo_loss(
     token_normalised: bool = False,
     trust_region: float | None = None,
     behaviour_logp: Tensor | None = None,
+    pg_coef: float = 0.0,
     eps: float = 1e-6,
 ) -> tuple[Tensor, dict[str, float]]:
     """SPO loss, mean over sequences, and metrics (floats).
@@ -211,6 +212,9 @@ def spo_loss(
       clip against the sampler (terminal / advantage only): a token's gradient is dropped once log(pi / mu) has
       moved past +-trust_region in the direction its sequence's coefficient pushes it, so one batch cannot carry
       the policy far from the distribution that sampled it. The loss value is unchanged.
+    pg_coef: adds pg_coef * mean_i -stopgrad(r_i - b_i) log pi(y_i), a policy-gradient term with the leave-one-out
+      reward baseline b_i of its group (centre_groups; else the whole batch), the paper's suggestion. It MOVES the
+      fixed point from pi* towards higher reward (the PG term's gradient at pi* is not zero).
     token_normalised: weigh each sequence's loss by (mean response length / its length), so a long response
       no longer gets a larger gradient than a short one (every token's push is the same size); the batch's
       scale is unchanged and pi* (every residual 0) stays the optimum.
@@ -284,6 +288,11 @@ def spo_loss(
     if token_normalised:
         lengths = fvalid.sum(1)
         per_sequence = per_sequence * (lengths.mean() / lengths)
+    if pg_coef:
+        groups = centre_groups if centre_groups is not None else torch.zeros_like(reward, dtype=torch.long)
+        advantage = centred_on_others(reward, groups.to(reward.device)).detach()
+        seq_logp = torch.where(valid, logp, torch.zeros((), dtype=logp.dtype, device=logp.device)).sum(1)
+        per_sequence = per_sequence - pg_coef * advantage * seq_logp
     total = _weighted_mean(per_sequence, weights)
     with torch.no_grad():
         n_tokens = fvalid.sum()

@@ -79,6 +79,9 @@ class SourceConfig(StrictModel):
         None, gt=0, description="SPO: drop a token's gradient once log(pi / mu) against the sampler's log-prob "
         "(the trajectory's behaviour_logprobs) is past +-this in the direction its sequence is pushed (PPO's clip; "
         "terminal / advantage objectives; rows without behaviour log-probs are not clipped)")
+    pg_coef: float = Field(0.0, ge=0, description="SPO: add this times a policy-gradient term with a leave-one-out "
+                           "reward baseline (the paper's suggestion); moves the fixed point from pi* towards higher "
+                           "reward")
     normalise: Literal["sequence", "token"] = Field(
         "sequence", description="SPO: each sequence's loss counts once (sequence) or divided by its response "
         "tokens (token: long responses no longer dominate the gradient); pi* stays the optimum either way")

@@ -41,14 +41,16 @@ def seq_log_ratio_by_source(batch: TrainBatch, logp: Tensor, ref_logp: Tensor) -
 def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: float,
                    objectives: dict[str, tuple[str, object]], centred: frozenset[str] = frozenset(),
                    token_normalised: frozenset[str] = frozenset(),
-                   trust_regions: dict[str, float] | None = None) -> tuple[Tensor, dict[str, float]]:
+                   trust_regions: dict[str, float] | None = None,
+                   pg_coefs: dict[str, float] | None = None) -> tuple[Tensor, dict[str, float]]:
     """Mean over sequences of spo_loss, each source with its own (objective, loss), plus drift diagnostics.
 
     objectives: source name -> (objective, loss), e.g. {"online": ("terminal", "cross_entropy"),
     "mc": ("mc", "cross_entropy")}; a loss may be a callable (a config hook). A source in the batch with no
     entry is an error naming it. centred: sources whose loss coefficient is centred in its prompt group;
     token_normalised: sources whose sequences are weighed by mean length / length; trust_regions: source -> clip
-    of log(pi / mu) against the behaviour log-probs (spo_loss trust_region). Diagnostics per source
+    of log(pi / mu) against the behaviour log-probs (spo_loss trust_region); pg_coefs: source -> weight of the
+    added policy-gradient term (its groups are the prompt groups when the source is centred). Diagnostics per source
     (algorithms/spo_diagnostics.py): signed residual Q_T - r, its spread, KL(sampler || pi) from behaviour
     log-probs, log-ratio by position, response length.
     """
@@ -71,7 +73,8 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
         loss, m = algorithms.spo_loss(lp, rlp, mask, reward, q0, beta=beta, objective=objective, loss=loss_name,
                                       centre_groups=group if source in centred else None,
                                       token_normalised=source in token_normalised, trust_region=trust_region,
-                                      behaviour_logp=behaviour if trust_region is not None else None, **kw)
+                                      behaviour_logp=behaviour if trust_region is not None else None,
+                                      pg_coef=(pg_coefs or {}).get(source, 0.0), **kw)
         total = total + loss * (len(rows) / n)
         weights = {k: len(rows) for k in m}
         weights["mean_token_advantage"] = int(mask.sum())  # a mean over response tokens
@@ -107,11 +110,12 @@ class SPO(Algorithm):
         self.centred = frozenset(name for name, s in cfg.sources.items() if s.centred(name))
         self.token_normalised = frozenset(name for name, s in cfg.sources.items() if s.normalise == "token")
         self.trust_regions = {name: s.trust_region for name, s in cfg.sources.items() if s.trust_region is not None}
+        self.pg_coefs = {name: s.pg_coef for name, s in cfg.sources.items() if s.pg_coef}
         self.keeps_prompt_groups = bool(self.centred)  # a centred coefficient needs its whole group
 
     def update(self, step: StepInputs) -> Update:
         beta, objectives = self.cfg.beta, self.objectives
         reports, grad_norm = step.optimize("policy", "logp", lambda i, mb, logp: spo_batch_loss(
             mb, logp, step.ref[i], beta=beta, objectives=objectives, centred=self.centred,
-            token_normalised=self.token_normalised, trust_regions=self.trust_regions))
+            token_normalised=self.token_normalised, trust_regions=self.trust_regions, pg_coefs=self.pg_coefs))
         return Update(reports, grad_norm)
