@@ -185,6 +185,12 @@ def stop_signal() -> int | None:
     return next((h.received for h in _handlers if h.received is not None), None)
 
 
+def stopped_for() -> float | None:
+    """Seconds since a live PreemptionHandler received its signal (None: none received)."""
+    times = [h.received_at for h in _handlers if h.received_at is not None]
+    return time.monotonic() - min(times) if times else None
+
+
 def raise_if_stopped(waiting_for: str) -> None:
     """Stopped('SIGTERM received while waiting for ...') once a preemption signal has arrived."""
     signum = stop_signal()
@@ -202,6 +208,7 @@ class PreemptionHandler:
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)):
         self.received: int | None = None
+        self.received_at: float | None = None  # time.monotonic() of the first signal
         self._previous = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -209,6 +216,7 @@ class PreemptionHandler:
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
+        self.received_at = self.received_at or time.monotonic()
 
     def requested(self, group=None) -> bool:
         flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)

@@ -246,6 +246,45 @@ def test_the_first_push_finds_an_engine_a_stopped_run_left_paused(model_dir):
         assert get_json(srv.url + "/health", 5)[0] == 200  # continued: serving the new weights
 
 
+def test_sigterm_during_a_push_to_a_hung_engine_ends_it_within_the_grace(model_dir, tmp_path):
+    """An engine that never answers /pause_generation (30 s) held a stopping trainer for the call's timeout
+    (600 s): after SIGTERM the push waits STOP_GRACE_S (5 s) for answers, counts the hung engine as failed
+    (left paused, resynced by a later push), updates the others, and the trainer stops after it."""
+    from rollout_helpers import FaultyServer
+
+    from megatron_spo.rollout import weight_sync
+
+    new_state = perturbed_state_dict(model_dir, seed=4)
+    handler = PreemptionHandler()
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    with ServerThread(LocalEngine(model_dir), free_port()) as good, FaultyServer(free_port(), "slow") as hung:
+        hung_url = f"http://127.0.0.1:{hung.server.server_address[1]}"
+        source = source_on(good.url)
+        source.broadcaster = WeightBroadcaster([good.url, hung_url], mode="disk", disk_dir=str(tmp_path / "w"))
+        source._fleet_seen_healthy = True
+        try:
+            timer.start()
+            t0 = time.monotonic()
+            with pytest.raises(Stopped, match="^SIGTERM received while waiting for the weight push$"):
+                source.push_weights(1, iter(new_state.items()))
+            seconds = time.monotonic() - t0
+        finally:
+            timer.cancel()
+            handler.restore()
+            source.broadcaster.close()
+            source.broadcaster = None
+            source.close()
+        assert weight_sync.STOP_GRACE_S <= seconds < weight_sync.STOP_GRACE_S + 4, seconds
+        assert get_json(good.url + "/model_info", 5)[1]["weight_version"] == "1"
+        assert all(torch_equal(t, new_state[n]) for n, t in good.engine.model.state_dict().items())
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
 def test_the_router_keeps_workers_through_a_paused_push():
     """Fleet's sglang-router thresholds: a worker is marked unhealthy only after minutes of failed /health
     (SGLang's blocks 20 s while paused), not after one failure as with --health-failure-threshold 1."""

@@ -30,6 +30,7 @@ import concurrent.futures
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -48,11 +49,13 @@ from megatron_spo.rollout.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
 )
+from megatron_spo.run_layout import stop_signal, stopped_for
 
 log = logging.getLogger("megatron_spo.weight_sync")
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 PROBE_TIMEOUT_S = 10.0  # an engine that does not answer /server_info in this is left out of the push
+STOP_POLL_S, STOP_GRACE_S = 0.25, 5.0  # a push's calls once SIGTERM arrived: answers awaited this much longer
 
 
 class WeightSyncError(RuntimeError):
@@ -311,13 +314,13 @@ class WeightBroadcaster:
         self._generation = 0
         self._last_disk_path: str | None = None
         self._staging: torch.Tensor | None = None
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.engine_urls)))
+        self.pool = _DaemonCalls()
 
     # --- engine calls ----------------------------------------------------------------------------
     def _post_all(self, urls, path: str, body: dict, failed: dict[str, str], timeout_s: float | None = None) -> list:
         """POST to every url concurrently; the ones that succeed, in order. Failures go into ``failed``."""
         futures = [(u, self.pool.submit(post_json, f"{u}{path}", body, timeout_s or self.timeout_s)) for u in urls]
-        bad = _failures(futures, needs_success=path not in REPLIES_WITHOUT_SUCCESS)
+        bad = _failures(futures, needs_success=path not in REPLIES_WITHOUT_SUCCESS, stoppable=True)
         for url, why in bad.items():
             failed.setdefault(url, f"{path}: {why}")
         return [u for u in urls if u not in bad]
@@ -523,7 +526,7 @@ class WeightBroadcaster:
 
     def close(self) -> None:
         self._destroy_group()
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown()
 
     def __enter__(self) -> WeightBroadcaster:
         return self
@@ -532,10 +535,60 @@ class WeightBroadcaster:
         self.close()
 
 
-def _failures(futures, needs_success: bool = True) -> dict[str, str]:
-    """url -> why, for calls that raised, answered >= 300, or (``needs_success``) lacked success: true."""
+class _DaemonCalls:
+    """submit(fn, *args) -> Future, each call on its own daemon thread. A ThreadPoolExecutor's threads are
+    joined when the interpreter exits, so one HTTP call to a hung engine (timeout 600 s) would keep a trainer
+    that SIGTERM stopped alive that long; these die with the process."""
+
+    def __init__(self):
+        self._live: set[concurrent.futures.Future] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # handed to whoever waits on the future
+                    future.set_exception(err)
+            with self._lock:
+                self._live.discard(future)
+
+        with self._lock:
+            self._live.add(future)
+        threading.Thread(target=run, name="weight-sync-call", daemon=True).start()
+        return future
+
+    def map(self, fn, items) -> list:
+        return [f.result() for f in [self.submit(fn, item) for item in items]]
+
+    def shutdown(self) -> None:
+        """Wait (at most PROBE_TIMEOUT_S) for the calls in flight, e.g. destroying a group; a call to a hung
+        engine is left to die with the process."""
+        with self._lock:
+            live = list(self._live)
+        concurrent.futures.wait(live, timeout=PROBE_TIMEOUT_S)
+
+
+def _failures(futures, needs_success: bool = True, stoppable: bool = False) -> dict[str, str]:
+    """url -> why, for calls that raised, answered >= 300, or (``needs_success``) lacked success: true.
+
+    stoppable: once SIGTERM / SIGUSR1 arrived, answers are awaited until STOP_GRACE_S after the signal, then
+    the calls still unanswered count as failed (their engines stay paused and a later push resyncs them), so a
+    hung engine does not hold a stopping trainer for the call's whole timeout."""
+    if stoppable:
+        pending = {fut for _, fut in futures}
+        while pending:
+            _, pending = concurrent.futures.wait(pending, timeout=STOP_POLL_S)
+            if pending and (stopped_for() or 0.0) >= STOP_GRACE_S:
+                break
     failed = {}
     for url, fut in futures:
+        if stoppable and not fut.done():
+            failed[url] = f"no answer before the trainer stopped ({signal.Signals(stop_signal()).name})"
+            continue
         try:
             status, body = fut.result()
         except Exception as err:

@@ -244,6 +244,7 @@ class OnlineSource:
             metrics = {"weight_sync/failed": 1.0, "weight_sync/engines_updated": 0.0,
                        "weight_sync/engines_failed": float(len(self.broadcaster.engine_urls))}
         self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
+        raise_if_stopped("the weight push")  # it gave up on engines that did not answer (weight_sync._failures)
         return metrics
 
     def stats(self) -> dict[str, float]:
