@@ -158,8 +158,8 @@ def test_train_against_a_dead_fleet_exits_on_sigterm_with_the_reason(tmp_path, m
     assert proc.returncode == 0, err[-3000:]
     assert seconds < 30, seconds
     assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
-    assert out.strip().splitlines()[-1] == ("[megatron-spo] SIGTERM received while waiting for rollouts: no step "
-                                            "had finished, exiting"), out[-1000:]
+    assert out.strip().splitlines()[-1] == ("[megatron-spo] preempted: no step had finished, exiting (SIGTERM "
+                                            "received while waiting for rollouts)"), out[-1000:]
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing had finished: nothing written
 
 
@@ -248,8 +248,9 @@ def test_the_first_push_finds_an_engine_a_stopped_run_left_paused(model_dir):
 
 def test_sigterm_during_a_push_to_a_hung_engine_ends_it_within_the_grace(model_dir, tmp_path):
     """An engine that never answers /pause_generation (30 s) held a stopping trainer for the call's timeout
-    (600 s): after SIGTERM the push waits STOP_GRACE_S (5 s) for answers, counts the hung engine as failed
-    (left paused, resynced by a later push), updates the others, and the trainer stops after it."""
+    (600 s): after SIGTERM the push waits STOP_GRACE_S (5 s) for answers and counts the hung engine as failed
+    (left paused, resynced by a later push). Here it is the only engine: the push reached none, and the source
+    stops (Stopped) instead of letting the trainer send it again."""
     from rollout_helpers import FaultyServer
 
     from megatron_spo.rollout import weight_sync
@@ -260,18 +261,24 @@ def test_sigterm_during_a_push_to_a_hung_engine_ends_it_within_the_grace(model_d
     with ServerThread(LocalEngine(model_dir), free_port()) as good, FaultyServer(free_port(), "slow") as hung:
         hung_url = f"http://127.0.0.1:{hung.server.server_address[1]}"
         source = source_on(good.url)
-        source.broadcaster = WeightBroadcaster([good.url, hung_url], mode="disk", disk_dir=str(tmp_path / "w"))
         source._fleet_seen_healthy = True
         try:
+            source.broadcaster = WeightBroadcaster([good.url, hung_url], mode="disk", disk_dir=str(tmp_path / "a"))
             timer.start()
             t0 = time.monotonic()
-            with pytest.raises(Stopped, match="^SIGTERM received while waiting for the weight push$"):
-                source.push_weights(1, iter(new_state.items()))
+            metrics = source.push_weights(1, iter(new_state.items()))  # the good engine took it: no Stopped
             seconds = time.monotonic() - t0
+            source.broadcaster.close()
+            assert metrics["weight_sync/engines_updated"] == 1.0 and metrics["weight_sync/engines_failed"] == 1.0
+            assert source.broadcaster.lagging == {hung_url: "/pause_generation: no answer before the trainer "
+                                                            "stopped (SIGTERM)"}
+            source.broadcaster = WeightBroadcaster([hung_url], mode="disk", disk_dir=str(tmp_path / "b"))
+            with pytest.raises(Stopped, match="^SIGTERM received while waiting for the weight push$"):
+                source.push_weights(2, iter(new_state.items()))  # reached no engine: stop, do not send again
+            source.broadcaster.close()
         finally:
             timer.cancel()
             handler.restore()
-            source.broadcaster.close()
             source.broadcaster = None
             source.close()
         assert weight_sync.STOP_GRACE_S <= seconds < weight_sync.STOP_GRACE_S + 4, seconds
@@ -356,5 +363,5 @@ def test_a_stop_after_a_finished_step_checkpoints_it_and_every_rank_exits(tmp_pa
     spawn_local(train_until_stopped, 2, cfg, str(tmp_path / "result"))
     for rank in (0, 1):
         assert json.loads((tmp_path / f"result.{rank}").read_text()) == {"step": 2, "latest": 2}
-    assert ("[megatron-spo] SIGTERM received while waiting for rollouts: checkpoint at step 2 saved, exiting"
-            in capfd.readouterr().out)
+    assert ("[megatron-spo] preempted: checkpoint at step 2 saved, exiting (SIGTERM received while waiting for "
+            "rollouts)" in capfd.readouterr().out)

@@ -565,11 +565,11 @@ class _DaemonCalls:
         return [f.result() for f in [self.submit(fn, item) for item in items]]
 
     def shutdown(self) -> None:
-        """Wait (at most PROBE_TIMEOUT_S) for the calls in flight, e.g. destroying a group; a call to a hung
-        engine is left to die with the process."""
+        """Wait (at most PROBE_TIMEOUT_S; not at all once a stop signal arrived) for the calls in flight, e.g.
+        destroying a group; a call to a hung engine is left to die with the process."""
         with self._lock:
             live = list(self._live)
-        concurrent.futures.wait(live, timeout=PROBE_TIMEOUT_S)
+        concurrent.futures.wait(live, timeout=0 if stop_signal() is not None else PROBE_TIMEOUT_S)
 
 
 def _failures(futures, needs_success: bool = True, stoppable: bool = False) -> dict[str, str]:

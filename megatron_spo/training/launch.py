@@ -35,7 +35,7 @@ def run(cfg_data: dict) -> int:
     try:
         trainer = Trainer(cfg)
     except Stopped as stop:  # SIGTERM while starting up (waiting for the rollout side): nothing to save
-        print(f"[megatron-spo] {stop} (starting up): no step had finished, exiting", flush=True)
+        print(f"[megatron-spo] preempted: no step had finished, exiting ({stop}, starting up)", flush=True)
         return 0
     try:
         return trainer.train()

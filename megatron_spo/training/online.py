@@ -239,12 +239,14 @@ class OnlineSource:
             metrics = self.broadcaster.push(named_tensors, version=str(version)).metrics()
             self.last_sync_error = None
         except WeightSyncError as err:
+            # a stop signal made the push give up on engines that did not answer (weight_sync._failures): stop
+            # now rather than let the trainer send it again (rollout.weight_sync_attempts)
+            raise_if_stopped("the weight push")
             log.error("%s", err)
             self.last_sync_error = str(err)
             metrics = {"weight_sync/failed": 1.0, "weight_sync/engines_updated": 0.0,
                        "weight_sync/engines_failed": float(len(self.broadcaster.engine_urls))}
         self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
-        raise_if_stopped("the weight push")  # it gave up on engines that did not answer (weight_sync._failures)
         return metrics
 
     def stats(self) -> dict[str, float]:

@@ -561,7 +561,7 @@ class Trainer:
         except Stopped as stop:  # a preemption signal while waiting (rollouts, engines): exit in seconds
             saved = self._checkpoint_finished_step()
             if self.rank == 0:
-                print(f"[megatron-spo] {stop}: {saved}, exiting", flush=True)
+                print(f"[megatron-spo] preempted: {saved}, exiting ({stop})", flush=True)
         except FleetUnavailable:
             self._checkpoint_finished_step()
             raise
