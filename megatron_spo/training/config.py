@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from megatron_spo.config import StrictModel
 from megatron_spo.data.config import ProvenanceSelect, TaskConfig
@@ -237,6 +237,33 @@ class LoggingConfig(StrictModel):
     )
 
 
+class HeldOutEvalConfig(StrictModel):
+    """Held-out pass@k during training (training/held_out_eval.py): right after the weight push of every
+    `interval`-th step, rank 0 samples n completions per problem through the engines and scores them with
+    engine_tools/eval.py; logged as eval/pass@K and eval/problems."""
+
+    interval: int = Field(0, ge=0, description="evaluate every this many steps (0: off); a multiple of "
+                          "model_update_interval, so the engines hold the step's weights")
+    paths: list[str] = Field(default_factory=list, description="held-out problem files, read as task.kind reads "
+                             "task.paths; empty: the generated task's (toy / toy_math) held-out split")
+    n: int = Field(8, gt=0, description="samples per problem")
+    ks: tuple[int, ...] = Field((1,), min_length=1, description="the k of pass@k, each at most n")
+    temperature: float = Field(0.4, ge=0, description="0 = greedy (SPO paper: 0.4)")
+    top_p: float = Field(0.95, gt=0, le=1)
+    max_new_tokens: int | None = Field(None, gt=0, description="default: rollout.max_new_tokens")
+    limit: int | None = Field(64, gt=0, description="only the first N held-out problems (None: all)")
+    hidden_tests: bool = Field(True, description="score with the problems' hidden tests too, when present")
+
+    @field_validator("ks")
+    @classmethod
+    def _ks_at_most_n(cls, ks: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        n = info.data.get("n")
+        bad = [k for k in ks if k < 1 or (n is not None and k > n)]
+        if bad:
+            raise ValueError(f"each k must lie in [1, n = {n}] (samples per problem), got {list(bad)}")
+        return ks
+
+
 def kl_coef_as_beta(grpo: GRPOConfig, beta: float | None, algo: str, where: str = "") -> float | None:
     """beta, with the deprecated grpo.kl_coef read as it acted before the rename: for algo grpo it was the KL
     coefficient, so it is beta (a beta beside it, as every config dump of those days carried, was unused by
@@ -280,6 +307,7 @@ class TrainConfig(StrictModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     archive: ArchiveConfig = Field(default_factory=ArchiveConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    eval: HeldOutEvalConfig = Field(default_factory=HeldOutEvalConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     fleet: FleetEndpoints = Field(default_factory=FleetEndpoints)
     rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
@@ -305,6 +333,18 @@ class TrainConfig(StrictModel):
         self.__dict__["beta"] = beta if beta is not None else algo.default_beta if algo is not None else PAPER_BETA
         if algo is not None:
             algo.check_config(self)
+        self._check_eval()
         if self.init.hf is None and self.init.megatron is None:
             raise ValueError("init: give init.hf (an HF model directory) or init.megatron (a converted checkpoint)")
         return self
+
+    def _check_eval(self) -> None:
+        from megatron_spo.data.tasks import TASK_KINDS
+
+        ev = self.eval
+        if ev.interval and ev.interval % self.model_update_interval:
+            raise ValueError(f"eval.interval: {ev.interval} is not a multiple of model_update_interval "
+                             f"{self.model_update_interval} (the engines hold a step's weights only after its push)")
+        if ev.interval and not ev.paths and TASK_KINDS[self.task.kind].needs_files:
+            raise ValueError(f"eval.paths: task kind '{self.task.kind}' has no held-out split; give held-out "
+                             "problem files")

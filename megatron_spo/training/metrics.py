@@ -29,6 +29,8 @@ METRICS_FILE = "metrics.jsonl"
 PANELS: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "loss/*"),
     "reward": ("reward", "reward/*"),
+    "held-out pass@k (eval.interval)": ("eval/pass@*",),
+    "held-out problems evaluated": ("eval/problems",),
     "log(pi / pi_0) of online samples (KL if T=1, fresh)": ("kl",),
     "sequence log(pi / pi_0) by source": ("mean_seq_log_ratio", "mean_seq_log_ratio/*"),
     "policy entropy (nats / token)": ("entropy",),

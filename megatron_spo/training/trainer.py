@@ -37,6 +37,7 @@ from megatron_spo.training import checkpoint
 from megatron_spo.training import loss as losses
 from megatron_spo.training.algos import StepInputs
 from megatron_spo.training.config import LogprobsConfig, TrainConfig
+from megatron_spo.training.held_out_eval import HeldOutEval
 from megatron_spo.training.logprob_gap import GapPass, GapTally, gap_metrics, gap_warning, measured_rows
 from megatron_spo.training.logprob_gap import tally as gap_tally
 from megatron_spo.training.metrics import MetricsLogger, progress_line
@@ -129,9 +130,11 @@ class Trainer:
         self.sampler = None
         self.online = None
         self.archive = None
+        self.held_out: HeldOutEval | None = None  # rank 0, when eval.interval is set
         if self.rank == 0:
             self.sampler, self.online = build_sampler(cfg, online_source)
             self.archive = build_archive(cfg)
+            self.held_out = HeldOutEval.from_config(cfg)
         self.pad_id = 0
         self._resume()
         log_cfg = cfg.logging
@@ -368,8 +371,12 @@ class Trainer:
         t_fb = time.perf_counter() - t_fb
 
         t_sync = 0.0
+        eval_metrics: dict[str, float] = {}
         if self.step % cfg.model_update_interval == 0:
             t_sync = self.sync_weights()
+            # the engines now hold this step's weights; the other ranks wait at the metrics gather below
+            if self.held_out is not None and self.held_out.due(self.step):
+                eval_metrics = self._evaluate_held_out()
 
         self._gap_pass = None
         metrics = self._reduce_metrics(metrics_store, gap)
@@ -392,6 +399,7 @@ class Trainer:
             metrics["reward/online"] = sum(t.reward for t in online) / len(online)
             metrics["samples/online"] = float(len(online))  # rollouts consumed: learning curves per rollout
         metrics.update(update.metrics)
+        metrics.update(eval_metrics)
         metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
         if "mean_seq_log_ratio/online" in metrics:
             # the k1 estimate of KL(pi || pi_0) is this mean on samples from pi itself: online trajectories only
@@ -404,6 +412,18 @@ class Trainer:
             print(warning, flush=True)
         self.divergence_guard.check(self.step, metrics)
         return metrics
+
+    def _evaluate_held_out(self) -> dict[str, float]:
+        """Rank 0: eval/pass@K of the engines' current weights; a failed evaluation is one warning line, not
+        the end of the run (it is a measurement, not part of training)."""
+        from megatron_spo.rollout.client import EngineError
+
+        try:
+            return self.held_out.run()
+        except (EngineError, OSError, TimeoutError, ValueError) as err:
+            print(f"[megatron-spo] warning: held-out eval at step {self.step} failed: {type(err).__name__}: {err}",
+                  flush=True)
+            return {}
 
     def _sum_across_data_parallel(self, t: torch.Tensor) -> torch.Tensor:
         if self.dp_size > 1:
@@ -595,6 +615,8 @@ class Trainer:
         self.library_warnings.close()
         if self.archive is not None:
             self.archive.close()
+        if self.held_out is not None:
+            self.held_out.close()
         if self.online is not None and hasattr(self.online, "close"):
             self.online.close()
         if keep_process_group:

@@ -1,0 +1,123 @@
+"""Held-out pass@k during training (config section ``eval``, training/held_out_eval.py): its config errors,
+and a run on a real local engine that logs eval/pass@K exactly at the eval steps, equal to what
+engine_tools/eval.py computes on the engine's final weights."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from megatron_spo.config import ConfigError, build_config  # noqa: E402
+from megatron_spo.training.config import TrainConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TOY_MATH = {"kind": "toy_math", "toy": {"kind": "toy_math", "num_problems": 12, "heldout_fraction": 0.5,
+                                        "num_sft_problems": 0}}
+
+
+def parity_reward(problem, completion: str) -> float:
+    """Passes (0.0) when the completion's character codes sum to an even number, else -1: a deterministic
+    mix of passes and failures for a random model's greedy answers."""
+    return 0.0 if sum(map(ord, completion)) % 2 == 0 else -1.0
+
+
+@pytest.mark.parametrize("section, top, message", [
+    ({"n": 2, "ks": [1, 4]}, {}, r"^eval.ks: Value error, each k must lie in \[1, n = 2\] \(samples per problem\), "
+                                 r"got \[4\]"),
+    ({"interval": -1}, {}, r"^eval.interval: Input should be greater than or equal to 0 \(got -1\)$"),
+    ({"interval": 3}, {"model_update_interval": 2},
+     r"^<root>: Value error, eval.interval: 3 is not a multiple of model_update_interval 2 \(the engines hold"),
+    ({"interval": 10}, {"task": {"kind": "jsonl", "paths": ["x.jsonl"]}},
+     r"^<root>: Value error, eval.paths: task kind 'jsonl' has no held-out split; give held-out problem files$"),
+])
+def test_eval_config_errors_name_the_field(section, top, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(TrainConfig, {"init": {"hf": "x"}, "eval": section, **top})
+
+
+def test_eval_config_defaults_off_and_reads_the_held_out_split():
+    from megatron_spo.data import tasks
+    from megatron_spo.training.held_out_eval import HeldOutEval, held_out_problems
+
+    off = build_config(TrainConfig, {"init": {"hf": "x"}})
+    assert off.eval.interval == 0 and HeldOutEval.from_config(off) is None
+    cfg = build_config(TrainConfig, {"init": {"hf": "x"}, "task": TOY_MATH, "eval": {"interval": 10, "limit": 4}})
+    heldout = tasks.generated_task("toy_math", cfg.task.toy).heldout
+    assert [p.id for p in held_out_problems(cfg)] == [p.id for p in heldout[:4]]
+    assert {p.id for p in heldout} & {p.id for p in tasks.generated_task("toy_math", cfg.task.toy).train} == set()
+    with pytest.raises(ConfigError, match=r"^eval.interval: held-out evaluation runs through the engines; set "):
+        HeldOutEval.from_config(cfg)
+
+
+def _train(cfg_data: dict) -> None:
+    from megatron_spo.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig.model_validate(cfg_data))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_training_logs_held_out_pass_at_k_at_the_eval_steps(tmp_path, monkeypatch):
+    """Two ranks, a push every step, eval.interval 2 over 4 steps: eval/pass@1 and @2 at steps 2 and 4 only
+    (rank 1 waits for rank 0's evaluation at the metrics gather). Greedy samples make the last one exact: the
+    same evaluation of engine_tools/eval.py on the engine after training (it holds step 4's weights) gives it."""
+    import rollout_helpers as rh
+    from test_extensions import _cfg
+
+    from megatron_spo.engine_tools.eval import evaluate
+    from megatron_spo.models.parallel import spawn_local
+    from megatron_spo.net import free_port
+    from megatron_spo.rollout.client import EngineClient
+    from megatron_spo.training.held_out_eval import HeldOutEval
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    model = rh.make_tiny_llama(str(tmp_path / "engine_model"))
+    port = free_port()
+    engine = rh.start_engine(model, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        rh.wait_healthy(url, 120)
+        cfg = _cfg(tmp_path, model, "eval", steps=4, algo="agro",
+                   batch={"sequences_per_step": 4, "max_tokens_per_micro_batch": 1024, "max_seq_length": 256},
+                   task={**TOY_MATH, "reward": "test_held_out_eval:parity_reward", "max_prompt_tokens": 240},
+                   fleet={"engine_urls": [url]},
+                   rollout={"samples_per_prompt": 2, "max_new_tokens": 8, "buffer_groups": 4,
+                            "max_inflight_requests": 2},
+                   eval={"interval": 2, "n": 2, "ks": [1, 2], "temperature": 0.0, "limit": 6})
+        spawn_local(_train, 2, cfg)
+        held_out = HeldOutEval.from_config(TrainConfig.model_validate(cfg))
+
+        async def again():
+            async with EngineClient(url) as client:
+                return await evaluate(held_out.prompts, client, held_out.reward_pool, n=2, temperature=0.0,
+                                      top_p=0.95, ks=(1, 2), sampling=held_out.sampling())
+
+        try:
+            expected = asyncio.run(again())
+        finally:
+            held_out.close()
+    finally:
+        engine.terminate()
+        engine.wait(timeout=30)
+    metrics = [json.loads(x) for x in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics if "eval/pass@1" in m] == [2, 4]
+    for m in metrics[1::2]:
+        assert m["eval/problems"] == 6.0 and m["time/eval"] > 0
+        assert 0.0 <= m["eval/pass@1"] <= m["eval/pass@2"] <= 1.0
+        assert m["eval/pass@1"] == m["eval/pass@2"]  # greedy: both samples of a problem are one answer
+    assert len(expected.problems) == 6
+    assert metrics[3]["eval/pass@1"] == pytest.approx(expected.mean[1], abs=1e-12)
+    assert metrics[3]["eval/pass@2"] == pytest.approx(expected.mean[2], abs=1e-12)
