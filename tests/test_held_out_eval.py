@@ -121,3 +121,22 @@ def test_training_logs_held_out_pass_at_k_at_the_eval_steps(tmp_path, monkeypatc
     assert len(expected.problems) == 6
     assert metrics[3]["eval/pass@1"] == pytest.approx(expected.mean[1], abs=1e-12)
     assert metrics[3]["eval/pass@2"] == pytest.approx(expected.mean[2], abs=1e-12)
+
+
+def test_the_quickstart_passes_train_eval_interval_to_the_trainer(tmp_path):
+    """`megatron-spo quickstart train.eval_interval=20 heldout_limit=30`: the trainer evaluates the quickstart's
+    own held-out problems (the toy task's held-out split, first 30) with its eval settings; default off."""
+    from megatron_spo.config import apply_overrides
+    from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
+
+    endpoints = type("E", (), {"router_url": "http://127.0.0.1:1", "engine_urls": ["http://127.0.0.1:2"]})()
+
+    def trainer_cfg(*overrides):
+        cfg = build_config(QuickstartConfig, apply_overrides({}, list(overrides)), "quickstart")
+        return train_config(cfg, tmp_path, tmp_path / "ref", tmp_path / "init", endpoints, tmp_path / "q0.jsonl", None)
+
+    assert trainer_cfg().eval.interval == 0
+    ev = trainer_cfg("train.eval_interval=20", "heldout_limit=30", "eval_n=4").eval
+    assert (ev.interval, ev.n, ev.ks, ev.temperature, ev.top_p, ev.limit, ev.paths) == (20, 4, (1,), 0.4, 0.95, 30, [])
+    with pytest.raises(ConfigError, match=r"eval.interval: 15 is not a multiple of model_update_interval 10"):
+        trainer_cfg("train.eval_interval=15")

@@ -72,6 +72,9 @@ class QuickstartTrainConfig(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1, description="sampling top-p of the online rollouts (the paper: 0.95); "
                          "algorithms taking importance ratios need 1.0")
     max_new_tokens: int = Field(96, gt=0)
+    eval_interval: int = Field(0, ge=0, description="held-out pass@k through the engines every this many steps "
+                               "during training (the trainer's eval.interval; eval_n samples at eval_temperature "
+                               "on the first heldout_limit held-out problems; 0: off)")
     nproc: int = Field(1, gt=0)
     tensor_model_parallel_size: int = Field(1, gt=0)
     pipeline_model_parallel_size: int = Field(1, gt=0)
@@ -227,6 +230,8 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "sandbox": cfg.sandbox.model_dump(mode="json"),
         "checkpoint": {"interval": max(t.steps // 2, 1), "keep_last": 1},
         "logging": {"progress": cfg.progress, "max_log_ratio": 50.0, "max_residual": t.max_residual},
+        "eval": {"interval": t.eval_interval, "n": cfg.eval_n, "ks": [k for k in (1, 10) if k <= cfg.eval_n],
+                 "temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p, "limit": cfg.heldout_limit},
         "nproc": t.nproc,
     }
     return build_config(TrainConfig, data, "quickstart train config")
