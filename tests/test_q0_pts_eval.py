@@ -346,8 +346,8 @@ def test_estimate_q0_exact_values_and_interrupt_resume_equality(engine, tokenize
 def test_seeded_samples_of_one_prompt_differ_on_a_deterministic_engine(engine, tokenizer):
     """Q0 must not be estimated from n copies of one sample: SGLang's deterministic inference gives the n
     samples of a request one shared seed, so a seeded tool sends one request per sample
-    (engine_tools/common.py sample)."""
-    from megatron_spo.engine_tools.common import sample
+    (engine_tools/sampling.py sample)."""
+    from megatron_spo.engine_tools.sampling import sample
     from megatron_spo.rollout.client import EngineClient
 
     tokens = tokenizer("# num: add 2\n")["input_ids"]
@@ -592,7 +592,7 @@ def test_cli_pts_through_megatron_spo_with_the_sandbox(engine, tokenizer, sandbo
 
 
 def test_each_distinct_completion_is_scored_once():
-    from megatron_spo.engine_tools.common import score_all
+    from megatron_spo.engine_tools.sampling import score_all
 
     class Counting(TextReward):
         def __init__(self, needle):

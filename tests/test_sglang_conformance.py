@@ -64,7 +64,7 @@ def server(model_dir):
 def recorded_generate_bodies(server, monkeypatch) -> list[dict]:
     """Every /generate body the project's clients send: the rollout manager (random temperatures, top-k on
     and off), the Q0/eval tools' sampler (seeded one-per-sample, unseeded n per request, greedy)."""
-    from megatron_spo.engine_tools.common import sample
+    from megatron_spo.engine_tools.sampling import sample
 
     bodies = []
     original = client_module.EngineClient.request

@@ -6,7 +6,7 @@
                                 sampling=ToolSamplingConfig(), out_path="q0.jsonl")
     est["num-001"].s0, est["num-001"].q0
 
-S0 and Q0 as in data/q0.py; the output is resumable like every engine tool's (engine_tools/common.py).
+S0 and Q0 as in data/q0.py; the output is resumable like every engine tool's (engine_tools/sampling.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megatron_spo.config import build_config
 from megatron_spo.data.prompts import Prompt
 from megatron_spo.data.q0 import Q0Estimate, q0_from_counts
 from megatron_spo.data.result_log import ResultLog, json_line
-from megatron_spo.engine_tools.common import (
+from megatron_spo.engine_tools.command_line import (
     add_sampling_args,
     add_task_args,
     apply_train_config,
@@ -30,12 +30,10 @@ from megatron_spo.engine_tools.common import (
     prompts_from_args,
     reward_pool_from_args,
     run_cli,
-    run_resumable,
-    sample,
     sampling_from_args,
-    score_all,
 )
 from megatron_spo.engine_tools.config import Q0Config, ToolSamplingConfig
+from megatron_spo.engine_tools.sampling import run_resumable, sample, score_all
 from megatron_spo.fsutil import write_lines_atomic
 from megatron_spo.rollout.protocol import Completion
 

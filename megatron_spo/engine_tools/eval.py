@@ -23,7 +23,7 @@ from megatron_spo.cli import positive_int
 from megatron_spo.config import build_config
 from megatron_spo.data.prompts import Prompt
 from megatron_spo.data.result_log import ResultLog
-from megatron_spo.engine_tools.common import (
+from megatron_spo.engine_tools.command_line import (
     add_sampling_args,
     add_task_args,
     apply_train_config,
@@ -31,12 +31,10 @@ from megatron_spo.engine_tools.common import (
     prompts_from_args,
     reward_pool_from_args,
     run_cli,
-    run_resumable,
-    sample,
     sampling_from_args,
-    score_all,
 )
 from megatron_spo.engine_tools.config import EvalConfig, ToolSamplingConfig
+from megatron_spo.engine_tools.sampling import run_resumable, sample, score_all
 from megatron_spo.eval.passk import pass_at_k
 
 

@@ -29,22 +29,19 @@ from megatron_spo.config import build_config
 from megatron_spo.data.q0 import read_q0
 from megatron_spo.data.result_log import ResultLog
 from megatron_spo.data.trajectory import Trajectory, validate_record
-from megatron_spo.engine_tools.common import (
+from megatron_spo.engine_tools.command_line import (
     add_sampling_args,
     add_task_args,
     apply_train_config,
     close_reward_pool,
-    gather_or_cancel,
     load_tokenizer,
     problems_from_args,
     reward_pool_from_args,
     run_cli,
-    run_resumable,
-    sample,
     sampling_from_args,
-    score_all,
 )
 from megatron_spo.engine_tools.config import PTSConfig, ToolSamplingConfig
+from megatron_spo.engine_tools.sampling import gather_or_cancel, run_resumable, sample, score_all
 
 GAP_TOLERANCE = 1e-9  # |0.3 - 0.1| is 0.19999999999999998 in floats: a gap of exactly threshold recurses
 

@@ -117,9 +117,9 @@ def completion_text(tokenizer, completion_ids: Sequence[int]) -> str:
 def reward_function(reward_pool, prompts: Sequence[Prompt], tokenizer, seconds: dict[str, float] | None = None):
     """The reward function handed to GRPOTrainer: async (TRL awaits it on its own event loop), one float per
     completion, each scored by ``reward_pool`` against the problem of its row's ``prompt_id`` (a dataset
-    column), as engine_tools.common.score_all does (each distinct text of a prompt once, concurrently).
+    column), as engine_tools.sampling.score_all does (each distinct text of a prompt once, concurrently).
     ``seconds["reward"]``, when given, accumulates the wall time spent scoring."""
-    from megatron_spo.engine_tools.common import gather_or_cancel, score_all
+    from megatron_spo.engine_tools.sampling import gather_or_cancel, score_all
 
     problems = {p.prompt_id: p.problem for p in prompts}
 
