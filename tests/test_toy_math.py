@@ -180,7 +180,11 @@ def test_the_quickstart_takes_the_task_and_trains_on_it(tmp_path):
     from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
 
     default = build_config(QuickstartConfig, {}, "quickstart")
-    assert default.reference.task.kind == "toy_code"
+    assert (default.reference.task.kind, default.reference.sft_steps) == ("toy_code", 600)
+    # the math reference needs twice the SFT steps, unless they are given
+    assert build_config(QuickstartConfig, {"task": "toy_math"}).reference.sft_steps == 1200
+    given = build_config(QuickstartConfig, apply_overrides({}, ["task=toy_math", "reference.sft_steps=300"]))
+    assert given.reference.sft_steps == 300
     cfg = build_config(QuickstartConfig, apply_overrides({}, ["task=toy_math", "reference.task.seed=2"]), "quickstart")
     assert (cfg.reference.task.kind, cfg.reference.task.seed) == ("toy_math", 2)
     assert build_config(QuickstartConfig, apply_overrides({}, ["task.kind=toy_math"])).reference.task.kind == "toy_math"

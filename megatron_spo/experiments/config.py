@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from megatron_spo.config import StrictModel
 from megatron_spo.data.config import ToyCodeTaskConfig
+
+MATH_SFT_STEPS = 1200  # the math reference's default: its arithmetic needs twice the code task's SFT
 
 
 class QuickstartModelConfig(StrictModel):
@@ -29,7 +33,8 @@ class QuickstartModelConfig(StrictModel):
     rope_theta: float = Field(10000.0, gt=0)
     norm_epsilon: float = Field(1e-5, gt=0)
     seed: int = 0
-    sft_steps: int = Field(600, ge=0)
+    sft_steps: int = Field(600, ge=0, description=f"600 for toy_code; unset, {MATH_SFT_STEPS} for toy_math (at 600 "
+                           "its reference solved 12% of held-out problems, at 1200 41%)")
     batch_size: int = Field(32, gt=0, description="sequences per SFT step")
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(50, ge=0)
@@ -41,6 +46,17 @@ class QuickstartModelConfig(StrictModel):
                                  "input-parsing slip; toy_math: the last step dropped): a generic error RL can "
                                  "remove on unseen problems too")
     num_threads: int = Field(2, gt=0, description="torch CPU threads during SFT (not part of the cache key)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _math_sft_steps(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "sft_steps" not in data:
+            task = data.get("task")
+            kind = task if isinstance(task, str) else (task.get("kind") if isinstance(task, dict)
+                                                         else getattr(task, "kind", None))
+            if kind == "toy_math":
+                return {**data, "sft_steps": MATH_SFT_STEPS}
+        return data
 
     @model_validator(mode="after")
     def _check_heads(self) -> QuickstartModelConfig:
