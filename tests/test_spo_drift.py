@@ -142,6 +142,12 @@ def test_divergence_guard_fires_on_a_sustained_residual_and_resets_below_it():
         guard.check(6, {"residual_mean/online": 1.2})
     with pytest.raises(TrainingDiverged, match="exceeds logging.max_log_ratio 50.0"):
         DivergenceGuard(50.0, None, 3).check(1, {"mean_seq_log_ratio": -60.0})
+    # a residual whose mean changes sign while its spread grows: only the root-mean-square limit sees it
+    rms = DivergenceGuard(None, 1.0, 2, max_residual_rms=1.5)
+    rms.check(1, {"residual_mean/online": -0.3, "residual_sq/online": 1.5**2 + 0.01})
+    with pytest.raises(TrainingDiverged, match=r"step 2: the root-mean-square residual Q_T - r on source 'online' "
+                       r"has stayed above logging.max_residual_rms 1.5 for 2 steps \(now 2.3\)"):
+        rms.check(2, {"residual_mean/online": 0.2, "residual_sq/online": 2.3**2})
 
 
 def test_stale_tempered_samples_hold_the_plain_loss_off_pi_star_and_the_centred_one_reaches_it():

@@ -66,6 +66,7 @@ class QuickstartTrainConfig(StrictModel):
     lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="optimizer.decay after warm-up")
     max_residual: float | None = Field(1.0, gt=0, description="logging.max_residual: stop a run drifting off its "
                                        "samples (None: watch it diverge)")
+    max_residual_rms: float | None = Field(1.5, gt=0, description="logging.max_residual_rms (None: off)")
     model_update_interval: int = Field(10, gt=0, description="SPO: 10 (paper); PPO and GRPO use 1 unless their "
                                        "behaviour_correction (tis | mis) is on")
     temperature_range: tuple[float, float] = (0.7, 1.0)
@@ -229,7 +230,8 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "rollout": rollout.model_dump(mode="json"),
         "sandbox": cfg.sandbox.model_dump(mode="json"),
         "checkpoint": {"interval": max(t.steps // 2, 1), "keep_last": 1},
-        "logging": {"progress": cfg.progress, "max_log_ratio": 50.0, "max_residual": t.max_residual},
+        "logging": {"progress": cfg.progress, "max_log_ratio": 50.0, "max_residual": t.max_residual,
+                    "max_residual_rms": t.max_residual_rms},
         "eval": {"interval": t.eval_interval, "n": cfg.eval_n, "ks": [k for k in (1, 10) if k <= cfg.eval_n],
                  "temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p, "limit": cfg.heldout_limit},
         "nproc": t.nproc,

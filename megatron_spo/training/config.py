@@ -226,7 +226,11 @@ class LoggingConfig(StrictModel):
         1.0, gt=0, description="stop when the signed mean residual Q_T - r of an SPO source stays above this for "
         "residual_patience steps: the drift that precedes a collapse (MATH.md section 7), which rises long before "
         "the log-ratio does. Rewards in [-1, 0] give residuals of order beta * KL(pi || pi*) near the optimum")
-    residual_patience: int = Field(5, gt=0, description="consecutive steps over max_residual before stopping")
+    max_residual_rms: float | None = Field(
+        1.5, gt=0, description="stop when the root-mean-square residual Q_T - r of an SPO source stays above this for "
+        "residual_patience steps (rewards and Q0 lie in [-1, 0]: above 1, Q_T has left the reward range)")
+    residual_patience: int = Field(5, gt=0, description="consecutive steps over max_residual / max_residual_rms "
+                                   "before stopping")
     policy_entropy: bool = Field(
         True, description="log the policy's mean per-token entropy (nats) from its log-prob pass: no extra GEMM"
     )

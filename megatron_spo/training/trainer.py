@@ -138,7 +138,8 @@ class Trainer:
         self.pad_id = 0
         self._resume()
         log_cfg = cfg.logging
-        self.divergence_guard = DivergenceGuard(log_cfg.max_log_ratio, log_cfg.max_residual, log_cfg.residual_patience)
+        self.divergence_guard = DivergenceGuard(log_cfg.max_log_ratio, log_cfg.max_residual, log_cfg.residual_patience,
+                                                log_cfg.max_residual_rms)
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0,
                                      wandb_project=log_cfg.wandb_project if log_cfg.wandb_mode != "disabled" else None,
                                      wandb_mode=log_cfg.wandb_mode, run_name=log_cfg.wandb_name,
