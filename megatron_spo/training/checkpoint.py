@@ -76,6 +76,34 @@ def write_model_description(trainer, d: Path) -> None:
             break
 
 
+def _saved_param_groups(obj):
+    """Every param_groups list inside a (nested, chained or distributed) optimizer state dict."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("param_groups"), list):
+            yield obj["param_groups"]
+        for value in obj.values():
+            yield from _saved_param_groups(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _saved_param_groups(value)
+
+
+def _with_current_lr_bounds(saved: dict, optimizer) -> dict:
+    """The saved optimizer state with its groups' max_lr / min_lr set to the current optimizer's. megatron-core 0.19
+    finds each saved group by a key that includes max_lr, so a resume allowed to change optimizer.lr failed there
+    ('Could not find parameter group'); the trainer sets every group's lr itself each step, so the bounds carry
+    nothing the new config should not override."""
+    current = [g for g in getattr(optimizer, "param_groups", []) if "max_lr" in g]
+    if not current:
+        return saved
+    bounds = {k: current[0][k] for k in ("max_lr", "min_lr") if k in current[0]}
+    for groups in _saved_param_groups(saved):
+        for group in groups:
+            if isinstance(group, dict) and "max_lr" in group:
+                group.update(bounds)
+    return saved
+
+
 def resume(trainer) -> None:
     """Collective: load the latest complete checkpoint, if any, into the trainer (models, optimizers, RNG,
     step, policy version, sampler)."""
@@ -99,7 +127,7 @@ def resume(trainer) -> None:
             continue
         for i, c in enumerate(chunks):
             c.module.load_state_dict(_strip_prefix(state[f"{name}_model"][f"model{i}"], _ckpt_prefix(name)))
-        opt.load_state_dict(state[f"{name}_optimizer"])
+        opt.load_state_dict(_with_current_lr_bounds(state[f"{name}_optimizer"], opt))
     rng_file = path / f"rng_rank{trainer.rank:05d}.pt"
     if rng_file.exists():
         set_rng_state(load_rng_file(rng_file))
