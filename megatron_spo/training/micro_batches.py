@@ -38,7 +38,9 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
         i = too_long[0]
         raise ValueError(f"batch: trajectory of prompt {trajs[i].prompt_id!r} has {lengths[i] + 1} tokens, "
                          f"over batch.max_seq_length {cfg.batch.max_seq_length}")
-    keep = [t.prompt_id for t in trajs] if keep_groups else None
+    # a group is one source's responses to one prompt: another source's records of the same prompt (offline data,
+    # an earlier run's experience) need not share its micro-batch
+    keep = [(t.source, t.prompt_id) for t in trajs] if keep_groups else None
     pp = cfg.parallel.pipeline_model_parallel_size
     virtual = bool(cfg.parallel.virtual_pipeline_model_parallel_size)
     width = max(lengths) if virtual else None  # one shape per step with virtual stages (trainer._schedule_ready)
