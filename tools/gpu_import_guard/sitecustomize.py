@@ -48,7 +48,9 @@ class _GPUMachineImports(importlib.abc.MetaPathFinder):
             frame = frame.f_back
         if frame is None:
             return False
-        return os.path.realpath(frame.f_code.co_filename).startswith(self.repo)
+        path = os.path.realpath(frame.f_code.co_filename)
+        # a venv inside the checkout (CI's Python 3.12 leg keeps one under .cache/) holds third-party code
+        return path.startswith(self.repo) and f"{os.sep}site-packages{os.sep}" not in path
 
     def is_refused(self, fullname: str) -> bool:
         top = fullname.partition(".")[0]
