@@ -189,13 +189,13 @@ def test_trust_region_drops_the_gradient_of_tokens_already_moved_past_it_in_the_
         spo_loss(logp, ref, mask, reward, q0, trust_region=0.2, **kw)
 
 
-def test_source_config_centres_online_by_default_and_names_the_field_it_refuses():
+def test_centring_is_opt_in_on_in_the_quickstart_and_the_config_names_the_field_it_refuses():
     from megatron_spo.config import ConfigError, build_config
+    from megatron_spo.experiments.quickstart import QuickstartTrainConfig
     from megatron_spo.training.config import SourceConfig
 
-    assert SourceConfig().centred("online") and not SourceConfig().centred("offline")
-    assert not SourceConfig(centre=False).centred("online") and SourceConfig(centre=True).centred("offline")
-    assert not SourceConfig(objective="reverse_q").centred("online")  # not a function of Q_T alone
+    assert not SourceConfig().centred("online") and SourceConfig(centre=True).centred("offline")
+    assert QuickstartTrainConfig().centre is True
     for field, value in (("centre", True), ("trust_region", 0.2)):
         with pytest.raises(ConfigError, match=f"{field}: needs objective terminal or advantage, not 'mc'"):
             build_config(SourceConfig, {"objective": "mc", field: value}, "sources.mc")

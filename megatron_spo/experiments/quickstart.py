@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES
 from megatron_spo.config import StrictModel, build_config, dump_config
 from megatron_spo.config import apply_overrides as _apply_overrides
 from megatron_spo.data.tasks import GENERATED_TASKS
@@ -61,8 +62,8 @@ class QuickstartTrainConfig(StrictModel):
     online_fraction: float = Field(0.5, ge=0, le=1, description="the rest of each SPO batch is offline data")
     objective: Objective = "terminal"
     loss: LossName = "squared"
-    centre: bool | None = Field(None, description="SPO: group-centred loss coefficient on the online source "
-                                "(sources.online.centre; unset: the trainer's default, on)")
+    centre: bool = Field(True, description="SPO: group-centred loss coefficient on the online source "
+                         "(sources.online.centre; its groups fit this quickstart's micro-batches)")
     lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="optimizer.decay after warm-up")
     max_residual: float | None = Field(1.0, gt=0, description="logging.max_residual: stop a run drifting off its "
                                        "samples (None: watch it diverge)")
@@ -189,12 +190,13 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
     t = cfg.train
     algo = algorithm_class(cfg.algo)
     n_seq = t.prompts_per_step * t.samples_per_prompt
+    centre = t.centre and t.objective in CENTRABLE_OBJECTIVES  # reverse_q / mc are not a function of Q_T alone
     # offline data for algorithms that can learn from it (on-policy ones cannot; group-wise ones need whole
     # prompt groups, which the online source delivers)
     if not (algo.on_policy or algo.keeps_prompt_groups) and offline_path is not None and t.online_fraction < 1:
         offline_share = 1 - t.online_fraction
         sources = {"online": {"weight": t.online_fraction, "objective": t.objective, "loss": t.loss,
-                              "centre": t.centre},
+                              "centre": centre},
                    "offline": {"weight": offline_share, "path": str(offline_path),
                                "objective": t.objective, "loss": t.loss}}
         for i, path in enumerate(cfg.experience):  # earlier runs' online trajectories, through the archive path
@@ -203,7 +205,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
             sources[f"experience{i}"] = {"weight": share, "path": path, "select": {"kinds": ["online"]},
                                          "objective": t.objective, "loss": t.loss}
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
-        sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss, "centre": t.centre}}
+        sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss, "centre": centre}}
     # on-policy algorithms push every step, unless their behaviour correction takes stale samples (the
     # algorithm reads its own section, train.grpo / train.ppo)
     interval = algo.required_update_interval(t) or t.model_update_interval

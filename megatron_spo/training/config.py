@@ -69,12 +69,13 @@ class SourceConfig(StrictModel):
     select: ProvenanceSelect | None = None
     objective: Objective = "terminal"
     loss: LossName = "cross_entropy"
-    centre: bool | None = Field(
-        None, description="SPO: centre each sequence's loss coefficient dL/dQ_T on the leave-one-out mean of its "
-        "prompt group (a control variate; MATH.md section 7). Samples of a stale or tempered sampler otherwise "
-        "push the policy away from that sampler whenever the mean residual Q_T - r is positive, which feeds itself "
-        "(online-only SPO diverged). pi* stays the fixed point. Default: on for 'online' (terminal / advantage "
-        "objectives), off for offline sources")
+    centre: bool = Field(
+        False, description="SPO: centre each sequence's loss coefficient dL/dQ_T on the leave-one-out mean of its "
+        "prompt group (a control variate; docs/spo-stability.md). Samples of a stale or tempered sampler otherwise "
+        "push the policy away from that sampler whenever the mean residual Q_T - r is positive. pi* stays the fixed "
+        "point. Terminal / advantage objectives; micro-batches then hold whole prompt groups of this source, so "
+        "batch.max_tokens_per_micro_batch must fit one (samples_per_prompt x longest sequence). The quickstart "
+        "turns it on for its online source; on the real task it halved the drift of online-only SPO, not removed it")
     trust_region: float | None = Field(
         None, gt=0, description="SPO: drop a token's gradient once log(pi / mu) against the sampler's log-prob "
         "(the trajectory's behaviour_logprobs) is past +-this in the direction its sequence is pushed (PPO's clip; "
@@ -100,12 +101,8 @@ class SourceConfig(StrictModel):
         return self
 
     def centred(self, name: str) -> bool:
-        """Whether source `name` trains with the group-centred coefficient (resolving the default)."""
-        from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES
-
-        if self.centre is not None:
-            return self.centre
-        return name == "online" and self.objective in CENTRABLE_OBJECTIVES
+        """Whether source `name` trains with the group-centred coefficient."""
+        return self.centre
 
 
 class OptimizerConfig(StrictModel):
