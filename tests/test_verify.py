@@ -25,7 +25,8 @@ def test_verify_prints_table_and_writes_png_and_json(tmp_path, capsys):
     summary = json.loads((out / "results.json").read_text())
     assert summary["passed"] is True
     runs = {r["method"]: r for r in summary["runs"]}
-    assert set(runs) == {"spo terminal/squared", "kl-regularised pg"}
+    assert set(runs) == {"spo terminal/squared", "spo terminal/squared centred", "spo terminal/squared centred "
+                         "(on-policy)", "kl-regularised pg"}
     assert runs["spo terminal/squared"]["kl_end"] < 1e-3 <= 1e-1 <= runs["kl-regularised pg"]["kl_end"]
     assert runs["spo terminal/squared"]["reduction"] >= 100
     assert all(c["passed"] for c in summary["checks"]) and len(summary["checks"]) == 8

@@ -274,7 +274,8 @@ class Method:
     @property
     def label(self) -> str:
         if self.family == "spo":
-            return f"spo {self.objective}/{self.loss}" + (" centred" if self.centre else "")
+            data = "" if self.data == "offline" else f" ({self.data.replace('_', '-')})"
+            return f"spo {self.objective}/{self.loss}" + (" centred" if self.centre else "") + data
         if self.family == "agro":
             return "agro on-policy" if self.on_policy else "agro off-policy"
         if self.family == "ppo":
