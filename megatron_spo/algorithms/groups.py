@@ -53,3 +53,11 @@ def centred_on_others(values: Tensor, group: Tensor) -> Tensor:
     in_group = (values - (sums / counts)[index]) * n / (n - 1).clamp(min=1)  # = v_i - mean of the others
     in_batch = (values - values.mean()) * b / (b - 1)
     return torch.where(n > 1, in_group, in_batch)
+
+
+def group_mean(values: Tensor, group: Tensor) -> Tensor:
+    """The mean of each element's group, [B]; values, group [B]."""
+    _, index = torch.unique(group, return_inverse=True)
+    sums = torch.zeros(int(index.max()) + 1, dtype=values.dtype, device=values.device).index_add_(0, index, values)
+    counts = torch.zeros_like(sums).index_add_(0, index, torch.ones_like(values))
+    return (sums / counts)[index]

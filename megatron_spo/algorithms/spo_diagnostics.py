@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_spo.algorithms.groups import group_mean
 from megatron_spo.algorithms.spo import cumulative_q
 from megatron_spo.algorithms.validation import upcast
 
@@ -24,13 +25,6 @@ def residuals(logp: Tensor, ref_logp: Tensor, mask: Tensor, reward: Tensor, q0: 
     logp = upcast(logp.detach())
     q = cumulative_q(logp, upcast(ref_logp), valid, q0.to(logp.dtype), beta)
     return q[:, -1] - reward.to(q.dtype)
-
-
-def _group_mean(values: Tensor, group: Tensor) -> Tensor:
-    _, index = torch.unique(group, return_inverse=True)
-    sums = torch.zeros(int(index.max()) + 1, dtype=values.dtype, device=values.device).index_add_(0, index, values)
-    counts = torch.zeros_like(sums).index_add_(0, index, torch.ones_like(values))
-    return (sums / counts)[index]
 
 
 @torch.no_grad()
@@ -68,7 +62,7 @@ def spo_diagnostics(
         "response_length": (lengths.mean(), b),
     }
     if group is not None:
-        out["residual_group_var"] = (((d - _group_mean(d, group.to(d.device))) ** 2).mean(), b)
+        out["residual_group_var"] = (((d - group_mean(d, group.to(d.device))) ** 2).mean(), b)
     zero = torch.zeros((), dtype=d.dtype, device=d.device)
     token_ratio = torch.where(valid, logp - ref_logp, zero)
     rank = (valid.cumsum(1) - 1).to(d.dtype)  # 0-based index of each response token inside its response

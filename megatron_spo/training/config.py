@@ -142,7 +142,20 @@ class LogprobsConfig(StrictModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-class PPOConfig(StrictModel):
+class BehaviourCorrectionConfig(StrictModel):
+    """How PPO and GRPO weigh samples of a stale sampler mu (their shared fields)."""
+
+    behaviour_correction: Literal["none", "tis", "mis"] = Field(
+        "none", description="stale samples (algorithms/behaviour_correction.py): the ratio against the policy at "
+        "the start of the step (one more forward pass), each token weighted by min(pi_old/mu, C) (tis) or dropped "
+        "outside [1/C, C] (mis); weights may then be pushed every model_update_interval steps. none: on-policy, "
+        "a push every step")
+    correction_cap: float = Field(2.0, gt=1, description="C of behaviour_correction")
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="sequence: one ratio pi_old/mu per sequence, the geometric mean of its tokens'")
+
+
+class PPOConfig(BehaviourCorrectionConfig):
     clip_eps: float = Field(0.2, gt=0)
     value_clip_eps: float | None = Field(0.2, gt=0)
     gamma: float = Field(1.0, ge=0, le=1)
@@ -153,17 +166,9 @@ class PPOConfig(StrictModel):
     whiten_advantages: bool = True
     critic_warmup_steps: int = Field(0, ge=0, description="first steps train only the value model (verl's "
                                      "critic_warmup): a fresh value head makes GAE advantages noise")
-    behaviour_correction: Literal["none", "tis", "mis"] = Field(
-        "none", description="stale samples (algorithms/behaviour_correction.py): the ratio against the policy at "
-        "the start of the step (one more forward pass), each token weighted by min(pi_old/mu, C) (tis) or dropped "
-        "outside [1/C, C] (mis); weights may then be pushed every model_update_interval steps. none: on-policy, "
-        "a push every step")
-    correction_cap: float = Field(2.0, gt=1, description="C of behaviour_correction")
-    correction_level: Literal["token", "sequence"] = Field(
-        "token", description="sequence: one ratio pi_old/mu per sequence, the geometric mean of its tokens'")
 
 
-class GRPOConfig(StrictModel):
+class GRPOConfig(BehaviourCorrectionConfig):
     """GRPO (training/algos/grpo.py): TRL's GRPOTrainer defaults where it has them."""
 
     clip_eps: float = Field(0.2, gt=0, description="lower clip of the importance ratio: 1 - clip_eps")
@@ -174,14 +179,6 @@ class GRPOConfig(StrictModel):
     aggregation: Literal["sequence_mean", "token_mean"] = Field(
         "token_mean", description="token_mean: over all response tokens of the batch (DAPO / TRL); "
         "sequence_mean: per sequence, then over sequences (the GRPO paper)")
-    behaviour_correction: Literal["none", "tis", "mis"] = Field(
-        "none", description="stale samples (algorithms/behaviour_correction.py): the ratio against the policy at "
-        "the start of the step (one more forward pass), each token weighted by min(pi_old/mu, C) (tis) or dropped "
-        "outside [1/C, C] (mis); weights may then be pushed every model_update_interval steps. none: on-policy, "
-        "a push every step")
-    correction_cap: float = Field(2.0, gt=1, description="C of behaviour_correction")
-    correction_level: Literal["token", "sequence"] = Field(
-        "token", description="sequence: one ratio pi_old/mu per sequence, the geometric mean of its tokens'")
 
 
 class AGROConfig(StrictModel):
