@@ -150,6 +150,26 @@ VPP_RUNS = {"spo": ("spo", 48), "spo-3mb": ("spo", 36), "spo-split": ("spo", 100
             "ppo": ("ppo", 48), "ppo-3mb": ("ppo", 36)}
 
 
+def test_centred_spo_trains_alike_however_micro_batches_cut_its_prompt_groups(tmp_path, hf):
+    """sources.online.centre with one micro-batch per step (groups whole) and with a 24-token budget (3-4
+    micro-batches cutting the groups of 4), in one process and at PP=2: the step-wide baselines (one no-grad
+    forward over the step) give the same two steps, and the same residual_group_var."""
+    online = {"online": {"centre": True, "trust_region": 0.2}}
+
+    def cfg(name, budget, pp=1):
+        c = _cfg(tmp_path, hf, name, pp=pp, sources=online)
+        c["batch"] = dict(c["batch"], max_tokens_per_micro_batch=budget)
+        return c, str(tmp_path / f"{name}.pt")
+
+    run_spawned([cfg("whole", 512), cfg("cut", 24)], 1)
+    run_spawned([cfg("pp2-cut", 24, pp=2)], 2)
+    for name in ("cut", "pp2-cut"):
+        _assert_trains_alike(tmp_path, "whole", name, "spo")
+        for a, b in zip(_metrics(tmp_path, "whole"), _metrics(tmp_path, name)):
+            assert b["residual_group_var/online"] == pytest.approx(a["residual_group_var/online"], rel=1e-5)
+            assert b["trust_region_clipped/online"] == pytest.approx(a["trust_region_clipped/online"], rel=1e-6)
+
+
 def _vpp_cfg(root, hf, name, algo, budget, **kw):
     cfg = _cfg(root, hf, name, algo, parallel={"pipeline_model_parallel_size": 2,
                                                "virtual_pipeline_model_parallel_size": 2}, **kw)

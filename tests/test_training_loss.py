@@ -85,6 +85,46 @@ def test_token_budget_micro_batches_give_the_full_batch_gradient():
     torch.testing.assert_close(grads, logp_full.grad, rtol=1e-12, atol=1e-14)
 
 
+def test_centred_baselines_over_the_step_give_the_whole_batchs_gradient_when_micro_batches_cut_groups():
+    """A centred source with groups cut across micro-batches: the step-wide baselines (one no-grad pass over
+    every micro-batch, as SPO.update takes them) give exactly the gradient and residual_group_var of the whole
+    batch with its groups intact, for the squared and the cross-entropy loss. Within each micro-batch alone the
+    groups would be centred on what the cut left there, a different gradient."""
+    from megatron_spo.data.batching import group_numbers
+    from megatron_spo.training.algos.spo import step_coefficient_baselines
+
+    trajs = _batch(11)
+    for i, t in enumerate(trajs):  # groups of 4, 3 online + 1 offline: the online rows of a group, cut below
+        t.source = "offline" if i % 4 == 3 else "online"
+        t.reward = -float(i % 3 == 0)
+    ids = group_numbers([t.prompt_id for t in trajs])
+    full = collate(trajs, pad_id=0)
+    for loss_name in ("squared", "cross_entropy"):
+        obj = {"online": ("terminal", loss_name), "offline": ("reverse_q", "squared")}
+        logp_full, ref_full = _logps(full, 4)
+        loss, want = spo_batch_loss(full, logp_full, ref_full, beta=0.4, objectives=obj,
+                                    centred=frozenset({"online"}))
+        loss.backward()
+        parts = [[0, 1, 4], [2, 3, 5, 6], [7]]  # group p0 split 2 + 1 online rows, p1 1 + 2
+        mbs = [collate([trajs[i] for i in rows], pad_id=0, length=full.input_ids.shape[1],
+                       group_ids=[ids[i] for i in rows]) for rows in parts]
+        baselines, step_stats = step_coefficient_baselines(
+            mbs, [logp_full.detach()[rows] for rows in parts], [ref_full[rows] for rows in parts], beta=0.4,
+            objectives=obj, centred=frozenset({"online"}))
+        grads, local = torch.zeros_like(logp_full), torch.zeros_like(logp_full)
+        for mb, rows, baseline in zip(mbs, parts, baselines):
+            for given, into in ((baseline, grads), (None, local)):
+                lp = logp_full.detach()[rows].clone().requires_grad_()
+                l_mb, _ = spo_batch_loss(mb, lp, ref_full[rows], beta=0.4, objectives=obj,
+                                         centred=frozenset({"online"}), coefficient_baseline=given)
+                (l_mb * microbatch_scale(len(rows), len(parts), 1, len(trajs)) / len(parts)).backward()
+                into[rows] += lp.grad
+        torch.testing.assert_close(grads, logp_full.grad, rtol=1e-10, atol=1e-13)
+        assert (local - logp_full.grad).abs().max() > 1e-3  # centring inside each micro-batch alone differs
+        var, n = step_stats["residual_group_var/online"]
+        assert n == 6 and var == pytest.approx(want["residual_group_var/online"][0], rel=1e-10)
+
+
 def _micro_batch_metrics(trajs, parts, loss_fn):
     """(full-batch metrics, the trainer's reduction of per-micro-batch metrics) for one batch."""
     full = collate(trajs, pad_id=0)

@@ -182,6 +182,7 @@ def spo_loss(
     weights: Tensor | None = None,
     per_token_mean: bool = False,
     centre_groups: Tensor | None = None,
+    coefficient_baseline: Tensor | None = None,
     token_normalised: bool = False,
     trust_region: float | None = None,
     behaviour_logp: Tensor | None = None,
@@ -208,6 +209,9 @@ def spo_loss(
       tempered sampler mu the group mean of c drives KL(mu || pi) up (MATH.md section 7); centring removes that
       push, keeps pi* a fixed point (there c is equal within a group) and, on-policy, the expected gradient.
       The reported loss stays the uncentred regression loss.
+    coefficient_baseline: optional [B], the same centring with the baseline given: c_i is replaced by
+      c_i - coefficient_baseline_i (the trainer computes it over the whole step with terminal_coefficients, so
+      micro-batches may cut a prompt group). Not with centre_groups.
     trust_region: with behaviour_logp [B, T] (log mu of the sampled tokens; rows of zeros = none), a PPO-style
       clip against the sampler (terminal / advantage only): a token's gradient is dropped once log(pi / mu) has
       moved past +-trust_region in the direction its sequence's coefficient pushes it, so one batch cannot carry
@@ -247,28 +251,34 @@ def spo_loss(
     q_terminal = q[:, -1]
     seq_log_ratio = q_terminal.detach() - q0  # = beta * sum_t log(pi / pi_0); divided by beta below
 
-    for name, given in (("centre_groups", centre_groups is not None), ("trust_region", trust_region is not None)):
+    if centre_groups is not None and coefficient_baseline is not None:
+        raise ValueError(f"{where}: give centre_groups or coefficient_baseline, not both")
+    centred = centre_groups is not None or coefficient_baseline is not None
+    for name, given in (("centre_groups", centre_groups is not None),
+                        ("coefficient_baseline", coefficient_baseline is not None),
+                        ("trust_region", trust_region is not None)):
         if given and objective not in CENTRABLE_OBJECTIVES:
             raise ValueError(f"{where}: {name} needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, "
                              f"not '{objective}' (its loss is not a function of Q_T alone)")
     if trust_region is not None and (behaviour_logp is None or not trust_region > 0):
         raise ValueError(f"{where}: trust_region needs a value > 0 and behaviour_logp (got {trust_region!r})")
     if objective in CENTRABLE_OBJECTIVES:
-        def of_q_terminal(q_t: Tensor) -> Tensor:
-            if objective == "terminal":
-                return regression_loss(q_t, reward, loss, beta, eps)
-            return regression_loss(q_t - q0, reward - q0, loss, beta, eps)
-
+        of_q_terminal = _terminal_loss(objective, loss, reward, q0, beta, eps)
         per_sequence = of_q_terminal(q_terminal)
         coefficient = loss_coefficients(of_q_terminal, q_terminal)
         if centre_groups is not None:
             coefficient = centred_on_others(coefficient, centre_groups.to(q_terminal.device))
+        elif coefficient_baseline is not None:
+            if coefficient_baseline.shape != coefficient.shape:
+                raise ValueError(f"{where}: coefficient_baseline has shape {tuple(coefficient_baseline.shape)}, "
+                                 f"expected {tuple(coefficient.shape)}")
+            coefficient = coefficient - coefficient_baseline.to(coefficient).detach()
         pushed_q = q_terminal
         if trust_region is not None:
             frozen = _outside_trust_region(logp, behaviour_logp, valid, coefficient, trust_region)
             clipped_share = float(frozen.sum() / fvalid.sum())
             pushed_q = cumulative_q(torch.where(frozen, logp.detach(), logp), ref_logp, valid, q0, beta)[:, -1]
-        if centre_groups is not None or trust_region is not None:
+        if centred or trust_region is not None:
             surrogate = coefficient * pushed_q  # gradient: coefficient * grad Q_T (frozen tokens: none); same value
             per_sequence = per_sequence.detach() + (surrogate - surrogate.detach())
     elif objective == "reverse_q":
@@ -324,6 +334,29 @@ def _outside_trust_region(logp: Tensor, behaviour_logp: Tensor, valid: Tensor, c
     sign = coefficient.unsqueeze(1)
     past = ((sign > 0) & (ratio < -limit)) | ((sign < 0) & (ratio > limit))
     return past & valid & has_behaviour
+
+
+def _terminal_loss(objective: str, loss: str | Callable, reward: Tensor, q0: Tensor, beta: float,
+                   eps: float) -> Callable[[Tensor], Tensor]:
+    """The per-sequence loss as a function of Q_T [B] -> [B] (terminal / advantage objectives)."""
+    if objective == "terminal":
+        return lambda q_t: regression_loss(q_t, reward, loss, beta, eps)
+    return lambda q_t: regression_loss(q_t - q0, reward - q0, loss, beta, eps)
+
+
+@torch.no_grad()
+def terminal_coefficients(logp: Tensor, ref_logp: Tensor, mask: Tensor, reward: Tensor, q0: Tensor, *, beta: float,
+                          objective: str, loss: str | Callable, eps: float = 1e-6) -> Tensor:
+    """c_i = dL_i / dQ_T,i [B] of a terminal / advantage objective (what spo_loss centres), detached; shapes as
+    spo_loss. The trainer takes prompt-group baselines of these over a whole step (coefficient_baseline)."""
+    if objective not in CENTRABLE_OBJECTIVES:
+        raise ValueError(f"terminal_coefficients: objective '{objective}' is not a function of Q_T alone "
+                         f"(choose from {', '.join(CENTRABLE_OBJECTIVES)})")
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    logp = upcast(logp)
+    q0 = q0.to(logp.dtype)
+    q_terminal = cumulative_q(logp, upcast(ref_logp), valid, q0, beta)[:, -1]
+    return loss_coefficients(_terminal_loss(objective, loss, reward.to(logp.dtype), q0, beta, eps), q_terminal)
 
 
 def loss_coefficients(of_q_terminal: Callable[[Tensor], Tensor], q_terminal: Tensor) -> Tensor:

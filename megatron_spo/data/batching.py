@@ -75,15 +75,22 @@ class TrainBatch:
         return TrainBatch(**out)
 
 
-def _group_ids(prompt_ids: list[Any]) -> list[int]:
+def group_numbers(prompt_ids: Sequence[Any]) -> list[int]:
+    """0, 1, ... per distinct prompt id, in order of first appearance."""
     mapping: dict[Any, int] = {}
     return [mapping.setdefault(pid, len(mapping)) for pid in prompt_ids]
 
 
-def collate(trajectories: Sequence[TrajectoryLike], pad_id: int, length: int | None = None) -> TrainBatch:
-    """Shift, right-pad to `length` (default: longest) and stack. Raises on an empty response."""
+def collate(trajectories: Sequence[TrajectoryLike], pad_id: int, length: int | None = None,
+            group_ids: Sequence[int] | None = None) -> TrainBatch:
+    """Shift, right-pad to `length` (default: longest) and stack. Raises on an empty response.
+
+    group_ids: each trajectory's prompt-group id (default: numbered by prompt_id inside this batch); the trainer
+    numbers them over the whole step, so one group keeps one id in every micro-batch it is cut into."""
     if not trajectories:
         raise ValueError("collate: no trajectories")
+    if group_ids is not None and len(group_ids) != len(trajectories):
+        raise ValueError(f"collate: {len(group_ids)} group_ids for {len(trajectories)} trajectories")
     rows = []
     for i, tr in enumerate(trajectories):
         prompt, response = list(tr.prompt_tokens), list(tr.response_tokens)
@@ -131,7 +138,8 @@ def collate(trajectories: Sequence[TrajectoryLike], pad_id: int, length: int | N
         position_ids=torch.arange(length).unsqueeze(0).expand(b, length).clone(),
         reward=torch.tensor([float(tr.reward) for tr in trajectories]),
         q0=torch.tensor([float(getattr(tr, "q0", None) or 0.0) for tr in trajectories]),
-        group=torch.tensor(_group_ids([tr.prompt_id for tr in trajectories]), dtype=torch.long),
+        group=torch.tensor(list(group_ids) if group_ids is not None else
+                           group_numbers([tr.prompt_id for tr in trajectories]), dtype=torch.long),
         source=[tr.source for tr in trajectories],
         policy_version=torch.tensor([int(tr.policy_version) for tr in trajectories], dtype=torch.long),
         behaviour_logp=behaviour,

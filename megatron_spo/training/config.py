@@ -59,6 +59,11 @@ LossName = Annotated[str, AfterValidator(_loss_name)]
 AlgoName = Annotated[str, AfterValidator(_algo_name)]
 
 
+# the online source's default trust region (sources.online.trust_region): with the centred coefficient it kept
+# online-only SPO on its samples for 270 steps on both generated tasks (docs/spo-stability.md)
+ONLINE_TRUST_REGION = 0.2
+
+
 class SourceConfig(StrictModel):
     """One data source of the training batch. The source named 'online' is the rollout buffer; any other
     source reads trajectories from `path` (a JSONL file or an offline-store directory), optionally only those
@@ -69,17 +74,18 @@ class SourceConfig(StrictModel):
     select: ProvenanceSelect | None = None
     objective: Objective = "terminal"
     loss: LossName = "cross_entropy"
-    centre: bool = Field(
-        False, description="SPO: centre each sequence's loss coefficient dL/dQ_T on the leave-one-out mean of its "
+    centre: bool | None = Field(
+        None, description="SPO: centre each sequence's loss coefficient dL/dQ_T on the leave-one-out mean of its "
         "prompt group (a control variate; docs/spo-stability.md). Samples of a stale or tempered sampler otherwise "
         "push the policy away from that sampler whenever the mean residual Q_T - r is positive. pi* stays the fixed "
-        "point. Terminal / advantage objectives; micro-batches then hold whole prompt groups of this source, so "
-        "batch.max_tokens_per_micro_batch must fit one (samples_per_prompt x longest sequence). The quickstart "
-        "turns it on for its online source; on the real task it halved the drift of online-only SPO, not removed it")
+        "point. Unset: on for the 'online' source, off for the others (their sampler is another model, and their "
+        "negative mean residual is part of what SPO learns from them); terminal / advantage objectives only. The "
+        "baselines come from one more no-grad forward pass over the step, so micro-batches may cut prompt groups")
     trust_region: float | None = Field(
-        None, gt=0, description="SPO: drop a token's gradient once log(pi / mu) against the sampler's log-prob "
+        None, ge=0, description="SPO: drop a token's gradient once log(pi / mu) against the sampler's log-prob "
         "(the trajectory's behaviour_logprobs) is past +-this in the direction its sequence is pushed (PPO's clip; "
-        "terminal / advantage objectives; rows without behaviour log-probs are not clipped)")
+        "terminal / advantage objectives; rows without behaviour log-probs are not clipped). Unset: "
+        f"{ONLINE_TRUST_REGION} for the 'online' source, off for the others; 0: off")
     pg_coef: float = Field(0.0, ge=0, description="SPO: add this times a policy-gradient term with a leave-one-out "
                            "reward baseline (the paper's suggestion); moves the fixed point from pi* towards higher "
                            "reward")
@@ -94,7 +100,7 @@ class SourceConfig(StrictModel):
         why = UNSUPPORTED.get((self.objective, self.loss))
         if why:
             raise ValueError(f"objective '{self.objective}' with loss '{self.loss}' is not supported ({why})")
-        for name, given in (("centre", self.centre), ("trust_region", self.trust_region is not None)):
+        for name, given in (("centre", self.centre), ("trust_region", bool(self.trust_region))):
             if given and self.objective not in CENTRABLE_OBJECTIVES:
                 raise ValueError(f"{name}: needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, not "
                                  f"'{self.objective}' (its loss is not a function of Q_T alone)")
@@ -102,7 +108,19 @@ class SourceConfig(StrictModel):
 
     def centred(self, name: str) -> bool:
         """Whether source `name` trains with the group-centred coefficient."""
-        return self.centre
+        from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES
+
+        if self.centre is not None:
+            return self.centre
+        return name == "online" and self.objective in CENTRABLE_OBJECTIVES
+
+    def clip(self, name: str) -> float | None:
+        """Source `name`'s trust region (None: off)."""
+        from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES
+
+        if self.trust_region is not None:
+            return self.trust_region or None
+        return ONLINE_TRUST_REGION if name == "online" and self.objective in CENTRABLE_OBJECTIVES else None
 
 
 class OptimizerConfig(StrictModel):

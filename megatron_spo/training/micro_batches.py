@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from megatron_spo.config import ConfigError
-from megatron_spo.data.batching import TrainBatch, collate, split_by_token_budget
+from megatron_spo.data.batching import TrainBatch, collate, group_numbers, split_by_token_budget
 from megatron_spo.training.config import TrainConfig
 
 
@@ -56,8 +56,12 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
                               f"rank {dp_rank} has only {len(parts)} {unit}; raise batch.sequences_per_step")
     # sequence parallelism splits the sequence over TP ranks: widths must be a multiple of TP
     multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+    # one id per prompt group over the whole step: a group cut into two micro-batches keeps its id in both (SPO's
+    # centred coefficient takes its baseline over the whole group)
+    groups = group_numbers([t.prompt_id for t in trajs])
     mbs = [collate([trajs[i] for i in rows], pad_id,
-                   length=-(-(width or max(lengths[i] for i in rows)) // multiple) * multiple)
+                   length=-(-(width or max(lengths[i] for i in rows)) // multiple) * multiple,
+                   group_ids=[groups[i] for i in rows])
            for rows in parts]
     return [mb.to(device) if device is not None else mb for mb in mbs]
 

@@ -66,5 +66,6 @@ class DivergenceGuard:
                     raise TrainingDiverged(
                         f"step {step}: the {what} residual Q_T - r on source '{source}' has stayed above {field} "
                         f"{limit} for {self.patience} steps (now {value:.3g}): SPO is drifting off its own samples "
-                        f"(docs/spo-stability.md); train with sources.{source}.centre=true, fresher samples (a "
-                        "smaller model_update_interval) or a lower LR, and check the Q0 estimates")
+                        f"(docs/spo-stability.md); train with sources.{source}.centre=true and a "
+                        f"sources.{source}.trust_region (0.2), a lower LR or fresher samples (a smaller "
+                        "model_update_interval), and check the Q0 estimates")

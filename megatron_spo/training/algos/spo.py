@@ -42,7 +42,8 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
                    objectives: dict[str, tuple[str, object]], centred: frozenset[str] = frozenset(),
                    token_normalised: frozenset[str] = frozenset(),
                    trust_regions: dict[str, float] | None = None,
-                   pg_coefs: dict[str, float] | None = None) -> tuple[Tensor, dict[str, float]]:
+                   pg_coefs: dict[str, float] | None = None,
+                   coefficient_baseline: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Mean over sequences of spo_loss, each source with its own (objective, loss), plus drift diagnostics.
 
     objectives: source name -> (objective, loss), e.g. {"online": ("terminal", "cross_entropy"),
@@ -50,7 +51,9 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
     entry is an error naming it. centred: sources whose loss coefficient is centred in its prompt group;
     token_normalised: sources whose sequences are weighed by mean length / length; trust_regions: source -> clip
     of log(pi / mu) against the behaviour log-probs (spo_loss trust_region); pg_coefs: source -> weight of the
-    added policy-gradient term (its groups are the prompt groups when the source is centred). Diagnostics per source
+    added policy-gradient term (its groups are the prompt groups when the source is centred); coefficient_baseline:
+    [B], the centred sources' baselines taken over the whole step (step_coefficient_baselines; without it a
+    centred source's groups must be whole in this batch). Diagnostics per source
     (algorithms/spo_diagnostics.py): signed residual Q_T - r, its spread, KL(sampler || pi) from behaviour
     log-probs, log-ratio by position, response length.
     """
@@ -63,24 +66,28 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
             raise ValueError(f"spo: the batch has trajectories of source '{source}' but the config names no "
                              f"objective for it (configured: {', '.join(sorted(objectives))})")
         objective, loss_name = objectives[source]
-        lp, rlp, mask, reward, q0, group, behaviour, mc_pos, mc_succ = _rows(
+        lp, rlp, mask, reward, q0, group, behaviour, mc_pos, mc_succ, baseline = _rows(
             batch, rows, logp, ref_logp, batch.loss_mask, batch.reward, batch.q0, batch.group,
-            batch.behaviour_logp, batch.mc_positions, batch.mc_success)
+            batch.behaviour_logp, batch.mc_positions, batch.mc_success, coefficient_baseline)
+        step_wide = source in centred and baseline is not None
         kw = {}
         if objective == "mc":
             kw = dict(mc_positions=mc_pos, mc_success=mc_succ)
         trust_region = (trust_regions or {}).get(source)
         loss, m = algorithms.spo_loss(lp, rlp, mask, reward, q0, beta=beta, objective=objective, loss=loss_name,
-                                      centre_groups=group if source in centred else None,
+                                      centre_groups=group if source in centred and not step_wide else None,
+                                      coefficient_baseline=baseline if step_wide else None,
                                       token_normalised=source in token_normalised, trust_region=trust_region,
                                       behaviour_logp=behaviour if trust_region is not None else None,
                                       pg_coef=(pg_coefs or {}).get(source, 0.0), **kw)
         total = total + loss * (len(rows) / n)
         weights = {k: len(rows) for k in m}
-        weights["mean_token_advantage"] = int(mask.sum())  # a mean over response tokens
+        for k in ("mean_token_advantage", "trust_region_clipped"):  # means over response tokens
+            weights[k] = int(mask.sum())
         for k, v in m.items():
             metrics[f"{k}/{source}"] = (v, weights[k])
-        whole_groups = group if source in centred else None  # only centred sources keep groups whole
+        # only centred sources keep groups whole, and with step-wide baselines not even they (the step reports it)
+        whole_groups = group if source in centred and not step_wide else None
         for k, pair in spo_diagnostics(lp, rlp, mask, reward, q0, beta=beta, group=whole_groups,
                                        behaviour_logp=behaviour).items():
             metrics[f"{k}/{source}"] = pair
@@ -90,6 +97,52 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
         metrics[k] = (sum(v * w for v, w in parts) / max(weight, 1), weight)
     metrics["loss"] = float(total.detach())
     return total, metrics
+
+
+def step_coefficient_baselines(micro_batches: list[TrainBatch], logps: list[Tensor], refs: list[Tensor], *,
+                               beta: float, objectives: dict[str, tuple[str, object]],
+                               centred: frozenset[str]) -> tuple[list[Tensor], dict[str, tuple[float, int]]]:
+    """Prompt-group baselines of the centred sources over a whole step, however micro-batches cut the groups.
+
+    logps: the policy's no-grad log-probs [B, L] per micro-batch at this step's weights (what the loss's own
+    forward gives). Per micro-batch a [B] tensor: for a row of a centred source, the mean coefficient
+    c = dL/dQ_T of the other sequences of its prompt group (a sequence alone in its group: of all the source's
+    others, as centred_on_others), 0 elsewhere. Data-parallel shards keep prompt groups whole
+    (training/micro_batches.shard), so this rank's micro-batches hold every group they touch. Also
+    residual_group_var/SOURCE (its mean, its sequences) over the step's whole groups.
+    """
+    import torch
+
+    from megatron_spo.algorithms.groups import centred_on_others, group_mean
+    from megatron_spo.algorithms.spo_diagnostics import residuals
+
+    out = [torch.zeros(mb.num_sequences, dtype=torch.float64, device=mb.loss_mask.device) for mb in micro_batches]
+    report: dict[str, tuple[float, int]] = {}
+    for source in sorted(centred):
+        objective, loss_name = objectives[source]
+        parts = []  # (micro-batch index, rows, coefficients, residuals, group ids)
+        for i, (mb, logp, ref) in enumerate(zip(micro_batches, logps, refs, strict=True)):
+            rows = by_source(mb).get(source)
+            if not rows:
+                continue
+            lp, rlp, mask, reward, q0, group = _rows(mb, rows, logp, ref, mb.loss_mask, mb.reward, mb.q0, mb.group)
+            c = algorithms.spo.terminal_coefficients(lp, rlp, mask, reward, q0, beta=beta, objective=objective,
+                                                     loss=loss_name)
+            parts.append((i, rows, c, residuals(lp, rlp, mask, reward, q0, beta), group))
+        if not parts:
+            continue
+        c_all = torch.cat([p[2].double() for p in parts])
+        group_all = torch.cat([p[4].to(c_all.device) for p in parts])
+        baseline = c_all - centred_on_others(c_all, group_all)
+        d_all = torch.cat([p[3].double() for p in parts])
+        report[f"residual_group_var/{source}"] = (float(((d_all - group_mean(d_all, group_all)) ** 2).mean()),
+                                                  len(d_all))
+        start = 0
+        for i, rows, *_ in parts:
+            idx = torch.tensor(rows, dtype=torch.long, device=out[i].device)
+            out[i].index_copy_(0, idx, baseline[start:start + len(rows)].to(out[i].device))
+            start += len(rows)
+    return out, report
 
 
 def resolve_loss(name: str, field: str):
@@ -109,13 +162,29 @@ class SPO(Algorithm):
                            for name, s in cfg.sources.items()}
         self.centred = frozenset(name for name, s in cfg.sources.items() if s.centred(name))
         self.token_normalised = frozenset(name for name, s in cfg.sources.items() if s.normalise == "token")
-        self.trust_regions = {name: s.trust_region for name, s in cfg.sources.items() if s.trust_region is not None}
+        self.trust_regions = {name: s.clip(name) for name, s in cfg.sources.items() if s.clip(name) is not None}
         self.pg_coefs = {name: s.pg_coef for name, s in cfg.sources.items() if s.pg_coef}
-        self.keeps_prompt_groups = bool(self.centred)  # a centred coefficient needs its whole group
+        # centred baselines come from one no-grad forward over the whole step (step_coefficient_baselines), so
+        # micro-batches may cut prompt groups; only a centred source's policy-gradient term needs them whole
+        self.keeps_prompt_groups = any(name in self.pg_coefs for name in self.centred)
 
     def update(self, step: StepInputs) -> Update:
         beta, objectives = self.cfg.beta, self.objectives
-        reports, grad_norm = step.optimize("policy", "logp", lambda i, mb, logp: spo_batch_loss(
-            mb, logp, step.ref[i], beta=beta, objectives=objectives, centred=self.centred,
-            token_normalised=self.token_normalised, trust_regions=self.trust_regions, pg_coefs=self.pg_coefs))
+        baselines, group_var = [None] * len(step.micro_batches), {}
+        if self.centred and not self.keeps_prompt_groups:
+            logps = step.forward("policy", "logp")  # this step's weights: the loss's forward gives the same
+            if step.is_last_stage:
+                baselines, group_var = step_coefficient_baselines(step.micro_batches, logps, step.ref, beta=beta,
+                                                                  objectives=objectives, centred=self.centred)
+
+        def loss_fn(i, mb, logp):
+            loss, metrics = spo_batch_loss(
+                mb, logp, step.ref[i], beta=beta, objectives=objectives, centred=self.centred,
+                token_normalised=self.token_normalised, trust_regions=self.trust_regions, pg_coefs=self.pg_coefs,
+                coefficient_baseline=baselines[i])
+            if i == 0:  # step-wide statistics ride on the first micro-batch's report (weighted by their count)
+                metrics.update(group_var)
+            return loss, metrics
+
+        reports, grad_norm = step.optimize("policy", "logp", loss_fn)
         return Update(reports, grad_norm)
