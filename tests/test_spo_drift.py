@@ -164,6 +164,28 @@ def test_stale_tempered_samples_hold_the_plain_loss_off_pi_star_and_the_centred_
     assert plain.kl_end > 4 * centred.kl_end
 
 
+def test_a_given_coefficient_baseline_is_the_same_centring_and_terminal_coefficients_are_dl_dq():
+    """spo_loss(coefficient_baseline=b) with b the leave-one-out mean of terminal_coefficients is exactly
+    spo_loss(centre_groups=...) (the trainer takes b over a whole step); squared: c = 2 (Q_T - r)."""
+    from megatron_spo.algorithms.groups import centred_on_others
+    from megatron_spo.algorithms.spo import cumulative_q, terminal_coefficients
+
+    logp, ref, mask, reward, q0, group = _case(3)
+    kw = dict(beta=BETA, objective="terminal", loss="squared")
+    c = terminal_coefficients(logp.detach(), ref, mask, reward, q0, **kw)
+    q_t = cumulative_q(logp.detach(), ref, mask, q0, BETA)[:, -1]
+    torch.testing.assert_close(c, 2 * (q_t - reward), rtol=0, atol=1e-12)
+    spo_loss(logp, ref, mask, reward, q0, centre_groups=group, **kw)[0].backward()
+    want = logp.grad.clone()
+    logp.grad = None
+    spo_loss(logp, ref, mask, reward, q0, coefficient_baseline=c - centred_on_others(c, group), **kw)[0].backward()
+    torch.testing.assert_close(logp.grad, want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="centre_groups or coefficient_baseline, not both"):
+        spo_loss(logp, ref, mask, reward, q0, centre_groups=group, coefficient_baseline=c, **kw)
+    with pytest.raises(ValueError, match="objective 'mc' is not a function of Q_T alone"):
+        terminal_coefficients(logp, ref, mask, reward, q0, beta=BETA, objective="mc", loss="squared")
+
+
 def test_trust_region_drops_the_gradient_of_tokens_already_moved_past_it_in_the_pushed_direction():
     logp, ref, mask, reward, q0, group = _case()
     behaviour = logp.detach().clone()
@@ -189,16 +211,44 @@ def test_trust_region_drops_the_gradient_of_tokens_already_moved_past_it_in_the_
         spo_loss(logp, ref, mask, reward, q0, trust_region=0.2, **kw)
 
 
-def test_centring_is_opt_in_on_in_the_quickstart_and_the_config_names_the_field_it_refuses():
+def test_centring_and_the_trust_region_are_on_for_online_sources_and_the_config_names_the_field_it_refuses():
     from megatron_spo.config import ConfigError, build_config
     from megatron_spo.experiments.quickstart import QuickstartTrainConfig
     from megatron_spo.training.config import SourceConfig
 
-    assert not SourceConfig().centred("online") and SourceConfig(centre=True).centred("offline")
+    # unset: centred inside the default trust region on the online source only, and only where the loss allows
+    assert SourceConfig().centred("online") and SourceConfig().clip("online") == 0.2
+    assert not SourceConfig().centred("offline") and SourceConfig().clip("offline") is None
+    assert SourceConfig(centre=True).centred("offline") and SourceConfig(trust_region=0.1).clip("offline") == 0.1
+    assert SourceConfig(trust_region=0).clip("online") is None and not SourceConfig(centre=False).centred("online")
+    assert not SourceConfig(objective="mc").centred("online") and SourceConfig(objective="mc").clip("online") is None
     assert QuickstartTrainConfig().centre is True
     for field, value in (("centre", True), ("trust_region", 0.2)):
         with pytest.raises(ConfigError, match=f"{field}: needs objective terminal or advantage, not 'mc'"):
             build_config(SourceConfig, {"objective": "mc", field: value}, "sources.mc")
+
+
+def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_only_where_spo_can(tmp_path):
+    """The quickstart's defaults for online SPO (docs/spo-stability.md): centred coefficient, trust region 0.2,
+    lr 1e-4; the trust region reaches sources.online only for SPO with a terminal / advantage objective (the
+    config refuses it elsewhere), and `train.trust_region=null` turns it off."""
+    from megatron_spo.config import apply_overrides, build_config
+    from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
+
+    endpoints = type("E", (), {"router_url": "http://127.0.0.1:1", "engine_urls": ["http://127.0.0.1:2"]})()
+
+    def online(*overrides):
+        cfg = build_config(QuickstartConfig, apply_overrides({}, list(overrides)), "quickstart")
+        tcfg = train_config(cfg, tmp_path, tmp_path / "ref", tmp_path / "init", endpoints, tmp_path / "q0.jsonl",
+                            None)
+        src = tcfg.sources["online"]
+        return src.centred("online"), src.clip("online"), tcfg.optimizer.lr
+
+    assert online() == (True, 0.2, 1e-4)
+    assert online("train.online_fraction=1.0", "train.trust_region=0.1") == (True, 0.1, 1e-4)
+    assert online("train.trust_region=null", "train.centre=false") == (False, None, 1e-4)
+    assert online("train.objective=mc")[:2] == (False, None)
+    assert online("algo=grpo")[1] is None
 
 
 def test_policy_gradient_term_adds_the_leave_one_out_reinforce_gradient():

@@ -53,7 +53,8 @@ QUICKSTART_BETA = 0.5
 
 class QuickstartTrainConfig(StrictModel):
     steps: int = Field(90, gt=0)
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(1e-4, gt=0, description="the earlier study's best for every arm; online-only SPO at 2e-4 drifts "
+                      "(docs/spo-stability.md)")
     warmup_steps: int = Field(10, ge=0)
     beta: float | None = Field(None, ge=0, description="KL strength (the trainer's beta). Unset: 0.5 (QUICKSTART_BETA), "
                                "or 0 for an algorithm whose own default is 0 (GRPO: no KL term)")
@@ -63,7 +64,11 @@ class QuickstartTrainConfig(StrictModel):
     objective: Objective = "terminal"
     loss: LossName = "squared"
     centre: bool = Field(True, description="SPO: group-centred loss coefficient on the online source "
-                         "(sources.online.centre; its groups fit this quickstart's micro-batches)")
+                         "(sources.online.centre)")
+    trust_region: float | None = Field(0.2, gt=0, description="SPO: sources.online.trust_region, the clip of "
+                                       "log(pi / mu) against the online sampler (terminal / advantage objectives; "
+                                       "None: off). With the centred coefficient it keeps online-only SPO on its "
+                                       "samples (docs/spo-stability.md)")
     lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="optimizer.decay after warm-up")
     max_residual: float | None = Field(1.0, gt=0, description="logging.max_residual: stop a run drifting off its "
                                        "samples (None: watch it diverge)")
@@ -191,12 +196,13 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
     algo = algorithm_class(cfg.algo)
     n_seq = t.prompts_per_step * t.samples_per_prompt
     centre = t.centre and t.objective in CENTRABLE_OBJECTIVES  # reverse_q / mc are not a function of Q_T alone
+    clip = t.trust_region if cfg.algo == "spo" and t.objective in CENTRABLE_OBJECTIVES else None
+    online = {"objective": t.objective, "loss": t.loss, "centre": centre, "trust_region": clip or 0}  # 0: off
     # offline data for algorithms that can learn from it (on-policy ones cannot; group-wise ones need whole
     # prompt groups, which the online source delivers)
     if not (algo.on_policy or algo.keeps_prompt_groups) and offline_path is not None and t.online_fraction < 1:
         offline_share = 1 - t.online_fraction
-        sources = {"online": {"weight": t.online_fraction, "objective": t.objective, "loss": t.loss,
-                              "centre": centre},
+        sources = {"online": {"weight": t.online_fraction, **online},
                    "offline": {"weight": offline_share, "path": str(offline_path),
                                "objective": t.objective, "loss": t.loss}}
         for i, path in enumerate(cfg.experience):  # earlier runs' online trajectories, through the archive path
@@ -205,7 +211,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
             sources[f"experience{i}"] = {"weight": share, "path": path, "select": {"kinds": ["online"]},
                                          "objective": t.objective, "loss": t.loss}
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
-        sources = {"online": {"weight": 1.0, "objective": t.objective, "loss": t.loss, "centre": centre}}
+        sources = {"online": {"weight": 1.0, **online}}
     # on-policy algorithms push every step, unless their behaviour correction takes stale samples (the
     # algorithm reads its own section, train.grpo / train.ppo)
     interval = algo.required_update_interval(t) or t.model_update_interval
@@ -378,7 +384,7 @@ def run(cfg: QuickstartConfig) -> dict:
     from megatron_spo.rollout.client import EngineClient
     from megatron_spo.rollout.fleet import Fleet
     from megatron_spo.training.launch import launch
-    from megatron_spo.training.metrics import plot_run
+    from megatron_spo.training.metrics import METRICS_FILE, plot_run, read_metrics
 
     console = _console()
     out = Path(cfg.out_dir) / cfg.algo
@@ -462,6 +468,12 @@ def run(cfg: QuickstartConfig) -> dict:
                 tcfg = train_config(cfg, out, ref, megatron_init, endpoints, out / "q0.jsonl",
                                     out / "offline.jsonl" if n_offline else None)
                 launch(tcfg)
+                logged = read_metrics(out / "train") if (out / "train" / METRICS_FILE).exists() else []
+                done = max((m.get("step", 0) for m in logged), default=0)
+                if done < cfg.train.steps:  # a stop signal (SIGTERM / SIGUSR1): the trainer saved and returned
+                    console.print(f"training stopped at step {done} of {cfg.train.steps} by a stop signal: no "
+                                  f"evaluation (its checkpoint: {out / 'train' / 'checkpoints'})")
+                    return {"algo": cfg.algo, "seed": cfg.seed, "stopped_at_step": done}
             else:
                 trained = train_with_trl(cfg, ref, train_prompts, rewards, out / "train")
                 push_hf_checkpoint(trained, fleet.engine_urls, "trl-final")
@@ -478,8 +490,6 @@ def run(cfg: QuickstartConfig) -> dict:
     for name in evaluated:
         if name != "heldout":
             result[name] = comparison(before[name], after[name])
-    from megatron_spo.training.metrics import read_metrics
-
     train_metrics = read_metrics(out / "train")
     result.update({"algo": cfg.algo, "trainer": cfg.trainer, "seed": cfg.seed, "wall_s": wall,
                    "train_steps": len(train_metrics),

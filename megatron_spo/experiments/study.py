@@ -47,13 +47,16 @@ class Arm:
 ARMS: dict[str, Arm] = {
     "spo": Arm("spo", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "SPO, online + offline (the quickstart)"),
     "spo-online": Arm("spo", ("train.online_fraction=1.0",), "train.beta", (PAPER_BETA, 0.5, 1.0),
-                      "SPO, online rollouts only (centred coefficient)"),
-    "spo-online-plain": Arm("spo", ("train.online_fraction=1.0", "train.centre=false"), "train.beta",
-                            (PAPER_BETA, 0.5, 1.0), "SPO, online only, uncentred coefficient (before issue 26)"),
+                      "SPO, online rollouts only (centred coefficient, trust region 0.2)"),
+    "spo-online-plain": Arm("spo", ("train.online_fraction=1.0", "train.centre=false", "train.trust_region=null"),
+                            "train.beta", (PAPER_BETA, 0.5, 1.0),
+                            "SPO, online only, uncentred coefficient and no trust region (before issue 26)"),
     "spo-paper": Arm("spo", ("train.loss=cross_entropy", "train.temperature_range=[0.1,0.8]", "train.top_p=0.95",
-                             "train.online_fraction=0.5", "train.model_update_interval=10"), "train.beta",
+                             "train.online_fraction=0.5", "train.model_update_interval=10", "train.centre=false",
+                             "train.trust_region=null"), "train.beta",
                      (PAPER_BETA,), "SPO at the paper's settings: terminal cross-entropy, beta 1/log(1e5), "
-                     "T ~ U(0.1, 0.8), top-p 0.95, 50/50 online/offline, push every 10 steps"),
+                     "T ~ U(0.1, 0.8), top-p 0.95, 50/50 online/offline, push every 10 steps, no centring or "
+                     "trust region"),
     "agro": Arm("agro", (), "train.beta", (0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
