@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -70,6 +72,22 @@ def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+@contextmanager
+def serving_engine(model_dir: str, timeout_s: float = 120.0) -> Iterator[str]:
+    """One `megatron-spo serve` engine of model_dir on a free port, healthy: yields its URL; stopped after."""
+    from megatron_spo.net import free_port
+
+    port = free_port()
+    engine = start_engine(model_dir, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout_s)
+        yield url
+    finally:
+        engine.terminate()
+        engine.wait(timeout=30)
 
 
 class FaultyServer:

@@ -99,14 +99,9 @@ def test_custom_reward_scores_the_online_rollouts(tmp_path, monkeypatch):
 
     monkeypatch.chdir(REPO)
     from megatron_spo.models.parallel import spawn_local
-    from megatron_spo.net import free_port
 
     model = rh.make_tiny_llama(str(tmp_path / "engine_model"))
-    port = free_port()
-    engine = rh.start_engine(model, port)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        rh.wait_healthy(url, 120)
+    with rh.serving_engine(model) as url:
         cfg = _cfg(tmp_path, model, "reward", batch={"sequences_per_step": 4, "max_tokens_per_micro_batch": 1024,
                                                       "max_seq_length": 512},
                    task={"kind": "toy", "reward": "examples.custom_reward:fenced_code", "limit": 4,
@@ -115,9 +110,6 @@ def test_custom_reward_scores_the_online_rollouts(tmp_path, monkeypatch):
                    rollout={"samples_per_prompt": 2, "max_new_tokens": 8, "buffer_groups": 4,
                             "max_inflight_requests": 2})
         spawn_local(_train_and_record, 1, cfg, str(tmp_path / "rewards.json"))
-    finally:
-        engine.terminate()
-        engine.wait(timeout=30)
     seen = json.loads((tmp_path / "rewards.json").read_text())
     assert seen["sandbox"] is None and "RewardPool" in seen["closers"]  # the toy task's code reward would start one
     assert len(seen["rewards"]) == 8 and all(r == -1.0 or -0.5 <= r <= 0.0 for r in seen["rewards"])

@@ -77,18 +77,13 @@ def test_training_logs_held_out_pass_at_k_at_the_eval_steps(tmp_path, monkeypatc
 
     from megatron_spo.engine_tools.eval import evaluate
     from megatron_spo.models.parallel import spawn_local
-    from megatron_spo.net import free_port
     from megatron_spo.rollout.client import EngineClient
     from megatron_spo.training.held_out_eval import HeldOutEval
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PYTHONPATH", str(REPO / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     model = rh.make_tiny_llama(str(tmp_path / "engine_model"))
-    port = free_port()
-    engine = rh.start_engine(model, port)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        rh.wait_healthy(url, 120)
+    with rh.serving_engine(model) as url:
         cfg = _cfg(tmp_path, model, "eval", steps=4, algo="agro",
                    batch={"sequences_per_step": 4, "max_tokens_per_micro_batch": 1024, "max_seq_length": 256},
                    task={**TOY_MATH, "reward": "test_held_out_eval:parity_reward", "max_prompt_tokens": 240},
@@ -108,9 +103,6 @@ def test_training_logs_held_out_pass_at_k_at_the_eval_steps(tmp_path, monkeypatc
             expected = asyncio.run(again())
         finally:
             held_out.close()
-    finally:
-        engine.terminate()
-        engine.wait(timeout=30)
     metrics = [json.loads(x) for x in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["step"] for m in metrics if "eval/pass@1" in m] == [2, 4]

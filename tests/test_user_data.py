@@ -174,18 +174,13 @@ def test_trains_two_steps_on_a_user_jsonl_with_its_metadata_in_the_reward(tmp_pa
     from test_extensions import _cfg, _train_and_record
 
     from megatron_spo.models.parallel import spawn_local
-    from megatron_spo.net import free_port
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PYTHONPATH", str(REPO / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     paths = write_user_files(tmp_path / "mine")
     q0_path = write_q0(tmp_path / "q0.jsonl", {"add": (1, 4), "mul": (0, 4), "echo": (2, 4)})
     model = rh.make_tiny_llama(str(tmp_path / "engine_model"))
-    port = free_port()
-    engine = rh.start_engine(model, port)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        rh.wait_healthy(url, 120)
+    with rh.serving_engine(model) as url:
         cfg = _cfg(tmp_path, model, "user", batch={"sequences_per_step": 4, "max_tokens_per_micro_batch": 1024,
                                                     "max_seq_length": 256},
                    task={"kind": "jsonl", "paths": paths, "reward": "test_user_data:difficulty_reward",
@@ -194,9 +189,6 @@ def test_trains_two_steps_on_a_user_jsonl_with_its_metadata_in_the_reward(tmp_pa
                    rollout={"samples_per_prompt": 2, "max_new_tokens": 8, "buffer_groups": 4,
                             "max_inflight_requests": 2})
         spawn_local(_train_and_record, 1, cfg, str(tmp_path / "rewards.json"))
-    finally:
-        engine.terminate()
-        engine.wait(timeout=30)
     seen = json.loads((tmp_path / "rewards.json").read_text())
     assert seen["sandbox"] is None  # a custom reward runs no programs
     assert len(seen["rewards"]) == 8 and set(seen["rewards"]) <= {-0.25, -0.75, -0.5}
