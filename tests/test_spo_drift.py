@@ -247,6 +247,7 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     assert online() == (True, 0.2, 1e-4)
     assert online("train.online_fraction=1.0", "train.trust_region=0.1") == (True, 0.1, 1e-4)
     assert online("train.trust_region=null", "train.centre=false") == (False, None, 1e-4)
+    assert online("train.trust_region=0")[1] is None
     assert online("train.objective=mc")[:2] == (False, None)
     assert online("algo=grpo")[1] is None
 

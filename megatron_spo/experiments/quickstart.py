@@ -65,9 +65,9 @@ class QuickstartTrainConfig(StrictModel):
     loss: LossName = "squared"
     centre: bool = Field(True, description="SPO: group-centred loss coefficient on the online source "
                          "(sources.online.centre)")
-    trust_region: float | None = Field(0.2, gt=0, description="SPO: sources.online.trust_region, the clip of "
+    trust_region: float | None = Field(0.2, ge=0, description="SPO: sources.online.trust_region, the clip of "
                                        "log(pi / mu) against the online sampler (terminal / advantage objectives; "
-                                       "None: off). With the centred coefficient it keeps online-only SPO on its "
+                                       "0 or None: off, as in the trainer). With the centred coefficient it keeps online-only SPO on its "
                                        "samples (docs/spo-stability.md)")
     lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="optimizer.decay after warm-up")
     max_residual: float | None = Field(1.0, gt=0, description="logging.max_residual: stop a run drifting off its "
