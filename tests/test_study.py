@@ -205,6 +205,23 @@ def test_the_sweep_chooses_the_best_validation_score_and_ablations_inherit(tmp_p
     assert [g["validation"] for g in chosen["grpo"]["grid"]] == scores["grpo"]
 
 
+def test_without_a_sweep_each_arm_runs_at_its_given_settings_and_the_report_says_which(tmp_path):
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "ppo"], "sweep": {"enabled": False},
+                                          "settings": {"ppo": {"train.lr": 3e-5, "train.beta": 0.05}}})
+    chosen = study.fixed_settings()
+    assert chosen == {"spo": {"settings": {}}, "ppo": {"settings": {"train.lr": 3e-5, "train.beta": 0.05}}}
+    run = apply_overrides({}, st.quickstart_overrides(
+        study, st.RunSpec("runs", "ppo", 1, tuple(chosen["ppo"]["settings"].items())), tmp_path))
+    assert run["train"] == {"lr": 3e-5, "beta": 0.05} and run["validation_problems"] == 0 and run["seed"] == 1
+    from megatron_spo.experiments.study_report import write_report
+
+    report = write_report(study, tmp_path, chosen).read_text()
+    assert "| ppo | train.lr = 3e-05, train.beta = 0.05 |" in report
+    assert "| spo | the quickstart's defaults |" in report
+    with pytest.raises(ConfigError, match=r"compare: settings: Value error, unknown arm\(s\) \['dpo'\]"):
+        build_config(st.StudyConfig, {"settings": {"dpo": {"train.lr": 1e-4}}}, "compare")
+
+
 def test_arms_of_one_seed_at_other_betas_get_the_shared_samples_with_their_own_q0(tmp_path):
     """The study shares one seed's Q0 log and correct reference samples among arms; an arm at another beta must
     train on Q0 at its own beta (offline samples included), not the beta of the arm that sampled them."""

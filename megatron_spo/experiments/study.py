@@ -111,10 +111,24 @@ class StudyConfig(StrictModel):
     long_run: LongRunConfig = Field(default_factory=LongRunConfig)
     quickstart: dict[str, Any] = Field(default_factory=dict, description="quickstart settings for every run "
                                        "(quickstart.train.steps=90, ...)")
+    settings: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per arm, the settings its runs "
+                                                 "use when sweep.enabled is false (dotted quickstart paths, e.g. an "
+                                                 "earlier study's chosen.json); an arm not named runs at the "
+                                                 "quickstart's defaults")
     retry_failed: bool = Field(False, description="run failed runs again (they have a FAILED file)")
     progress: bool = True
 
     _check = field_validator("arms")(classmethod(lambda cls, v: _known_arms(v)))
+
+    @field_validator("settings")
+    @classmethod
+    def _settings_arms(cls, v: dict) -> dict:
+        _known_arms(list(v))
+        return v
+
+    def fixed_settings(self) -> dict[str, dict]:
+        """The chosen settings of a study without a sweep."""
+        return {a: {"settings": dict(self.settings.get(a, {}))} for a in self.arms}
 
 
 @dataclass(frozen=True)
@@ -246,7 +260,7 @@ def run_study(study: StudyConfig, log=print) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "study.json").write_text(study.model_dump_json(indent=2) + "\n")
     _check_quickstart(study)
-    chosen = choose(study, root, log) if study.sweep.enabled else {a: {"settings": {}} for a in study.arms}
+    chosen = choose(study, root, log) if study.sweep.enabled else study.fixed_settings()
     (root / "chosen.json").write_text(json.dumps(chosen, indent=2) + "\n")
     for seed in study.seeds:  # seed-major: a stopped study has every arm at its first seeds
         for arm in study.arms:
@@ -270,8 +284,7 @@ def main(argv: list[str]) -> int:
         from megatron_spo.experiments.study_report import write_report
 
         root = Path(study.out_dir)
-        chosen = choose(study, root, print, run=False) if study.sweep.enabled else {a: {"settings": {}}
-                                                                                      for a in study.arms}
+        chosen = choose(study, root, print, run=False) if study.sweep.enabled else study.fixed_settings()
         path = write_report(study, root, chosen)
     else:
         path = run_study(study)

@@ -310,6 +310,11 @@ def write_report(study, root: Path, chosen: dict) -> Path:
                 grid, pick = f"not swept: takes {c['inherited_from']}'s settings (an ablation)", pick
             lines.append(f"| {name} | {grid} | {pick} |")
         lines.append("")
+    else:
+        lines += ["## Settings (no sweep)", "", "| arm | settings |", "|---|---|"]
+        lines += [f"| {name} | " + (", ".join(f"{k} = {v}" for k, v in chosen.get(name, {}).get("settings", {}).items())
+                                    or "the quickstart's defaults") + " |" for name in study.arms]
+        lines.append("")
     lines += ["## Held-out test problems: trained vs reference", "",
               "| arm | seeds x problems | pass@1 | change | pass@10 | change | pass@10 - pass@1 | distinct correct "
               "programs / problem | train wall s | weight pushes | GB pushed | trainer peak RSS GB |",
