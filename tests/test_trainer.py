@@ -170,6 +170,36 @@ def test_centred_spo_trains_alike_however_micro_batches_cut_its_prompt_groups(tm
         assert a["trust_region_clipped/online"] > 0
 
 
+def test_a_reference_refresh_copies_the_policy_and_a_resume_keeps_it(tmp_path, hf):
+    """reference_refresh_interval 2: step 3's reference is step 2's policy, so log(pi / pi_ref) on step 3's batch
+    is exactly 0 (without the refresh it is not); online groups then take Q0 from their own rewards. A run of 2
+    steps, its checkpoint, and a resumed third step train exactly as 3 steps straight (the reference is saved)."""
+    online = {"online": {"loss": "squared"}}  # centred by default: what a refresh needs
+
+    def cfg(name, steps=3, **kw):
+        return _cfg(tmp_path, hf, name, steps=steps, sources=online, **kw), str(tmp_path / f"{name}.pt")
+
+    run_spawned([cfg("fixed"), cfg("refresh", reference_refresh_interval=2)]
+                + [cfg("resumed", steps, reference_refresh_interval=2) for steps in (2, 3)], 1)
+    fixed, refresh = _metrics(tmp_path, "fixed"), _metrics(tmp_path, "refresh")
+    ratio = "mean_seq_log_ratio/online"
+    assert [m["reference_step"] for m in refresh] == [0, 2, 2] and "reference_step" not in fixed[0]
+    assert refresh[0][ratio] == fixed[0][ratio] == 0 and refresh[1][ratio] == fixed[1][ratio] != 0
+    assert refresh[2][ratio] == 0 and abs(fixed[2][ratio]) > 1e-3
+    # step 3's Q0 is each group's soft value of its rewards (here above the table's -0.5 where a group succeeds)
+    assert refresh[2]["residual_mean/online"] != pytest.approx(fixed[2]["residual_mean/online"], abs=1e-3)
+    assert [m["step"] for m in _metrics(tmp_path, "resumed")] == [1, 2, 3]
+    straight, resumed = torch.load(tmp_path / "refresh.pt"), torch.load(tmp_path / "resumed.pt")
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-7, msg=k)
+    # TP=2: each rank copies its own shards
+    run_spawned([cfg("tp2-refresh", tp=2, reference_refresh_interval=2)], 2)
+    tp2 = _metrics(tmp_path, "tp2-refresh")
+    assert tp2[2][ratio] == 0 and tp2[2]["loss"] == pytest.approx(refresh[2]["loss"], rel=1e-5, abs=1e-6)
+    for k, w in torch.load(tmp_path / "tp2-refresh.pt").items():
+        torch.testing.assert_close(w, straight[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 def _vpp_cfg(root, hf, name, algo, budget, **kw):
     cfg = _cfg(root, hf, name, algo, parallel={"pipeline_model_parallel_size": 2,
                                                "virtual_pipeline_model_parallel_size": 2}, **kw)

@@ -70,6 +70,9 @@ class QuickstartTrainConfig(StrictModel):
                                        "0 or None: off, as in the trainer). With the centred coefficient it keeps online-only SPO on its "
                                        "samples (docs/spo-stability.md)")
     lr_decay: Literal["constant", "linear", "cosine"] = Field("constant", description="optimizer.decay after warm-up")
+    reference_refresh_interval: int | None = Field(None, gt=0, description="the trainer's "
+                                                   "reference_refresh_interval (SPO: online-only, centred, squared "
+                                                   "loss); moves the fixed point towards the highest reward")
     max_residual: float | None = Field(1.0, gt=0, description="logging.max_residual: stop a run drifting off its "
                                        "samples (None: watch it diverge)")
     max_residual_rms: float | None = Field(1.5, gt=0, description="logging.max_residual_rms (None: off)")
@@ -222,7 +225,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
                             max_staleness=2 * t.model_update_interval, stale_policy="drop", seed=cfg.seed)
     data = {
         "run_dir": str(out / "train"), "seed": cfg.seed, "steps": t.steps, "algo": cfg.algo, "beta": t.beta,
-        "model_update_interval": interval,
+        "model_update_interval": interval, "reference_refresh_interval": t.reference_refresh_interval,
         "init": {"hf": str(ref), "megatron": str(megatron_init)},
         "parallel": {"tensor_model_parallel_size": t.tensor_model_parallel_size,
                      "pipeline_model_parallel_size": t.pipeline_model_parallel_size},

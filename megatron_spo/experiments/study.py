@@ -51,6 +51,10 @@ ARMS: dict[str, Arm] = {
     "spo-online-plain": Arm("spo", ("train.online_fraction=1.0", "train.centre=false", "train.trust_region=null"),
                             "train.beta", (PAPER_BETA, 0.5, 1.0),
                             "SPO, online only, uncentred coefficient and no trust region (before issue 26)"),
+    "spo-online-refresh": Arm("spo", ("train.online_fraction=1.0", "train.reference_refresh_interval=30"),
+                              "train.beta", (PAPER_BETA, 0.5, 1.0),
+                              "SPO, online only, the reference refreshed to the policy every 30 steps (the paper's "
+                              "suggestion: the fixed point moves from pi* towards the highest reward)"),
     "spo-paper": Arm("spo", ("train.loss=cross_entropy", "train.temperature_range=[0.1,0.8]", "train.top_p=0.95",
                              "train.online_fraction=0.5", "train.model_update_interval=10", "train.centre=false",
                              "train.trust_region=null"), "train.beta",
@@ -82,7 +86,8 @@ class SweepConfig(StrictModel):
                                          "reaches down to 1e-5")
     coefficients: dict[str, list[float]] = Field(default_factory=dict, description="per arm, replaces the arm's "
                                                  "own grid (ARMS); [] keeps the quickstart's value")
-    inherit: dict[str, str] = Field(default_factory=lambda: {"spo-online-plain": "spo-online"}, description="arm -> the arm "
+    inherit: dict[str, str] = Field(default_factory=lambda: {"spo-online-plain": "spo-online",
+                                                             "spo-online-refresh": "spo-online"}, description="arm -> the arm "
                                     "whose chosen settings it takes (an ablation keeps its parent's settings)")
     validation_problems: int = Field(30, gt=0)
     seed: int = 0

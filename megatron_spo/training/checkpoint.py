@@ -35,6 +35,9 @@ def sharded_state_dict(trainer, is_loading: bool = False) -> dict:
                     for i, c in enumerate(chunks)}
         sd[f"{name}_model"] = model_sd
         sd[f"{name}_optimizer"] = opt.sharded_state_dict(model_sd, is_loading=is_loading)
+    if trainer.cfg.reference_refresh_interval:  # the reference is a past policy, not the init weights
+        sd["reference_model"] = {f"model{i}": c.sharded_state_dict(prefix=_ckpt_prefix("reference"))
+                                 for i, c in enumerate(trainer.reference)}
     return sd
 
 
@@ -128,6 +131,9 @@ def resume(trainer) -> None:
         for i, c in enumerate(chunks):
             c.module.load_state_dict(_strip_prefix(state[f"{name}_model"][f"model{i}"], _ckpt_prefix(name)))
         opt.load_state_dict(_with_current_lr_bounds(state[f"{name}_optimizer"], opt))
+    if "reference_model" in sharded:
+        for i, c in enumerate(trainer.reference):
+            c.load_state_dict(_strip_prefix(state["reference_model"][f"model{i}"], _ckpt_prefix("reference")))
     rng_file = path / f"rng_rank{trainer.rank:05d}.pt"
     if rng_file.exists():
         set_rng_state(load_rng_file(rng_file))
@@ -236,7 +242,8 @@ def record_config(trainer) -> Path:
 
 
 def _ckpt_prefix(name: str) -> str:
-    """Checkpoint key prefix of model `name` ("policy", "value"), shared by its virtual-stage chunks."""
+    """Checkpoint key prefix of model `name` ("policy", "value", "reference"), shared by its virtual-stage
+    chunks."""
     return f"{name}.model0."
 
 

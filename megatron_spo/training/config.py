@@ -310,6 +310,13 @@ class TrainConfig(StrictModel):
         "reward; GRPO: the k3 penalty). Unset: the algorithm's default_beta (training/algos/): 1/log(1e5), the SPO "
         "paper's, for SPO / AGRO / PPO; 0 for GRPO (TRL's default: no KL term)")
     model_update_interval: int = Field(10, gt=0, description="steps between weight pushes to the rollout fleet")
+    reference_refresh_interval: int | None = Field(
+        None, gt=0, description="every this many steps the reference model becomes a copy of the policy (the SPO "
+        "paper's suggestion): the KL term then holds the policy near its recent self instead of pi_0, so the fixed "
+        "point moves from pi* towards the highest reward (docs/spo-stability.md). From the first refresh on, "
+        "online groups take Q0 = beta log mean exp(r / beta) over their own rewards. SPO needs every source centred "
+        "with the squared loss (where Q0 cancels from the gradient): offline data's Q0 is of the first reference. "
+        "The reference is checkpointed with the policy")
     init: InitConfig = Field(default_factory=InitConfig)
     model: ModelConfig | None = Field(None, description="default: read from init.hf/config.json")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

@@ -77,7 +77,7 @@ PANELS: dict[str, tuple[str, ...]] = {
 # Panels on a log y axis (when every value is positive): a correct push's 1e-7 and a broken one's 0.5 on one plot.
 LOG_PANELS = frozenset({"engine vs trainer log-prob gap (per token)"})
 # Logged but not plotted: bookkeeping, not a training signal.
-UNPLOTTED = frozenset({"step", "time", "policy_version"})
+UNPLOTTED = frozenset({"step", "time", "policy_version", "reference_step"})
 
 
 def panel_names(title: str, logged: Iterable[str]) -> list[str]:

@@ -76,6 +76,25 @@ def online_q0_table(cfg: TrainConfig, prompts: list) -> dict[str, float] | None:
     return table
 
 
+def q0_from_own_groups(trajectories: list, beta: float) -> None:
+    """Set each online trajectory's q0 to beta log mean exp(r / beta) over the rewards of its prompt group in
+    this batch: after a reference refresh (reference_refresh_interval) the Q0 table is of the first reference.
+    It estimates the soft value under the sampler, not the refreshed reference; the centred squared loss, the
+    only SPO loss a refresh allows, does not depend on Q0, so this only keeps the residual diagnostics honest."""
+    import torch
+
+    from megatron_spo.algorithms.spo import q0_from_rewards
+
+    groups: dict[Any, list] = {}
+    for t in trajectories:
+        if t.source == "online":
+            groups.setdefault(t.prompt_id, []).append(t)
+    for members in groups.values():
+        q0 = float(q0_from_rewards(torch.tensor([t.reward for t in members], dtype=torch.float64), beta))
+        for t in members:
+            t.q0 = q0
+
+
 class OnlineSource:
     """RolloutManager running on its own event loop thread; take(k) is thread-safe and blocking."""
 

@@ -42,7 +42,7 @@ from megatron_spo.training.logprob_gap import GapPass, GapTally, gap_metrics, ga
 from megatron_spo.training.logprob_gap import tally as gap_tally
 from megatron_spo.training.metrics import MetricsLogger, progress_line
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, pad_rows, shard
-from megatron_spo.training.online import FleetUnavailable
+from megatron_spo.training.online import FleetUnavailable, q0_from_own_groups
 from megatron_spo.training.run_log import LIBRARY_WARNINGS, start_banner
 from megatron_spo.training.sources import build_archive, build_sampler
 from megatron_spo.training.stability import DivergenceGuard, TrainingDiverged, lr_at
@@ -354,6 +354,9 @@ class Trainer:
         self.step += 1
         t_step = time.perf_counter()
         trajs, t_wait = self._global_batch()
+        refresh = cfg.reference_refresh_interval
+        if refresh and self.step > refresh and self.algorithm.uses_q0:
+            q0_from_own_groups(trajs, cfg.beta)  # the Q0 table is of the first reference
         mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
                             keep_groups=self.algorithm.keeps_prompt_groups, device=self.device)
 
@@ -369,6 +372,8 @@ class Trainer:
             global_sequences=len(trajs), global_response_tokens=sum(len(t.response_tokens) for t in trajs),
             sum_across_data_parallel=self._sum_across_data_parallel))
         metrics_store, grad_norm = update.reports, update.grad_norm
+        if refresh and self.step % refresh == 0:
+            self.refresh_reference()
         t_fb = time.perf_counter() - t_fb
 
         t_sync = 0.0
@@ -401,6 +406,8 @@ class Trainer:
             metrics["samples/online"] = float(len(online))  # rollouts consumed: learning curves per rollout
         metrics.update(update.metrics)
         metrics.update(eval_metrics)
+        if refresh:  # the step whose policy the reference now is
+            metrics["reference_step"] = float(self.step - self.step % refresh)
         metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
         if "mean_seq_log_ratio/online" in metrics:
             # the k1 estimate of KL(pi || pi_0) is this mean on samples from pi itself: online trajectories only
@@ -413,6 +420,15 @@ class Trainer:
             print(warning, flush=True)
         self.divergence_guard.check(self.step, metrics)
         return metrics
+
+    def refresh_reference(self) -> None:
+        """The reference becomes a copy of the policy's current weights (each rank copies its own shards: both
+        models have one layout)."""
+        with torch.no_grad():
+            for ref_chunk, policy_chunk in zip(self.reference, self.policy):
+                weights = dict(policy_chunk.module.named_parameters())
+                for name, param in ref_chunk.named_parameters():
+                    param.copy_(weights[name])
 
     def _evaluate_held_out(self) -> dict[str, float]:
         """Rank 0: eval/pass@K of the engines' current weights; a failed evaluation is one warning line, not

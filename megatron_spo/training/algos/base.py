@@ -89,6 +89,14 @@ class Algorithm:
                              f"engines' log-probs, which are of the distribution that sampled: set "
                              f"rollout.temperature_range [1.0, 1.0] and rollout.top_p 1.0 (got "
                              f"{list(r.temperature_range)}, top_p {r.top_p})")
+        if cfg.reference_refresh_interval and cls.uses_q0:
+            for name, src in cfg.sources.items():
+                if not (src.centred(name) and src.loss == "squared"):
+                    raise ValueError(
+                        f"reference_refresh_interval: algo {cls.name} would train source '{name}' on a Q0 of the "
+                        f"first reference; only a centred source with the squared loss does not depend on Q0 "
+                        f"(sources.{name}.centre: true, sources.{name}.loss: squared; got centre "
+                        f"{str(src.centred(name)).lower()}, loss {src.loss})")
         cls._enforce_update_interval(cfg)
 
     @classmethod
