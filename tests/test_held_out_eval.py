@@ -56,6 +56,22 @@ def test_eval_config_defaults_off_and_reads_the_held_out_split():
         HeldOutEval.from_config(cfg)
 
 
+def test_a_held_out_decline_past_warn_drop_below_the_best_is_one_warning_naming_the_step_to_keep():
+    from megatron_spo.training.held_out_eval import HeldOutEval
+
+    cfg = build_config(TrainConfig, {"init": {"hf": "x"}, "eval": {"ks": [1, 4], "n": 4}})
+    assert cfg.eval.warn_drop == 0.1
+    watch = HeldOutEval(cfg, [], None, "", [])
+    said = [watch.decline_warning(step, {"eval/pass@1": p, "eval/pass@4": 0.9})
+            for step, p in ((90, 0.46), (180, 0.50), (270, 0.41), (360, 0.39))]
+    assert said[:3] == [None, None, None]  # 0.09 below the best is within warn_drop
+    assert said[3] == ("[megatron-spo] warning: step 360: held-out pass@1 0.390 is 0.110 below its best 0.500 "
+                       "(step 180; eval.warn_drop 0.1): the policy has been decaying since then "
+                       "(docs/spo-stability.md, 'What to watch')")
+    quiet = HeldOutEval(build_config(TrainConfig, {"init": {"hf": "x"}, "eval": {"warn_drop": None}}), [], None, "", [])
+    assert [quiet.decline_warning(s, {"eval/pass@1": p}) for s, p in ((1, 0.9), (2, 0.1))] == [None, None]
+
+
 def _train(cfg_data: dict) -> None:
     from megatron_spo.training.trainer import Trainer
 

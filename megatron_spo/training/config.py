@@ -269,6 +269,9 @@ class HeldOutEvalConfig(StrictModel):
     max_new_tokens: int | None = Field(None, gt=0, description="default: rollout.max_new_tokens")
     limit: int | None = Field(64, gt=0, description="only the first N held-out problems (None: all)")
     hidden_tests: bool = Field(True, description="score with the problems' hidden tests too, when present")
+    warn_drop: float | None = Field(0.1, gt=0, description="warn when pass@k of the first of ks falls this far below "
+                                    "its best since the run (re)started: the slow decay the divergence guards miss "
+                                    "(None: no warning)")
 
     @field_validator("ks")
     @classmethod

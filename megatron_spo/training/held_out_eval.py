@@ -40,6 +40,7 @@ class HeldOutEval:
         self.reward_pool = reward_pool
         self.url = url
         self._on_close = on_close
+        self.best: tuple[int, float] | None = None  # (step, pass@k of the first k) since this (re)start
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> HeldOutEval | None:
@@ -103,6 +104,24 @@ class HeldOutEval:
         result = asyncio.run(self.evaluate())
         return {**{f"eval/pass@{k}": v for k, v in result.mean.items()},
                 "eval/problems": float(len(result.problems)), "time/eval": time.perf_counter() - t0}
+
+    def decline_warning(self, step: int, metrics: dict[str, float]) -> str | None:
+        """A warning line when pass@k (the first of eval.ks) has fallen more than eval.warn_drop below its best
+        since this (re)start: the slow decay that the divergence guards, which watch training signals, miss."""
+        k = self.cfg.eval.ks[0]
+        value = metrics.get(f"eval/pass@{k}")
+        if value is None:
+            return None
+        if self.best is None or value > self.best[1]:
+            self.best = (step, value)
+            return None
+        best_step, best = self.best
+        drop = self.cfg.eval.warn_drop
+        if drop is None or best - value <= drop:
+            return None
+        return (f"[megatron-spo] warning: step {step}: held-out pass@{k} {value:.3f} is {best - value:.3f} below its "
+                f"best {best:.3f} (step {best_step}; eval.warn_drop {drop:g}): the policy has been decaying since "
+                f"then (docs/spo-stability.md, 'What to watch')")
 
     def close(self) -> None:
         for fn in self._on_close:

@@ -436,11 +436,15 @@ class Trainer:
         from megatron_spo.rollout.client import EngineError
 
         try:
-            return self.held_out.run()
+            metrics = self.held_out.run()
         except (EngineError, OSError, TimeoutError, ValueError) as err:
             print(f"[megatron-spo] warning: held-out eval at step {self.step} failed: {type(err).__name__}: {err}",
                   flush=True)
             return {}
+        warning = self.held_out.decline_warning(self.step, metrics)
+        if warning:
+            print(warning, flush=True)
+        return metrics
 
     def _sum_across_data_parallel(self, t: torch.Tensor) -> torch.Tensor:
         if self.dp_size > 1:
