@@ -151,9 +151,10 @@ VPP_RUNS = {"spo": ("spo", 48), "spo-3mb": ("spo", 36), "spo-split": ("spo", 100
 
 
 def test_centred_spo_trains_alike_however_micro_batches_cut_its_prompt_groups(tmp_path, hf):
-    """sources.online.centre with one micro-batch per step (groups whole, one process) and with a 24-token
-    budget at PP=2 (3-4 micro-batches cutting the groups of 4): the step-wide baselines (one no-grad forward over
-    the step, on the last stage) give the same two steps, the same residual_group_var and share clipped."""
+    """sources.online.centre with one micro-batch per step (groups whole, one process: centred inside the loss,
+    no extra forward) and with a 24-token budget at PP=2 (3-4 micro-batches cutting the groups of 4: the
+    step-wide baselines, one no-grad forward over the step on the last stage): the same two steps, the same
+    residual_group_var and share clipped."""
     online = {"online": {"centre": True, "trust_region": 0.2}}
 
     def cfg(name, budget, pp=1):

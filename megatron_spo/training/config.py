@@ -80,7 +80,8 @@ class SourceConfig(StrictModel):
         "push the policy away from that sampler whenever the mean residual Q_T - r is positive. pi* stays the fixed "
         "point. Unset: on for the 'online' source, off for the others (their sampler is another model, and their "
         "negative mean residual is part of what SPO learns from them); terminal / advantage objectives only. The "
-        "baselines come from one more no-grad forward pass over the step, so micro-batches may cut prompt groups")
+        "baselines come from one more no-grad forward pass over the step when it has several micro-batches, so these "
+        "may cut prompt groups (one micro-batch centres inside the loss, without it)")
     trust_region: float | None = Field(
         None, ge=0, description="SPO: drop a token's gradient once log(pi / mu) against the sampler's log-prob "
         "(the trajectory's behaviour_logprobs) is past +-this in the direction its sequence is pushed (PPO's clip; "

@@ -171,7 +171,9 @@ class SPO(Algorithm):
     def update(self, step: StepInputs) -> Update:
         beta, objectives = self.cfg.beta, self.objectives
         baselines, group_var = [None] * len(step.micro_batches), {}
-        if self.centred and not self.keeps_prompt_groups:
+        # one micro-batch holds its groups whole (data-parallel shards do): it centres inside the loss, alike,
+        # without the extra forward
+        if self.centred and not self.keeps_prompt_groups and len(step.micro_batches) > 1:
             logps = step.forward("policy", "logp")  # this step's weights: the loss's forward gives the same
             if step.is_last_stage:
                 baselines, group_var = step_coefficient_baselines(step.micro_batches, logps, step.ref, beta=beta,
