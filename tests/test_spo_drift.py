@@ -210,14 +210,14 @@ def test_after_a_refresh_online_groups_take_q0_from_their_own_rewards_and_only_q
     assert [t.q0 for t in trajs[:4]] == [pytest.approx(float(q0_from_success(0.25, BETA)), abs=1e-12)] * 4
     assert trajs[4].q0 == pytest.approx(-1.0) and trajs[5].q0 == -0.7  # offline rows keep theirs
     base = {"init": {"hf": "/x"}, "beta": BETA, "reference_refresh_interval": 10}
-    build_config(TrainConfig, dict(base, sources={"online": {"loss": "squared"}}))
+    build_config(TrainConfig, dict(base, sources={"online": {}}))  # the default: centred, squared
     build_config(TrainConfig, dict(base, algo="agro"))  # no Q0 in its loss
     with pytest.raises(ConfigError, match=r"reference_refresh_interval: algo spo would train source 'offline' on a "
                        r"Q0 of the first reference.*sources.offline.centre: true.*got centre false, loss squared"):
         build_config(TrainConfig, dict(base, sources={"online": {"loss": "squared"},
                                                       "offline": {"path": "/d", "loss": "squared"}}))
     with pytest.raises(ConfigError, match=r"source 'online'.*got centre true, loss cross_entropy"):
-        build_config(TrainConfig, dict(base, sources={"online": {}}))
+        build_config(TrainConfig, dict(base, sources={"online": {"loss": "cross_entropy"}}))
 
 
 def test_a_given_coefficient_baseline_is_the_same_centring_and_terminal_coefficients_are_dl_dq():
@@ -279,6 +279,8 @@ def test_centring_and_the_trust_region_are_on_for_online_sources_and_the_config_
     assert SourceConfig(trust_region=0).clip("online") is None and not SourceConfig(centre=False).centred("online")
     assert not SourceConfig(objective="mc").centred("online") and SourceConfig(objective="mc").clip("online") is None
     assert QuickstartTrainConfig().centre is True
+    # the loss that holds at pi* on every check (the network reproduction: cross_entropy does not)
+    assert SourceConfig().loss == QuickstartTrainConfig().loss == "squared"
     for field, value in (("centre", True), ("trust_region", 0.2)):
         with pytest.raises(ConfigError, match=f"{field}: needs objective terminal or advantage, not 'mc'"):
             build_config(SourceConfig, {"objective": "mc", field: value}, "sources.mc")

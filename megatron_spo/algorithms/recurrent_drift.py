@@ -167,8 +167,9 @@ def train_from_stale_sampler(
     seed: int = 0,
     record_every: int = 50,
     refresh_reference_every: int | None = None,
+    loss: str = "squared",
 ) -> DriftRun:
-    """SPO (terminal, squared) as the asynchronous quickstart runs it, on a network: every step one group of
+    """SPO (terminal, `loss`: squared by default) as the asynchronous quickstart runs it, on a network: every step one group of
     group_size responses per prompt, sampled by a copy of the policy refreshed every refresh_every steps at a
     temperature ~ U(temperature_range) per group; Q0 = V + q0_error (an estimate that overshoots V: a q0 of 0
     for a prompt missing from the Q0 table was V + 0.8 here); Adam at a constant lr, gradient norm clipped to 1.
@@ -208,13 +209,13 @@ def train_from_stale_sampler(
         with torch.no_grad():
             behaviour = sampler.token_logp(prompts, tokens, temperature)
             ref = reference.token_logp(prompts, tokens)
-        loss, metrics = spo_loss(policy.token_logp(prompts, tokens), ref, mask, reward, q0[prompts],
-                                 beta=task.beta, objective="terminal", loss="squared",
-                                 centre_groups=prompts if centre else None, trust_region=trust_region,
-                                 behaviour_logp=behaviour if trust_region else None)
+        value, metrics = spo_loss(policy.token_logp(prompts, tokens), ref, mask, reward, q0[prompts],
+                                  beta=task.beta, objective="terminal", loss=loss,
+                                  centre_groups=prompts if centre else None, trust_region=trust_region,
+                                  behaviour_logp=behaviour if trust_region else None)
         window.append(metrics["mean_q_terminal"] - float(reward.mean()))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optimizer.step()
         if step % record_every == 0 or step == steps:

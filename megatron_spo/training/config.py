@@ -73,7 +73,10 @@ class SourceConfig(StrictModel):
     path: str | None = None
     select: ProvenanceSelect | None = None
     objective: Objective = "terminal"
-    loss: LossName = "cross_entropy"
+    loss: LossName = Field("squared", description="squared (the default: with the online source's centring and "
+                           "trust region it holds at pi* on every check, docs/spo-stability.md) | sigmoid_bce | "
+                           "cross_entropy (the paper's: its clip and straight-through rule; on stale samples it ends "
+                           "greedier than pi*) | a hook 'package.module:function'")
     centre: bool | None = Field(
         None, description="SPO: centre each sequence's loss coefficient dL/dQ_T on the leave-one-out mean of its "
         "prompt group (a control variate; docs/spo-stability.md). Samples of a stale or tempered sampler otherwise "
