@@ -1,5 +1,5 @@
 """`megatron-spo convert megatron-to-hf` on checkpoints the real trainer writes (policy + value model +
-optimizer state, chunk-prefixed keys, two pipeline stages).
+optimizer state + a refreshed reference model, chunk-prefixed keys, two pipeline stages).
 
 One 2-rank spawn trains PPO for 2 steps at PP=2 on a 4-layer tiny Llama; it saves a checkpoint
 at the last step, exports RUN_DIR/hf and dumps the final policy weights. The conversions run through
@@ -46,7 +46,8 @@ def run(tmp_path_factory) -> dict:
                parallel={"pipeline_model_parallel_size": 2},
                optimizer={"lr": 1e-2, "warmup_steps": 0},
                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
-               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False})
+               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False},
+               reference_refresh_interval=1)  # the checkpoint then holds "reference.model0." keys too
     run_spawned([(cfg, str(root / "final_policy.pt"))], world_size=2)
     return {"root": root, "init_hf": hf, "run_dir": run_dir, "final": torch.load(root / "final_policy.pt")}
 
@@ -83,6 +84,10 @@ def test_step_dir_converts_to_the_trainers_final_policy(run, tmp_path):
     proc = run_cli("megatron-to-hf", "--megatron", str(step_dir), "--out", str(out), code=_RECORDING_CONVERT)
     keys = json.loads(proc.stdout.split("READ_KEYS ", 1)[1])
     assert keys and all(k.startswith("policy.model0.") for k in keys), keys
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(step_dir / "dist")).read_metadata().state_dict_metadata
+    assert any(k.startswith("reference.model0.") for k in stored)  # there, and never read
     assert any(".layers." in k for k in keys) and any("output_layer" in k for k in keys)
 
     # the converted weights are the trainer's final policy, bit for bit
