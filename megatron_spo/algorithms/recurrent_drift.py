@@ -14,7 +14,6 @@ Pure torch, float64, seeded: the same numbers on every machine.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass, field
 
@@ -38,6 +37,12 @@ class RecurrentPolicy(torch.nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * init_std)
+
+    def copy(self) -> RecurrentPolicy:
+        """A new policy with these weights."""
+        twin = RecurrentPolicy(self.prompt.num_embeddings, self.vocab, self.head.in_features, torch.Generator())
+        twin.load_state_dict(self.state_dict())
+        return twin
 
     def logits(self, prompts: Tensor, tokens: Tensor) -> Tensor:
         """prompts [B], tokens [B, L] -> the logits each token was chosen from, [B, L, vocab]."""
@@ -183,9 +188,9 @@ def train_from_stale_sampler(
     gen = torch.Generator().manual_seed(seed)
     reference = RecurrentPolicy(task.prompts, task.vocab, hidden, torch.Generator().manual_seed(1000 + seed))
     reference.requires_grad_(False)
-    initial = copy.deepcopy(reference)
-    policy = copy.deepcopy(reference).requires_grad_(True)
-    sampler = copy.deepcopy(reference)
+    initial = reference.copy()
+    policy = reference.copy().requires_grad_(True)
+    sampler = reference.copy()
     q0 = soft_values(task, reference) + q0_error
     refreshed = False
     optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
