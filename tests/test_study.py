@@ -206,17 +206,23 @@ def test_the_sweep_chooses_the_best_validation_score_and_ablations_inherit(tmp_p
 
 
 def test_without_a_sweep_each_arm_runs_at_its_given_settings_and_the_report_says_which(tmp_path):
-    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "ppo"], "sweep": {"enabled": False},
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "ppo", "grpo-tis"],
+                                          "sweep": {"enabled": False}, "seeds": [0],
                                           "settings": {"ppo": {"train.lr": 3e-5, "train.beta": 0.05}}})
     chosen = study.fixed_settings()
-    assert chosen == {"spo": {"settings": {}}, "ppo": {"settings": {"train.lr": 3e-5, "train.beta": 0.05}}}
+    assert chosen == {"spo": {"settings": {}}, "ppo": {"settings": {"train.lr": 3e-5, "train.beta": 0.05}},
+                      "grpo-tis": {"settings": {}}}
     run = apply_overrides({}, st.quickstart_overrides(
         study, st.RunSpec("runs", "ppo", 1, tuple(chosen["ppo"]["settings"].items())), tmp_path))
     assert run["train"] == {"lr": 3e-5, "beta": 0.05} and run["validation_problems"] == 0 and run["seed"] == 1
     from megatron_spo.experiments.study_report import write_report
 
+    _fake_reference(tmp_path, 0)
+    _fake_run(tmp_path, study, "spo", 0, 0.5, 0.8, pushes=9, wall=100)
+    _fake_run(tmp_path, study, "grpo-tis", 0, 0.5, 0.7, pushes=9, wall=100)
     report = write_report(study, tmp_path, chosen).read_text()
     assert "| ppo | train.lr = 3e-05, train.beta = 0.05 |" in report
+    assert "| 2b. ... and than GRPO | spo - grpo-tis, gap: +0.100 [+0.100, +0.100] (1 seed x 40 problems)" in report
     assert "| spo | the quickstart's defaults |" in report
     with pytest.raises(ConfigError, match=r"compare: settings: Value error, unknown arm\(s\) \['dpo'\]"):
         build_config(st.StudyConfig, {"settings": {"dpo": {"train.lr": 1e-4}}}, "compare")

@@ -374,7 +374,8 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
 
     paired("1. SPO beats PPO on pass@10", "spo", "ppo", "pass@10")
     paired("2. SPO keeps a larger pass@10 - pass@1 gap (a softer policy) than PPO", "spo", "ppo", "gap")
-    paired("2b. ... and than GRPO", "spo", "grpo", "gap")
+    grpo = "grpo" if "grpo" in by else "grpo-tis"  # the synchronous arm when the study has it, else the async one
+    paired("2b. ... and than GRPO", "spo", grpo, "gap")
     paired("3. SPO benefits from offline data", "spo", "spo-online", "pass@1")
     paired("3b. ... on pass@10", "spo", "spo-online", "pass@10")
     if "spo" in by and "ppo" in by:
@@ -391,8 +392,9 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
     else:
         rows.append(("4. SPO trains faster per wall clock", "needs arms spo and ppo", "not measured"))
     longs = {a.name: _stability(a, by.get(a.name)) for a in long}
-    if "spo" in longs and "grpo" in longs:
-        s, g = longs["spo"], longs["grpo"]
+    grpo = "grpo" if "grpo" in longs else "grpo-tis"
+    if "spo" in longs and grpo in longs:
+        s, g = longs["spo"], longs[grpo]
         steadier = s["grad_norm_growth"] <= g["grad_norm_growth"] and s["pass@1"] >= g["pass@1"]
         n = min(s["seeds"], g["seeds"])
         seeds = f"{n} seed" + ("s" if n != 1 else "")
