@@ -290,7 +290,7 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     """The quickstart's defaults for online SPO (docs/spo-stability.md): centred coefficient, trust region 0.2,
     lr 1e-4; the trust region reaches sources.online only for SPO with a terminal / advantage objective (the
     config refuses it elsewhere), and `train.trust_region=null` turns it off."""
-    from megatron_spo.config import apply_overrides, build_config
+    from megatron_spo.config import ConfigError, apply_overrides, build_config
     from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
 
     endpoints = type("E", (), {"router_url": "http://127.0.0.1:1", "engine_urls": ["http://127.0.0.1:2"]})()
@@ -308,6 +308,13 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     assert online("train.trust_region=0")[1] is None
     assert online("train.objective=mc")[:2] == (False, None)
     assert online("algo=grpo")[1] is None
+    refresh = ["train.online_fraction=1.0", "train.reference_refresh_interval=30"]
+    tcfg = train_config(build_config(QuickstartConfig, apply_overrides({}, refresh)), tmp_path, tmp_path / "ref",
+                        tmp_path / "init", endpoints, tmp_path / "q0.jsonl", None)
+    assert tcfg.reference_refresh_interval == 30
+    with pytest.raises(ConfigError, match=r"train.reference_refresh_interval: SPO refreshes its reference only when "
+                       r"every source is centred.*\(got 0.5, squared, true, terminal\)"):
+        build_config(QuickstartConfig, {"train": {"reference_refresh_interval": 30}}, "quickstart")
 
 
 def test_policy_gradient_term_adds_the_leave_one_out_reinforce_gradient():

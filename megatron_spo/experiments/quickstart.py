@@ -176,6 +176,14 @@ class QuickstartConfig(StrictModel):
             algo = algorithm_class(self.algo, load_hooks=False)
             beta = 0.0 if algo is not None and algo.default_beta == 0 else QUICKSTART_BETA
         self.train.__dict__["beta"] = beta
+        t = self.train
+        if t.reference_refresh_interval and self.algo == "spo" and (
+                t.online_fraction < 1 or t.loss != "squared" or not t.centre or t.objective not in CENTRABLE_OBJECTIVES):
+            raise ValueError("train.reference_refresh_interval: SPO refreshes its reference only when every source "
+                             "is centred with the squared loss (Q0 then cancels from the gradient): set "
+                             "train.online_fraction=1.0, train.loss=squared, train.centre=true and a terminal or "
+                             f"advantage objective (got {t.online_fraction:g}, {t.loss}, "
+                             f"{str(t.centre).lower()}, {t.objective})")
         if self.trainer == "trl" and self.algo != "grpo":
             raise ValueError(f"trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not '{self.algo}'")
         if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):
