@@ -97,16 +97,20 @@ class ExactMeasures:
     kl_to_optimum: float  # KL(pi || pi*)
 
 
+def _enumerated(task: CountTask, reference: RecurrentPolicy):
+    """Per prompt p: (prompt ids [N], every response [N, horizon], log pi_0 of each [N], its reward [N])."""
+    seqs = task.responses()
+    for p in range(task.prompts):
+        prompts = torch.full((seqs.shape[0],), p)
+        yield prompts, seqs, reference.token_logp(prompts, seqs).sum(1), task.reward(prompts, seqs)
+
+
 @torch.no_grad()
 def exact_measures(task: CountTask, policy: RecurrentPolicy, reference: RecurrentPolicy) -> ExactMeasures:
     """Success rate and KL(pi || pi*) of `policy`, pi* the optimum of SPO with reference `reference`."""
-    seqs = task.responses()
     success = kl = 0.0
-    for p in range(task.prompts):
-        prompts = torch.full((seqs.shape[0],), p)
+    for prompts, seqs, ref, reward in _enumerated(task, reference):
         logp = policy.token_logp(prompts, seqs).sum(1)
-        ref = reference.token_logp(prompts, seqs).sum(1)
-        reward = task.reward(prompts, seqs)
         log_opt = torch.log_softmax(ref + reward / task.beta, dim=0)
         pi = logp.exp()
         success += float((pi * (reward == 0)).sum())
@@ -117,26 +121,15 @@ def exact_measures(task: CountTask, policy: RecurrentPolicy, reference: Recurren
 @torch.no_grad()
 def soft_values(task: CountTask, reference: RecurrentPolicy) -> Tensor:
     """V(p) = beta log E_{pi_0}[exp(r / beta)] per prompt, [prompts]."""
-    seqs = task.responses()
-    out = []
-    for p in range(task.prompts):
-        prompts = torch.full((seqs.shape[0],), p)
-        ref = reference.token_logp(prompts, seqs).sum(1)
-        out.append(task.beta * torch.logsumexp(ref + task.reward(prompts, seqs) / task.beta, dim=0))
-    return torch.stack(out)
+    return torch.stack([task.beta * torch.logsumexp(ref + reward / task.beta, dim=0)
+                        for _, _, ref, reward in _enumerated(task, reference)])
 
 
 @torch.no_grad()
 def optimum_success(task: CountTask, reference: RecurrentPolicy) -> float:
     """pi*'s success rate, mean over prompts."""
-    seqs = task.responses()
-    total = 0.0
-    for p in range(task.prompts):
-        prompts = torch.full((seqs.shape[0],), p)
-        reward = task.reward(prompts, seqs)
-        opt = torch.softmax(reference.token_logp(prompts, seqs).sum(1) + reward / task.beta, dim=0)
-        total += float((opt * (reward == 0)).sum())
-    return total / task.prompts
+    return sum(float((torch.softmax(ref + reward / task.beta, dim=0) * (reward == 0)).sum())
+               for _, _, ref, reward in _enumerated(task, reference)) / task.prompts
 
 
 @dataclass
