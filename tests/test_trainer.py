@@ -180,8 +180,11 @@ def test_a_reference_refresh_copies_the_policy_and_a_resume_keeps_it(tmp_path, h
     def cfg(name, steps=3, **kw):
         return _cfg(tmp_path, hf, name, steps=steps, sources=online, **kw), str(tmp_path / f"{name}.pt")
 
+    # "late": 2 steps without refreshes, then resumed with them on (its checkpoint holds no reference: the init's)
+    late = [cfg("late", 2), cfg("late", 3, reference_refresh_interval=2,
+                                checkpoint={"interval": 100, "allow_config_change": True})]
     run_spawned([cfg("fixed"), cfg("refresh", reference_refresh_interval=2)]
-                + [cfg("resumed", steps, reference_refresh_interval=2) for steps in (2, 3)], 1)
+                + [cfg("resumed", steps, reference_refresh_interval=2) for steps in (2, 3)] + late, 1)
     fixed, refresh = _metrics(tmp_path, "fixed"), _metrics(tmp_path, "refresh")
     ratio = "mean_seq_log_ratio/online"
     assert [m["reference_step"] for m in refresh] == [0, 2, 2] and "reference_step" not in fixed[0]
@@ -190,6 +193,9 @@ def test_a_reference_refresh_copies_the_policy_and_a_resume_keeps_it(tmp_path, h
     # step 3's Q0 is each group's soft value of its rewards (here above the table's -0.5 where a group succeeds)
     assert refresh[2]["residual_mean/online"] != pytest.approx(fixed[2]["residual_mean/online"], abs=1e-3)
     assert [m["step"] for m in _metrics(tmp_path, "resumed")] == [1, 2, 3]
+    late_metrics = _metrics(tmp_path, "late")
+    assert [m["step"] for m in late_metrics] == [1, 2, 3] and late_metrics[2]["reference_step"] == 0
+    assert late_metrics[2][ratio] == pytest.approx(fixed[2][ratio], rel=1e-6)  # still against the init weights
     straight, resumed = torch.load(tmp_path / "refresh.pt"), torch.load(tmp_path / "resumed.pt")
     for k in straight:
         torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-7, msg=k)

@@ -55,7 +55,7 @@ def save(trainer) -> Path:
         torch.save(rng_state(), d / f"rng_rank{trainer.rank:05d}.pt")
         if trainer.rank == 0:
             state = {"step": trainer.step, "policy_version": trainer.policy_version,
-                     "sampler": trainer.sampler.state_dict()}
+                     "reference_step": trainer.reference_step, "sampler": trainer.sampler.state_dict()}
             (d / "trainer_state.json").write_text(json.dumps(state))
             (d / CONFIG_NAME).write_text(dump_config(trainer.cfg))  # what a resume compares its config with
             write_model_description(trainer, d)
@@ -122,8 +122,11 @@ def resume(trainer) -> None:
     trainer.config_changes = check_resume_config(trainer.cfg, path, trainer.run_dir)
     from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
 
-    validate_dist_checkpoint(path / "dist")  # data, never code: before megatron unpickles anything
+    # checked as data, never code, before megatron unpickles anything
+    stored = validate_dist_checkpoint(path / "dist").state_dict_metadata
     sharded = sharded_state_dict(trainer, is_loading=True)
+    if "reference_model" in sharded and not any(k.startswith(_ckpt_prefix("reference")) for k in stored):
+        del sharded["reference_model"]  # saved before refreshes were on: the reference is still the init weights
     state = dist_checkpointing.load(sharded, str(path / "dist"))
     for name, chunks, opt in (("policy", trainer.policy, trainer.optimizer), ("value", trainer.value, trainer.value_optimizer)):
         if chunks is None:
@@ -140,6 +143,8 @@ def resume(trainer) -> None:
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     trainer.step = trainer_state["step"]
     trainer.policy_version = trainer_state["policy_version"]
+    if "reference_model" in sharded:  # else the reference is the init weights, whatever a past run did
+        trainer.reference_step = trainer_state.get("reference_step", 0)
     if trainer.rank == 0:
         trainer.sampler.load_state_dict(trainer_state["sampler"])
     if trainer.rank == 0:

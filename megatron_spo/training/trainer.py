@@ -125,6 +125,7 @@ class Trainer:
         self.ckpt = CheckpointDir(cfg.checkpoint.dir or self.run_dir / "checkpoints", cfg.checkpoint.keep_last)
         self.step = 0
         self.policy_version = 0
+        self.reference_step = 0  # the step whose policy the reference is (0: the init weights)
         self._gap_pass: GapPass | None = None  # the log-prob gap of this step's first policy pass
         self._holds_pushed_weights = True  # the policy is still the version last pushed (no update since)
         self.sampler = None
@@ -355,7 +356,7 @@ class Trainer:
         t_step = time.perf_counter()
         trajs, t_wait = self._global_batch()
         refresh = cfg.reference_refresh_interval
-        if refresh and self.step > refresh and self.algorithm.uses_q0:
+        if self.reference_step and self.algorithm.uses_q0:
             q0_from_own_groups(trajs, cfg.beta)  # the Q0 table is of the first reference
         mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
                             keep_groups=self.algorithm.keeps_prompt_groups, device=self.device)
@@ -406,8 +407,8 @@ class Trainer:
             metrics["samples/online"] = float(len(online))  # rollouts consumed: learning curves per rollout
         metrics.update(update.metrics)
         metrics.update(eval_metrics)
-        if refresh:  # the step whose policy the reference now is
-            metrics["reference_step"] = float(self.step - self.step % refresh)
+        if refresh:
+            metrics["reference_step"] = float(self.reference_step)
         metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
         if "mean_seq_log_ratio/online" in metrics:
             # the k1 estimate of KL(pi || pi_0) is this mean on samples from pi itself: online trajectories only
@@ -429,6 +430,7 @@ class Trainer:
                 weights = dict(policy_chunk.module.named_parameters())
                 for name, param in ref_chunk.named_parameters():
                     param.copy_(weights[name])
+        self.reference_step = self.step
 
     def _evaluate_held_out(self) -> dict[str, float]:
         """Rank 0: eval/pass@K of the engines' current weights; a failed evaluation is one warning line, not
