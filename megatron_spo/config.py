@@ -113,13 +113,13 @@ def format_validation_error(err: ValidationError, source: str | None = None) -> 
     """One line per problem: 'file: field.path: message (got value)'."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"]
+        loc = ".".join(str(p) for p in e["loc"])  # empty: a model-wide rule, whose message names its fields
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         got = e.get("input")
         tail = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {quote(got)})"
-        lines.append(f"{source + ': ' if source else ''}{loc}: {msg}{tail}")
+        lines.append(": ".join(part for part in (source, loc, f"{msg}{tail}") if part))
     return "; ".join(lines)
 
 

@@ -126,7 +126,7 @@ def test_every_subcommand_target_is_a_module_path():
 def test_train_config_refuses_bad_combinations(tmp_path):
     from megatron_spo.training.config import TrainConfig
 
-    with pytest.raises(ConfigError, match=r"sources.offline: Value error, objective 'advantage' with loss "
+    with pytest.raises(ConfigError, match=r"sources.offline: objective 'advantage' with loss "
                                           r"'cross_entropy' is not supported"):
         load_config(TrainConfig, None, ["init.hf=x", "sources.offline.path=a.jsonl",
                                         "sources.offline.objective=advantage", "sources.offline.loss=cross_entropy"])

@@ -29,18 +29,30 @@ def parity_reward(problem, completion: str) -> float:
 
 
 @pytest.mark.parametrize("section, top, message", [
-    ({"n": 2, "ks": [1, 4]}, {}, r"^eval.ks: Value error, each k must lie in \[1, n = 2\] \(samples per problem\), "
+    ({"n": 2, "ks": [1, 4]}, {}, r"^eval.ks: each k must lie in \[1, n = 2\] \(samples per problem\), "
                                  r"got \[4\]"),
     ({"interval": -1}, {}, r"^eval.interval: Input should be greater than or equal to 0 \(got -1\)$"),
     ({"interval": 3}, {"model_update_interval": 2},
-     r"^<root>: Value error, eval.interval: 3 is not a multiple of model_update_interval 2 \(the engines hold"),
+     r"^eval.interval: 3 is not a multiple of model_update_interval 2 \(the engines hold"),
     ({"interval": 10}, {"task": {"kind": "jsonl", "paths": ["x.jsonl"]}},
-     r"^<root>: Value error, eval.paths: task kind 'jsonl' has no held-out split; give held-out problem files$"),
+     r"^eval.paths: task kind 'jsonl' has no held-out split; give held-out problem files$"),
 ])
 def test_eval_config_errors_name_the_field(section, top, message):
     with pytest.raises(ConfigError, match=message):
         build_config(TrainConfig, {"init": {"hf": "x"}, "eval": section, **top})
 
+
+
+def test_the_quickstart_refuses_an_eval_interval_the_trainer_would_when_it_reads_its_config():
+    """Not at step 6 of 6, after the reference, Q0 and the fleet are built: the quickstart validates the trainer
+    config it will make (its eval.interval must be a multiple of the push interval)."""
+    from megatron_spo.config import apply_overrides
+    from megatron_spo.experiments.quickstart import QuickstartConfig
+
+    with pytest.raises(ConfigError, match=r"^quickstart: the trainer would refuse this run .*: eval.interval: 15 is "
+                       r"not a multiple of model_update_interval 10 "):
+        build_config(QuickstartConfig, apply_overrides({}, ["train.eval_interval=15"]), "quickstart")
+    assert build_config(QuickstartConfig, apply_overrides({}, ["train.eval_interval=30"])).train.eval_interval == 30
 
 def test_eval_config_defaults_off_and_reads_the_held_out_split():
     from megatron_spo.data import tasks

@@ -312,9 +312,13 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     tcfg = train_config(build_config(QuickstartConfig, apply_overrides({}, refresh)), tmp_path, tmp_path / "ref",
                         tmp_path / "init", endpoints, tmp_path / "q0.jsonl", None)
     assert tcfg.reference_refresh_interval == 30
-    with pytest.raises(ConfigError, match=r"train.reference_refresh_interval: SPO refreshes its reference only when "
-                       r"every source is centred.*\(got 0.5, squared, true, terminal\)"):
+    # every rule of the trainer's config is checked when the quickstart's is built, before any model is
+    with pytest.raises(ConfigError, match=r"^quickstart: the trainer would refuse this run .*: reference_refresh_"
+                       r"interval: algo spo would train source 'offline' on a Q0 of the first reference.*got centre "
+                       r"false, loss squared\)$"):
         build_config(QuickstartConfig, {"train": {"reference_refresh_interval": 30}}, "quickstart")
+    with pytest.raises(ConfigError, match=r"source 'online' .*got centre true, loss cross_entropy\)$"):
+        build_config(QuickstartConfig, apply_overrides({}, refresh + ["train.loss=cross_entropy"]), "quickstart")
 
 
 def test_policy_gradient_term_adds_the_leave_one_out_reinforce_gradient():

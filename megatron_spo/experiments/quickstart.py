@@ -25,6 +25,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -169,6 +170,7 @@ class QuickstartConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self):
+        from megatron_spo.hooks import is_hook
         from megatron_spo.training.algos import algorithm_class
 
         beta = kl_coef_as_beta(self.train.grpo, self.train.beta, self.algo, "train.")
@@ -176,20 +178,33 @@ class QuickstartConfig(StrictModel):
             algo = algorithm_class(self.algo, load_hooks=False)
             beta = 0.0 if algo is not None and algo.default_beta == 0 else QUICKSTART_BETA
         self.train.__dict__["beta"] = beta
-        t = self.train
-        if t.reference_refresh_interval and self.algo == "spo" and (
-                t.online_fraction < 1 or t.loss != "squared" or not t.centre or t.objective not in CENTRABLE_OBJECTIVES):
-            raise ValueError("train.reference_refresh_interval: SPO refreshes its reference only when every source "
-                             "is centred with the squared loss (Q0 then cancels from the gradient): set "
-                             "train.online_fraction=1.0, train.loss=squared, train.centre=true and a terminal or "
-                             f"advantage objective (got {t.online_fraction:g}, {t.loss}, "
-                             f"{str(t.centre).lower()}, {t.objective})")
         if self.trainer == "trl" and self.algo != "grpo":
             raise ValueError(f"trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not '{self.algo}'")
         if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):
             raise ValueError(f"eval_splits {self.eval_splits} with validation_problems {self.validation_problems}: "
                              "nothing would be evaluated")
+        if self.trainer == "megatron" and not is_hook(self.algo):  # a hook's class is imported by the trainer
+            self._dry_build_train_config()
         return self
+
+    def _dry_build_train_config(self) -> None:
+        """Refuse now, not after the reference, Q0 and the fleet are built, what the trainer would refuse: the
+        trainer config this run makes, validated with stand-in paths (every rule of TrainConfig and the algorithm's
+        check_config, in one place)."""
+        from megatron_spo.config import ConfigError
+
+        where = Path("/quickstart-dry-build")
+        endpoints = SimpleNamespace(router_url="http://127.0.0.1:1", engine_urls=["http://127.0.0.1:2"] * self.engines)
+        try:
+            train_config(self, where, where / "ref", where / "init", endpoints, where / "q0.jsonl",
+                         where / "offline.jsonl")
+        except ConfigError as err:
+            raise ValueError(f"the trainer would refuse this run (train.* makes its sources.online; "
+                             f"train.online_fraction < 1 adds sources.offline): "
+                             f"{str(err).removeprefix(TRAIN_CONFIG_SOURCE + ': ')}") from None
+
+
+TRAIN_CONFIG_SOURCE = "quickstart train config"  # how the trainer config's errors are prefixed
 
 
 def _console():
@@ -255,7 +270,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
                  "temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p, "limit": cfg.heldout_limit},
         "nproc": t.nproc,
     }
-    return build_config(TrainConfig, data, "quickstart train config")
+    return build_config(TrainConfig, data, TRAIN_CONFIG_SOURCE)
 
 
 def build_offline_set(samples_path: Path, path: Path, prompts, q0: dict, tokenizer,
