@@ -59,7 +59,7 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path),
                                           "arms": ["spo", "spo-online", "ppo", "grpo", "trl-grpo"],
                                           "seeds": [0, 1], "sweep": {"enabled": False},
-                                          "long_run": {"seeds": [0, 1]}})
+                                          "long_run": {"seeds": [0, 1], "arms": ["spo", "spo-online", "grpo", "ppo"]}})
     for seed in (0, 1):
         _fake_reference(tmp_path, seed)
         _fake_run(tmp_path, study, "spo", seed, 0.4, 0.9, pushes=1, wall=90, distinct=3)
@@ -71,6 +71,12 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
                             ("grpo", 1, (1.0, 4.0))):
         _fake_run(tmp_path, study, arm, seed, 0.45, 0.9, pushes=3, wall=300, kind="long", grad=grad,
                   settings=(("train.steps", 270),))
+    # online-only SPO decays at 3x on seed 0 (seed 1 never ran); PPO's seed 1 diverged
+    _fake_run(tmp_path, study, "spo-online", 0, 0.2, 0.8, pushes=3, wall=300, kind="long", settings=(("train.steps", 270),))
+    _fake_run(tmp_path, study, "ppo", 0, 0.25, 0.6, pushes=9, wall=300, kind="long", settings=(("train.steps", 270),))
+    diverged = st.RunSpec("long", "ppo", 1, (("train.steps", 270),)).run_dir(tmp_path).parent
+    diverged.mkdir(parents=True)
+    (diverged / "FAILED").write_text("TrainingDiverged: step 200: |mean seq log-ratio| 60 > 50 | see the log\n")
     report = write_report(study, tmp_path, {a: {"settings": {}} for a in study.arms}).read_text()
 
     # trained vs reference: every problem moved by the same amount, so the interval is the point
@@ -97,6 +103,15 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
     assert "| 5. SPO is more stable (long runs, 3x steps, 2 seeds) | grad-norm growth (last / first third) SPO 3.00 " \
            "vs GRPO 4.00; largest abs(mean seq log-ratio) 0.80 vs 0.80; held-out pass@1 after 1x -> 3x steps SPO " \
            "0.400 -> 0.450, GRPO 0.400 -> 0.450 | reproduced |" in report
+    # long runs against the same seeds' 1x runs and the reference, with a verdict per arm
+    assert "| spo | 2 x 40 | 0.400 -> 0.450 | +0.050 [+0.050, +0.050] | 0.900 -> 0.900 | +0.000 [+0.000, +0.000] | " \
+           "+0.300 [+0.300, +0.300] | 3.00 | 0.80 | none | holds |" in report
+    assert "| grpo | 2 x 40 | 0.400 -> 0.450 | +0.050 [+0.050, +0.050] | 0.700 -> 0.900 | +0.200" in report
+    assert "| spo-online | 1 x 40 | 0.300 -> 0.200 | -0.100 [-0.100, -0.100] | 0.900 -> 0.800 | -0.100 " \
+           "[-0.100, -0.100] | +0.200 [+0.200, +0.200] | 1.00 | 0.80 | none | decays |" in report
+    assert "| ppo | 1 x 40 | 0.250 -> 0.250 | +0.000 [+0.000, +0.000] | 0.600 -> 0.600 | +0.000 [+0.000, +0.000] | " \
+           "+0.000 [+0.000, +0.000] | 1.00 | 0.80 | seed 1: TrainingDiverged: step 200: /mean seq log-ratio/ 60 > 50 / " \
+           "see the log | fails |" in report
     for png in ("pass_at_k", "learning_curve_rollouts", "learning_curve_seconds", "stability"):
         assert (tmp_path / f"{png}.png").stat().st_size > 1000 and f"]({png}.png)" in report
     # every table row has its header's cells (a '|' inside a measurement split claim 5's row)

@@ -78,6 +78,10 @@ class ArmRuns:
         src = self.before if before else self.after
         return [[self.value(src[s][p], what) for p in problems] for s in seeds]
 
+    def mean(self, what: str, seeds: list[int], problems: list[str], before: bool = False) -> float:
+        """The mean over those seeds and problems (0 when there are none)."""
+        return sum(map(sum, self.matrix(what, seeds, problems, before))) / max(1, len(seeds) * len(problems))
+
 
 def _ci(mean: float, lo: float, hi: float) -> str:
     return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
@@ -263,25 +267,70 @@ def _stability(arm: ArmRuns, short: ArmRuns | None) -> dict[str, float]:
             "pass@1": mean(after), "pass@1_short": mean(before), "seeds": len(arm.metrics)}
 
 
-def load_arms(study, root: Path, chosen: dict, kind: str, names: list[str]) -> list[ArmRuns]:
+def run_dirs(study, root: Path, chosen: dict, kind: str, name: str) -> dict[int, Path]:
+    """Per seed, where the arm's run of this kind is (or would be)."""
     from megatron_spo.experiments.quickstart import QuickstartTrainConfig
     from megatron_spo.experiments.study import RunSpec
 
+    settings = tuple(chosen.get(name, {}).get("settings", {}).items())
+    extra = ()
+    if kind == "long":
+        steps = int(study.quickstart.get("train", {}).get("steps", QuickstartTrainConfig().steps))
+        extra = (("train.steps", steps * study.long_run.steps_factor),)
+    seeds = study.seeds if kind == "runs" else study.long_run.seeds
+    return {seed: RunSpec(kind, name, seed, settings + extra).run_dir(root) for seed in seeds}
+
+
+def load_arms(study, root: Path, chosen: dict, kind: str, names: list[str]) -> list[ArmRuns]:
     arms = []
     for name in names:
-        settings = tuple(chosen.get(name, {}).get("settings", {}).items())
-        runs = {}
-        for seed in (study.seeds if kind == "runs" else study.long_run.seeds):
-            extra = ()
-            if kind == "long":
-                steps = int(study.quickstart.get("train", {}).get("steps", QuickstartTrainConfig().steps))
-                extra = (("train.steps", steps * study.long_run.steps_factor),)
-            run = RunSpec(kind, name, seed, settings + extra).run_dir(root)
-            if (run / "results.json").exists():
-                runs[seed] = run
+        runs = {s: r for s, r in run_dirs(study, root, chosen, kind, name).items() if (r / "results.json").exists()}
         if runs:
             arms.append(ArmRuns(name, runs, root))
     return arms
+
+
+def _long_runs(study, root: Path, chosen: dict, long: list[ArmRuns], by: dict[str, ArmRuns]) -> list[str]:
+    """Per long-run arm: held-out pass@k after 3x the steps against the same seeds' 1x runs (3x - 1x, paired per
+    seed and problem) and against the reference, its stability numbers, and the long runs that failed. It holds
+    when no run failed, neither pass@k is lower at 3x (the interval reaches 0 or above) and pass@10 stays above
+    the reference (the interval excludes 0)."""
+    names = [a for a in study.long_run.arms if a in study.arms]
+    if not names:
+        return []
+    lines = [f"## Long runs ({study.long_run.steps_factor}x the steps): do they hold?", "",
+             "| arm | seeds x problems | pass@1 1x -> long | long - 1x | pass@10 1x -> long | long - 1x | pass@10 long - "
+             "reference | grad-norm growth | largest abs(mean seq log-ratio) | failed runs | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    done = {a.name: a for a in long}
+    for name in names:
+        failed = [f"seed {s}: " + (r.parent / "FAILED").read_text().strip()[:80].replace("|", "/")
+                  for s, r in run_dirs(study, root, chosen, "long", name).items() if (r.parent / "FAILED").exists()]
+        arm, short = done.get(name), by.get(name)
+        if arm is None or short is None:
+            lines.append(f"| {name} | 0 | | | | | | | | {'; '.join(failed) or 'none'} | "
+                         f"{'fails' if failed else 'not measured'} |")
+            continue
+        seeds, problems = _common([arm, short])
+
+        d1, d10 = compare(arm, short, "pass@1"), compare(arm, short, "pass@10")
+        ref10 = compare(arm, None, "pass@10")
+        st = _stability(arm, short)
+        if failed:
+            verdict = "fails"
+        elif d1[2] < 0 or d10[2] < 0:
+            verdict = "decays"
+        elif not ref10[1] > 0:
+            verdict = "holds, but pass@10 not above the reference"
+        else:
+            verdict = "holds"
+        lines.append(f"| {name} | {len(seeds)} x {len(problems)} | {short.mean('pass@1', seeds, problems):.3f} -> "
+                     f"{arm.mean('pass@1', seeds, problems):.3f} | {_ci(*d1[:3])} | "
+                     f"{short.mean('pass@10', seeds, problems):.3f} -> {arm.mean('pass@10', seeds, problems):.3f} | "
+                     f"{_ci(*d10[:3])} | {_ci(*ref10[:3])} | "
+                     f"{st['grad_norm_growth']:.2f} | {st['max_abs_log_ratio']:.2f} | {'; '.join(failed) or 'none'} "
+                     f"| {verdict} |")
+    return lines + [""]
 
 
 def write_report(study, root: Path, chosen: dict) -> Path:
@@ -321,8 +370,7 @@ def write_report(study, root: Path, chosen: dict) -> Path:
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in arms:
         seeds, problems = _common([arm])
-        n = max(1, len(seeds) * len(problems))
-        mean = {w: sum(map(sum, arm.matrix(w, seeds, problems))) / n for w in ("pass@1", "pass@10", "gap", "distinct")}
+        mean = {w: arm.mean(w, seeds, problems) for w in ("pass@1", "pass@10", "gap", "distinct")}
         d1, d10 = compare(arm, None, "pass@1"), compare(arm, None, "pass@10")
         r = _resources(arm)
         lines.append(f"| {arm.name} | {len(seeds)} x {len(problems)} | {mean['pass@1']:.3f} | {_ci(*d1[:3])} | "
@@ -331,9 +379,7 @@ def write_report(study, root: Path, chosen: dict) -> Path:
                      f"{_mean_sd([x for x in r['rss'] if x], '{:.2f}')} |")
     if arms:
         seeds, problems = _common(arms[:1])
-        n = max(1, len(seeds) * len(problems))
-        ref = {w: sum(map(sum, arms[0].matrix(w, seeds, problems, before=True))) / n
-               for w in ("pass@1", "pass@10", "gap", "distinct")}
+        ref = {w: arms[0].mean(w, seeds, problems, before=True) for w in ("pass@1", "pass@10", "gap", "distinct")}
         lines.append(f"| reference | {len(seeds)} x {len(problems)} | {ref['pass@1']:.3f} | | {ref['pass@10']:.3f} | | "
                      f"{ref['gap']:.3f} | {ref['distinct']:.2f} | | | | |")
     lines += ["", "Arms: " + "; ".join(f"**{n}**: {ARMS[n].about}" for n in study.arms), ""]
@@ -351,6 +397,7 @@ def write_report(study, root: Path, chosen: dict) -> Path:
         diffs = [compare(by["grpo"], by["trl-grpo"], w)[:3] for w in ("pass@1", "pass@10", "gap", "distinct")]
         agree = all(lo <= 0 <= hi for _, lo, hi in diffs[:2])
         lines += ["| " + " | ".join(_ci(*d) for d in diffs) + f" | {'yes' if agree else 'no'} (pass@1, pass@10) |", ""]
+    lines += _long_runs(study, root, chosen, long, by)
     lines += _claims(by, long)
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     report = root / "report.md"
