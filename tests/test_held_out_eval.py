@@ -73,6 +73,37 @@ def test_a_held_out_decline_past_warn_drop_below_the_best_is_one_warning_naming_
     assert [quiet.decline_warning(s, {"eval/pass@1": p}) for s, p in ((1, 0.9), (2, 0.1))] == [None, None]
 
 
+
+def test_the_trainer_prints_the_decline_warning_after_its_held_out_eval_and_survives_a_failed_one(capsys):
+    """Trainer._evaluate_held_out with the engines' evaluation replaced by known scores: the decline warning is
+    printed after the evaluation that falls past warn_drop, a failed evaluation is one warning line and no metrics."""
+    from types import SimpleNamespace
+
+    from megatron_spo.rollout.client import EngineError
+    from megatron_spo.training.held_out_eval import HeldOutEval
+    from megatron_spo.training.trainer import Trainer
+
+    watch = HeldOutEval(build_config(TrainConfig, {"init": {"hf": "x"}}), [], None, "", [])
+    scores = iter([{"eval/pass@1": 0.5}, EngineError("http://engine:1", "connection refused"), {"eval/pass@1": 0.35}])
+
+    def run():
+        score = next(scores)
+        if isinstance(score, Exception):
+            raise score
+        return score
+
+    watch.run = run
+    trainer = SimpleNamespace(held_out=watch, step=0)
+    said = []
+    for step in (90, 180, 270):
+        trainer.step = step
+        said.append((Trainer._evaluate_held_out(trainer), capsys.readouterr().out))
+    assert said == [({"eval/pass@1": 0.5}, ""),
+                    ({}, "[megatron-spo] warning: held-out eval at step 180 failed: EngineError: http://engine:1: connection refused\n"),
+                    ({"eval/pass@1": 0.35}, "[megatron-spo] warning: step 270: held-out pass@1 0.350 is 0.150 below "
+                     "its best 0.500 (step 90; eval.warn_drop 0.1): the policy has been decaying since then "
+                     "(docs/spo-stability.md, 'What to watch')\n")]
+
 def _train(cfg_data: dict) -> None:
     from megatron_spo.training.trainer import Trainer
 
