@@ -87,6 +87,11 @@ def _ci(mean: float, lo: float, hi: float) -> str:
     return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
+def _num(x: float) -> str:
+    """x to 2 decimals; n/a for a metric the arm does not log (nan)."""
+    return "n/a" if math.isnan(x) else f"{x:.2f}"
+
+
 def _score(grid_point: dict) -> str:
     if grid_point["validation"] is not None:
         return format(grid_point["validation"], ".3f")
@@ -328,7 +333,7 @@ def _long_runs(study, root: Path, chosen: dict, long: list[ArmRuns], by: dict[st
                      f"{arm.mean('pass@1', seeds, problems):.3f} | {_ci(*d1[:3])} | "
                      f"{short.mean('pass@10', seeds, problems):.3f} -> {arm.mean('pass@10', seeds, problems):.3f} | "
                      f"{_ci(*d10[:3])} | {_ci(*ref10[:3])} | "
-                     f"{st['grad_norm_growth']:.2f} | {st['max_abs_log_ratio']:.2f} | {'; '.join(failed) or 'none'} "
+                     f"{_num(st['grad_norm_growth'])} | {_num(st['max_abs_log_ratio'])} | {'; '.join(failed) or 'none'} "
                      f"| {verdict} |")
     return lines + [""]
 
