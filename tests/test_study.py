@@ -67,9 +67,10 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
         _fake_run(tmp_path, study, "ppo", seed, 0.25, 0.6, pushes=9, wall=120)
         _fake_run(tmp_path, study, "grpo", seed, 0.4, 0.7, pushes=9, wall=100)
         _fake_run(tmp_path, study, "trl-grpo", seed, 0.35, 0.7, pushes=0, wall=100)
-    for arm, seed, grad in (("spo", 0, (1.0, 2.0)), ("spo", 1, (1.0, 4.0)), ("grpo", 0, (1.0, 4.0)),
-                            ("grpo", 1, (1.0, 4.0))):
-        _fake_run(tmp_path, study, arm, seed, 0.45, 0.9, pushes=3, wall=300, kind="long", grad=grad,
+    # 3x the steps: SPO gains 0.05 pass@1 and keeps pass@10, GRPO loses 0.05 and 0.1
+    for arm, seed, grad, p1, p10 in (("spo", 0, (1.0, 2.0), 0.45, 0.9), ("spo", 1, (1.0, 4.0), 0.45, 0.9),
+                                     ("grpo", 0, (1.0, 4.0), 0.35, 0.6), ("grpo", 1, (1.0, 4.0), 0.35, 0.6)):
+        _fake_run(tmp_path, study, arm, seed, p1, p10, pushes=3, wall=300, kind="long", grad=grad,
                   settings=(("train.steps", 270),))
     # online-only SPO decays at 3x on seed 0 (seed 1 never ran); PPO's seed 1 diverged
     _fake_run(tmp_path, study, "spo-online", 0, 0.2, 0.8, pushes=3, wall=300, kind="long", settings=(("train.steps", 270),))
@@ -99,14 +100,16 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
     assert "3b. ... on pass@10 | spo - spo-online, pass@10: +0.000 [+0.000, +0.000]" in report
     assert "inconclusive (CI includes 0)" in report
     assert "train wall SPO / PPO per seed 0.75, 0.75; pushes 1 ± 0 vs 9 ± 0" in report and "| reproduced |" in report
-    # long runs: growth averaged over the seeds (SPO (2 + 4) / 2), held-out pass@1 against the same seeds' runs
-    assert "| 5. SPO is more stable (long runs, 3x steps, 2 seeds) | grad-norm growth (last / first third) SPO 3.00 " \
-           "vs GRPO 4.00; largest abs(mean seq log-ratio) 0.80 vs 0.80; held-out pass@1 after 1x -> 3x steps SPO " \
-           "0.400 -> 0.450, GRPO 0.400 -> 0.450 | reproduced |" in report
+    # long runs: each arm's change from 1x to 3x, SPO's minus GRPO's, paired per (seed, problem); growth averaged
+    # over the seeds (SPO (2 + 4) / 2)
+    assert "| 5. SPO is more stable (long runs, 3x steps, 2 seeds) | (3x - 1x) SPO minus (3x - 1x) grpo: pass@1 " \
+           "+0.100 [+0.100, +0.100], pass@10 +0.100 [+0.100, +0.100]; held-out pass@1 1x -> 3x SPO 0.400 -> 0.450, " \
+           "grpo 0.400 -> 0.350; grad-norm growth (last / first third) 3.00 vs 4.00 | reproduced |" in report
     # long runs against the same seeds' 1x runs and the reference, with a verdict per arm
     assert "| spo | 2 x 40 | 0.400 -> 0.450 | +0.050 [+0.050, +0.050] | 0.900 -> 0.900 | +0.000 [+0.000, +0.000] | " \
            "+0.300 [+0.300, +0.300] | 3.00 | 0.80 | none | holds |" in report
-    assert "| grpo | 2 x 40 | 0.400 -> 0.450 | +0.050 [+0.050, +0.050] | 0.700 -> 0.900 | +0.200" in report
+    assert "| grpo | 2 x 40 | 0.400 -> 0.350 | -0.050 [-0.050, -0.050] | 0.700 -> 0.600 | -0.100 [-0.100, -0.100] | " \
+           "+0.000 [+0.000, +0.000] | 4.00 | 0.80 | none | decays |" in report
     assert "| spo-online | 1 x 40 | 0.300 -> 0.200 | -0.100 [-0.100, -0.100] | 0.900 -> 0.800 | -0.100 " \
            "[-0.100, -0.100] | +0.200 [+0.200, +0.200] | 1.00 | 0.80 | none | decays |" in report
     assert "| ppo | 1 x 40 | 0.250 -> 0.250 | +0.000 [+0.000, +0.000] | 0.600 -> 0.600 | +0.000 [+0.000, +0.000] | " \
