@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_spo.collectives import all_reduce_
 from megatron_spo.fsutil import fsync_path, fsync_tree, write_text_atomic
 
 COMPLETE = "COMPLETE"
@@ -221,7 +222,7 @@ class PreemptionHandler:
     def requested(self, group=None) -> bool:
         flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
     def restore(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from megatron_spo.collectives import all_reduce_
 from megatron_spo.models.builders import default_position_ids, output_hidden_states
 
 
@@ -130,5 +131,5 @@ def gather_logits_to_rank0(
         if ps.get_tensor_model_parallel_rank() == 0:
             result = local[..., :vocab_size].contiguous()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(result)  # exactly one rank holds non-zero logits
+        all_reduce_(result)  # exactly one rank holds non-zero logits
     return result if (not dist.is_initialized() or dist.get_rank() == 0) else None

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_spo.collectives import all_reduce_
 from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import (
     TrainBatch,
@@ -450,7 +451,7 @@ class Trainer:
 
     def _sum_across_data_parallel(self, t: torch.Tensor) -> torch.Tensor:
         if self.dp_size > 1:
-            dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+            all_reduce_(t, group=self.ps.get_data_parallel_group())
         return t
 
     def forward(self, model: str, mbs: list[TrainBatch], output: str) -> list:
