@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned, train_with_failing_pushes
 
-from megatron_spo.config import ConfigError
+from megatron_spo.config import ConfigError, build_config
 from megatron_spo.training.config import TrainConfig
 from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names, plot_run
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, split_to_count
@@ -322,3 +322,18 @@ def test_a_push_that_reached_no_engine_is_sent_again_then_stops_the_run(hf, tmp_
         assert result["error"] == ("weight sync to version 1 reached no engine in 3 attempts "
                                    "(rollout.weight_sync_attempts): weight sync to version 1 reached no engine: "
                                    "{'http://e0': 'OOM'}")
+
+
+def test_train_deterministic_turns_on_torchs_deterministic_algorithms_for_the_run_only(hf, tmp_path):
+    """train.deterministic: every step runs under torch's deterministic algorithms with cuBLAS's fixed workspace
+    (what made an H100 rerun of PPO bitwise, docs/gpu), and close() gives the process its flag back."""
+    from trainer_helpers import train_recording_determinism
+
+    from megatron_spo.models.parallel import spawn_local
+
+    out = tmp_path / "seen.json"
+    spawn_local(train_recording_determinism, 1, _cfg(tmp_path, hf, "det", steps=2, deterministic=True), str(out))
+    seen = json.loads(out.read_text())
+    assert seen == {"during": [[True, ":4096:8"]] * 2, "after": False}
+    with pytest.raises(ConfigError, match="^deterministic: Input should be a valid boolean"):
+        build_config(TrainConfig, _cfg(tmp_path, hf, "bad", deterministic="sometimes"))

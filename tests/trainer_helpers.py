@@ -148,3 +148,32 @@ def train_and_dump_dtypes(runs: list[tuple[dict, str]]) -> None:
                 torch.save({"weights": weights, "params": params, "main_params": main}, out_file)
         finally:
             trainer.close(keep_process_group=i < len(runs) - 1)
+
+
+class DeterminismRecordingSource(DeterministicSource):
+    """Records, at each take(), whether torch's deterministic algorithms are on and cuBLAS's workspace."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        self.seen.append([torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")])
+        return super().take(k, timeout_s)
+
+
+def train_recording_determinism(cfg_data: dict, out_file: str) -> None:
+    """One rank: train; write what the source saw during training and the flag after close()."""
+    import json
+
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    source = DeterminismRecordingSource()
+    trainer = Trainer(TrainConfig.model_validate(cfg_data), online_source=source)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    with open(out_file, "w") as f:
+        json.dump({"during": source.seen, "after": torch.are_deterministic_algorithms_enabled()}, f)

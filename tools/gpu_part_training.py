@@ -1,7 +1,7 @@
 """GPU check, item 3: a few SPO, GRPO and PPO optimizer steps of the real Trainer on the device: a tiny Llama
 (tests/trainer_helpers.make_tiny_hf), the deterministic in-process trajectory source of the trainer tests
-(no engines), one process. Each run is done twice: the final weights and the logged losses must be bitwise
-equal. On a GPU the same runs also go on the CPU (a child process that cannot see the GPU, in parallel)
+(no engines), one process, with train.deterministic. Each run is done twice: the final weights and the logged
+losses must be bitwise equal. On a GPU the same runs also go on the CPU (a child process that cannot see the GPU, in parallel)
 and must stay close: weights and every logged loss (all O(1) or below) within 1e-4 absolute. On a GPU an
 SPO run in bf16 (params_dtype) also runs: finite losses, each within 5e-2 relative of fp32's.
 GPU_CHECK_EXERCISE_ALL=1 runs the CPU comparison and the bf16 run on the CPU too (to debug them here).
@@ -26,7 +26,8 @@ def run_config(root: str, hf: str, algo: str, name: str, steps: int, **overrides
     cfg = dict(run_dir=f"{root}/{name}", steps=steps, algo=algo, beta=0.5, init={"hf": hf},
                optimizer={"lr": 1e-3, "warmup_steps": 2},
                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
-               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False})
+               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False},
+               deterministic=True)  # without it an H100 rerun of PPO differed by 4e-9 (2026-11-26)
     if algo in ("agro", "grpo"):  # whole prompt groups (4 sequences) per micro-batch
         cfg["batch"] = dict(cfg["batch"], max_tokens_per_micro_batch=64)
     if algo in ("ppo", "grpo"):  # the behaviour log-probs are of T = 1, top-p 1 sampling

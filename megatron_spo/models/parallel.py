@@ -51,6 +51,16 @@ def check_layout(parallel_cfg: ParallelConfig, model_cfg: ModelConfig, world_siz
             raise ConfigError("model.fp8 needs transformer-engine and a GPU; neither is usable here")
 
 
+def enable_deterministic() -> bool:
+    """Bitwise-reproducible CUDA runs: torch's deterministic algorithms (an op that has no deterministic kernel
+    raises, naming itself) and the fixed cuBLAS workspace they need, set before the first GEMM. CPU runs are
+    deterministic already; this costs nothing there. Returns whether they were on before (to restore)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    return before
+
+
 def init_parallel(
     parallel_cfg: ParallelConfig,
     model_cfg: ModelConfig,

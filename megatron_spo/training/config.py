@@ -309,6 +309,10 @@ def kl_coef_as_beta(grpo: GRPOConfig, beta: float | None, algo: str, where: str 
 class TrainConfig(StrictModel):
     run_dir: str = "runs/spo"
     seed: int = 1234
+    deterministic: bool = Field(
+        False, description="bitwise reruns on a GPU (slower): torch's deterministic algorithms, an op without a "
+        "deterministic CUDA kernel raising with its name, and cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG "
+        ":4096:8 unless set). Off, an H100 rerun of PPO differed by 4e-9 in the weights at step 3 (2026-11-26)")
     steps: int = Field(100_000, gt=0)
     algo: AlgoName = Field("spo", description="a registered algorithm (training/algos/) or a hook "
                            "'package.module:Class'")

@@ -93,7 +93,7 @@ class Trainer:
         from megatron.core import parallel_state
 
         from megatron_spo.models import builders
-        from megatron_spo.models.parallel import init_parallel
+        from megatron_spo.models.parallel import enable_deterministic, init_parallel
 
         self.cfg = cfg
         # megatron-core's import-time and model-build warnings go to RUN_DIR/warnings.log, summarised in one line
@@ -103,6 +103,7 @@ class Trainer:
         # first of all: a SLURM warning signal during the (long) model build must not kill the rank
         self.preemption = PreemptionHandler()
         self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
+        self._deterministic_before = enable_deterministic() if cfg.deterministic else None
         init_parallel(cfg.parallel, self.model_cfg, seed=cfg.seed)
         self.ps = parallel_state
         self.rank = dist.get_rank()
@@ -636,6 +637,8 @@ class Trainer:
         from megatron_spo.models.parallel import destroy_parallel
 
         self.preemption.restore()
+        if self._deterministic_before is not None:  # the flag is the process's: the next trainer picks its own
+            torch.use_deterministic_algorithms(self._deterministic_before)
         self.library_warnings.close()
         if self.archive is not None:
             self.archive.close()
