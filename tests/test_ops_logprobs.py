@@ -360,9 +360,17 @@ def check_fp8_against_straight_through(device, chunk_size, vocab_tile):
         chunk_size=chunk_size,
         vocab_tile=vocab_tile,
     )
-    assert_all_close(
-        got, values_and_grads(straight_through, hidden.double(), weight.double(), targets), rtol=0, atol=1e-5
-    )
+    want = values_and_grads(straight_through, hidden.double(), weight.double(), targets)
+    if torch.device(device).type == "cpu":
+        assert_all_close(got, want, rtol=0, atol=1e-5)
+    else:
+        # Hopper's FP8 tensor cores keep ~14 bits of the running sum inside an MMA (DeepSeek-V3 report, 3.3.2),
+        # so cuBLAS's product is the dequantised one to ~2^-13 relative, not to fp32 rounding (H100,
+        # 2026-11-26: logp off by 1.4e-3 = 8e-5 of its largest entry). Held to 2^-10 of each tensor's largest.
+        for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, want):
+            a, b = a.cpu().double(), b.cpu().double()
+            rel = ((a - b).abs().max() / b.abs().max()).item()
+            assert rel <= 2**-10, f"{name}: FP8 op vs dequantised product {rel:.2e} of its largest entry > 2^-10"
     assert (
         got[0].cpu().double() - truth(hidden, weight, targets)[0]
     ).abs().max().item() > 1e-3  # FP8 did change it

@@ -57,18 +57,18 @@ class Part:
 PARTS = (
     Part("environment", 6, "GPU, driver, torch / triton / megatron-core versions", "gpu_part_env.py", 45),
     Part("ops-kernels", 1, "fused token log-probs (Triton and torch blocks) and cumulative Q vs the fp64 "
-         "reference, fp32 and bf16", "gpu_part_kernels.py", 50),
-    Part("ops-cuda-tests", 1, "the CUDA-only tests of tests/test_ops_logprobs.py", "gpu_part_cuda_tests.py", 70),
+         "reference, fp32 and bf16", "gpu_part_kernels.py", 30),
+    Part("ops-cuda-tests", 1, "the CUDA-only tests of tests/test_ops_logprobs.py", "gpu_part_cuda_tests.py", 45),
     Part("megatron-parity", 2, "megatron-core GPTModel (local spec, NCCL group of one) vs transformers, "
-         "forward + backward, fp32 and bf16, one family per registry entry", "gpu_part_megatron.py", 90),
+         "forward + backward, fp32 and bf16, one family per registry entry", "gpu_part_megatron.py", 70),
     Part("training", 3, "SPO, GRPO and PPO steps (tiny model, deterministic source, no engines): rerun "
-         "bitwise, close to CPU; a bf16 SPO run", "gpu_part_training.py", 110),
+         "bitwise, close to CPU; a bf16 SPO run", "gpu_part_training.py", 90),
     Part("te-fp8", 5, "Transformer Engine FP8 if importable; the LM-head FP8 GEMM (torch._scaled_mm)",
          "gpu_part_fp8.py", 25),
     Part("nccl-push", 4, "the weight push over NCCL between two processes (needs 2 GPUs)",
          "gpu_part_nccl.py", 25),
     Part("ops-bench", 1, "tools/bench_logprobs.py at V=128256: peak memory and time vs naive (and Liger)",
-         "gpu_part_bench.py", 80),
+         "gpu_part_bench.py", 150),
 )
 
 

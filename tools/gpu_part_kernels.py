@@ -5,7 +5,8 @@ Reuses the helpers of tests/test_ops_logprobs.py (make_problem, values_and_grads
 (algorithms/spo.py) is torch cumsum: the project has no Triton kernel for it, so its check is the device's
 cumsum against fp64. Limits: fp32 (TF32 off) logp / entropy within 1e-4 absolute and gradients within 1e-4
 relative (Frobenius); bf16 inputs: logp within 1e-3 (fp32 statistics), gradients within 2^-8 relative (one
-bf16 rounding per GEMM operand), as tests/test_ops_logprobs.py argues; Triton and torch blocks agree to 1e-5.
+bf16 rounding per GEMM operand), as tests/test_ops_logprobs.py argues; Triton and torch blocks agree to 1e-4 of
+each tensor's largest entry in fp32 (1e-2 in bf16).
 GPU_CHECK_EXERCISE_ALL=1 on the CPU runs the Triton blocks too, under TRITON_INTERPRET=1 (to debug it here).
 """
 
@@ -54,9 +55,12 @@ def fused_op(result: PartResult, device: str, n: int, h: int, v: int) -> None:
             pad = got[backend][3][valid:].abs().max().item()
             result.check(f"{tag} {backend} padding rows' grad", pad, at_most=0.0)
         if len(backends) == 2:
-            diff = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-                       for a, b in zip(got["triton"], got["torch"]))
-            result.check(f"{tag} triton vs torch blocks (max rel)", diff, at_most=1e-5 if tag == "fp32" else 1e-2)
+            # largest elementwise difference over each tensor's largest entry; fp32's limit is the limit against
+            # fp64: the blocks sum grad_weight over the N rows in different orders (H100, 2026-11-26: 1.16e-5)
+            for name, a, b in zip(NAMES, got["triton"], got["torch"]):
+                diff = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+                result.check(f"{tag} triton vs torch blocks {name} (max rel)", diff,
+                             at_most=1e-4 if tag == "fp32" else 1e-2)
     if len(backends) == 1:
         result.note("Triton blocks not run: they need CUDA (or TRITON_INTERPRET=1, which the CPU tests cover)")
 
