@@ -184,6 +184,17 @@ def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):
     val = split_problems(build_config(QuickstartConfig, sweep), task_from_config(cfg.reference))
     assert len(val["validation"]) == 30 and {p.id for p in val["train"]} == ids["train"]
     assert not ({p.id for p in val["validation"]} & (ids["train"] | ids["heldout"]))
+    # the trainer's own prompt set (its task config) is those 90 problems: the validation ones stay out of
+    # training (they did not, and a sweep's every SPO run stopped on their missing Q0)
+    from types import SimpleNamespace
+
+    from megatron_spo.data.problems import problems_from_task_config
+    from megatron_spo.experiments.quickstart import train_config
+
+    fleet = SimpleNamespace(router_url="http://127.0.0.1:1", engine_urls=["http://127.0.0.1:2"] * 2)
+    tcfg = train_config(build_config(QuickstartConfig, sweep), tmp_path, tmp_path / "ref", tmp_path / "init", fleet,
+                        tmp_path / "q0.jsonl", tmp_path / "offline.jsonl", len(val["train"]))
+    assert [p.id for p in problems_from_task_config(tcfg.task)] == [p.id for p in val["train"]]
 
 
 def test_bad_study_settings_fail_naming_the_field(tmp_path):

@@ -214,8 +214,10 @@ def _console():
 
 
 def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Path, endpoints,
-                 q0_path: Path, offline_path: Path | None) -> TrainConfig:
-    """The trainer's config for this quickstart run (written to RUN_DIR/config.yaml by the trainer)."""
+                 q0_path: Path, offline_path: Path | None, train_problems: int | None = None) -> TrainConfig:
+    """The trainer's config for this quickstart run (written to RUN_DIR/config.yaml by the trainer).
+    train_problems: how many of the task's first training problems are RL prompts (split_problems' "train":
+    the validation problems, the last ones, stay out); None: cfg.train_limit (the dry build)."""
     from megatron_spo.training.algos import algorithm_class
 
     t = cfg.train
@@ -259,7 +261,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "ppo": t.ppo.model_dump(), "grpo": t.grpo.model_dump(),
         "task": {"kind": GENERATED_TASKS[cfg.reference.task.kind], "toy": cfg.reference.task.model_dump(),
                  "q0_path": str(q0_path),
-                 "limit": cfg.train_limit},
+                 "limit": train_problems if train_problems is not None else cfg.train_limit},
         "fleet": {"router_url": endpoints.router_url, "engine_urls": endpoints.engine_urls},
         "rollout": rollout.model_dump(mode="json"),
         "sandbox": cfg.sandbox.model_dump(mode="json"),
@@ -492,7 +494,7 @@ def run(cfg: QuickstartConfig) -> dict:
                        + ("megatron-core" if cfg.trainer == "megatron" else "TRL's GRPOTrainer"))
             if cfg.trainer == "megatron":
                 tcfg = train_config(cfg, out, ref, megatron_init, endpoints, out / "q0.jsonl",
-                                    out / "offline.jsonl" if n_offline else None)
+                                    out / "offline.jsonl" if n_offline else None, len(problems["train"]))
                 launch(tcfg)
                 logged = read_metrics(out / "train") if (out / "train" / METRICS_FILE).exists() else []
                 done = max((m.get("step", 0) for m in logged), default=0)
