@@ -68,7 +68,7 @@ M = TypeVar("M", bound=BaseModel)
 QUOTE_CHARS = 80  # longest value an error line quotes
 MAX_CONFIG_BYTES = 4 << 20  # a config file is text a person wrote: 4 MiB is far beyond any
 MAX_CONFIG_NODES = 100_000  # values after alias expansion (a 558-byte alias bomb expands to ~10^9)
-_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")  # the floats YAML 1.2 reads and 1.1 does not
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,8 +88,6 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {quote(item)}: {err.problem}") from None
     except (yaml.YAMLError, RecursionError):
         value = raw
-    if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
-        value = float(value)  # YAML 1.1 reads '2e-5' (no dot) as a string
     return key.split("."), value
 
 
@@ -241,6 +239,11 @@ class _StrictYamlLoader(yaml.SafeLoader):
                     raise _Refused(problem=f"duplicate key {quote(key)} (first on line {first})",
                                    problem_mark=key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 reads 2e-5 (no dot) as a string, anywhere: a file's `lr: 2e-5`, an override's `{"lr": 2e-5}`; YAML 1.2
+# and JSON read a number, and so does a config here (a string lr crashed `compare` with "Unknown format code 'g'")
+_StrictYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+.0123456789"))
 
 
 def dump_config(cfg: BaseModel) -> str:

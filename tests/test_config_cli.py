@@ -7,7 +7,14 @@ import pytest
 
 from megatron_spo.cli import SUBCOMMANDS
 from megatron_spo.cli import main as cli_main
-from megatron_spo.config import ConfigError, StrictModel, apply_overrides, load_config
+from megatron_spo.config import (
+    ConfigError,
+    StrictModel,
+    apply_overrides,
+    build_config,
+    load_config,
+    parse_override,
+)
 from megatron_spo.models.config import ModelConfig, ParallelConfig
 
 
@@ -31,6 +38,22 @@ def tiny_model(**kw) -> ModelConfig:
 def test_overrides_are_typed_and_nested():
     data = apply_overrides({"inner": {"lr": 1.0}}, ["inner.steps=7", "name=abc", "inner.lr=2e-5"])
     assert data == {"inner": {"lr": 2e-5, "steps": 7}, "name": "abc"}
+
+
+def test_exponent_floats_without_a_dot_are_numbers_everywhere(tmp_path):
+    """YAML 1.1 reads 3e-05 as a string; inside a mapping no typed field turned it back, and `megatron-spo
+    compare settings={"spo-online":{"train.lr":3e-05}}` crashed with "Unknown format code 'g' for str"."""
+    from megatron_spo.config import parse_yaml
+
+    path, value = parse_override('settings={"spo-online": {"train.lr": 3e-05, "grid": [1e5, -4E+2, .5e-3]}}')
+    assert value == {"spo-online": {"train.lr": 3e-05, "grid": [1e5, -400.0, 5e-4]}}
+    assert all(isinstance(v, float) for v in value["spo-online"]["grid"])
+    assert parse_yaml("lr: 3e-5\nid: 1e3x\nsteps: 10\nquoted: '2e-5'") == {"lr": 3e-5, "id": "1e3x", "steps": 10,
+                                                                            "quoted": "2e-5"}
+    from megatron_spo.experiments import study as st
+
+    study = build_config(st.StudyConfig, apply_overrides({}, ['settings={"spo": {"train.lr": 3e-05}}']))
+    assert st.RunSpec("runs", "spo", 0, tuple(study.settings["spo"].items())).tag == "lr3e-05"
 
 
 def test_yaml_plus_overrides(tmp_path):
