@@ -54,8 +54,8 @@ QUICKSTART_BETA = 0.5
 
 class QuickstartTrainConfig(StrictModel):
     steps: int = Field(90, gt=0)
-    lr: float = Field(1e-4, gt=0, description="the earlier study's best for every arm; online-only SPO at 2e-4 drifts "
-                      "(docs/spo-stability.md)")
+    lr: float = Field(1e-4, gt=0, description="the clean 2026-11-26 sweeps' choice for online-only SPO on math, second "
+                      "to 3e-5 on code (docs/study-2026-11-26); online-only SPO at 2e-4 drifts (docs/spo-stability.md)")
     warmup_steps: int = Field(10, ge=0)
     beta: float | None = Field(None, ge=0, description="KL strength (the trainer's beta). Unset: 0.5 (QUICKSTART_BETA), "
                                "or 0 for an algorithm whose own default is 0 (GRPO: no KL term)")

@@ -82,8 +82,8 @@ def _known_arms(arms: list[str]) -> list[str]:
 class SweepConfig(StrictModel):
     enabled: bool = True
     lrs: list[float] = Field(default_factory=lambda: [1e-5, 3e-5, 1e-4, 4e-4], min_length=1,
-                             description="the 2026-11-25 study's lowest lr (1e-4) won for every arm: the grid "
-                                         "reaches down to 1e-5")
+                             description="down to 1e-5: the clean 2026-11-26 sweeps chose 3e-5 or 1e-4 for every "
+                                         "arm, and 4e-4 was every arm's worst")
     coefficients: dict[str, list[float]] = Field(default_factory=dict, description="per arm, replaces the arm's "
                                                  "own grid (ARMS); [] keeps the quickstart's value")
     inherit: dict[str, str] = Field(default_factory=lambda: {"spo-online-plain": "spo-online",
