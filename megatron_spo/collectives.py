@@ -2,7 +2,9 @@
 
 NCCL takes CUDA tensors only (a CPU tensor fails with "No backend type associated with device type cpu",
 found by the first GPU check, 2026-11-26); gloo takes CPU tensors. Flags, counters and gathered results
-that the code makes on the CPU go through `on_collective_device` and come back to where they were.
+that the code makes on the CPU go through `all_reduce_`, which reduces them on the group's device and copies
+the result back. The move-and-copy path runs only on NCCL (the GPU check's training part); CI's gloo takes the
+tensor as it is.
 """
 
 from __future__ import annotations
