@@ -138,7 +138,9 @@ def test_beta_is_grpos_kl_coefficient_and_the_old_kl_coef_still_reads(caplog):
     assert (spo.beta, spo.grpo.kl_coef) == (PAPER_BETA, None)  # SPO used beta; kl_coef never acted
     with pytest.raises(ValueError, match=r"beta: algo spo needs beta > 0, got 0.0"):
         TrainConfig.model_validate({**base, "algo": "spo", "beta": 0})
-    # the quickstart: 0.5 for SPO as before, 0 for GRPO (as its kl_coef was), the old key still read
-    assert QuickstartConfig().train.beta == 0.5
+    # the quickstart: the paper's beta for SPO (since 2026-11-26), 0.5 for PPO, 0 for GRPO (as its kl_coef was),
+    # the old key still read
+    assert QuickstartConfig().train.beta == PAPER_BETA
+    assert QuickstartConfig(algo="ppo").train.beta == 0.5
     assert QuickstartConfig(algo="grpo").train.beta == 0.0
     assert QuickstartConfig.model_validate({"algo": "grpo", "grpo": {"kl_coef": 0.04}}).train.beta == 0.04

@@ -15,6 +15,7 @@ import torch
 from megatron_spo.algorithms import recurrent_drift, spo_loss, tabular
 from megatron_spo.algorithms.groups import centred_on_others
 from megatron_spo.algorithms.spo_diagnostics import spo_diagnostics
+from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.training.stability import DivergenceGuard, TrainingDiverged, lr_at
 
 BETA = 0.5
@@ -288,8 +289,9 @@ def test_centring_and_the_trust_region_are_on_for_online_sources_and_the_config_
 
 def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_only_where_spo_can(tmp_path):
     """The quickstart's defaults for online SPO (docs/spo-stability.md): centred coefficient, trust region 0.2,
-    lr 1e-4; the trust region reaches sources.online only for SPO with a terminal / advantage objective (the
-    config refuses it elsewhere), and `train.trust_region=null` turns it off."""
+    lr 3e-5 and beta 1/log(1e5) (the other algorithms: lr 1e-4, beta 0.5, GRPO 0); the trust region reaches
+    sources.online only for SPO with a terminal / advantage objective (the config refuses it elsewhere), and
+    `train.trust_region=null` turns it off."""
     from megatron_spo.config import ConfigError, apply_overrides, build_config
     from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
 
@@ -300,11 +302,14 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
         tcfg = train_config(cfg, tmp_path, tmp_path / "ref", tmp_path / "init", endpoints, tmp_path / "q0.jsonl",
                             None)
         src = tcfg.sources["online"]
-        return src.centred("online"), src.clip("online"), tcfg.optimizer.lr
+        return src.centred("online"), src.clip("online"), tcfg.optimizer.lr, tcfg.beta
 
-    assert online() == (True, 0.2, 1e-4)
-    assert online("train.online_fraction=1.0", "train.trust_region=0.1") == (True, 0.1, 1e-4)
-    assert online("train.trust_region=null", "train.centre=false") == (False, None, 1e-4)
+    assert online() == (True, 0.2, 3e-5, PAPER_BETA)
+    assert online("train.online_fraction=1.0", "train.trust_region=0.1") == (True, 0.1, 3e-5, PAPER_BETA)
+    assert online("train.trust_region=null", "train.centre=false") == (False, None, 3e-5, PAPER_BETA)
+    assert online("train.lr=1e-4", "train.beta=0.5")[2:] == (1e-4, 0.5)
+    assert online("algo=ppo")[2:] == (1e-4, 0.5)
+    assert online("algo=grpo")[2:] == (1e-4, 0.0)
     assert online("train.trust_region=0")[1] is None
     assert online("train.objective=mc")[:2] == (False, None)
     assert online("algo=grpo")[1] is None
