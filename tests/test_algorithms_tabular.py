@@ -65,9 +65,7 @@ def test_spo_reaches_pi_star_at_the_papers_beta(task_key, method):
     """At beta = 1/log(1e5) (the trainer's default, the paper's value) pi* is still the optimum the losses reach.
     log pi* - log pi_0 = (r - V) / beta: the logits travel ~6x further than at beta 0.5, so the run is longer
     (1500 steps, lr 0.3 decaying to 0.09); at the usual checks' 200-400 steps from lr 0.1 they end at KL 0.01 to 1.0."""
-    builders = {"ar": lambda: tabular.autoregressive(3, 3, beta=PAPER_BETA, seed=3),
-                "ar-eos": lambda: tabular.autoregressive(3, 3, beta=PAPER_BETA, eos=2, seed=1)}
-    task = builders[task_key]()
+    task = TASKS[task_key](beta=PAPER_BETA)
     result = tabular.train(task, method, steps=1500, lr=0.3, final_lr_fraction=0.3)
     assert result.kl_start > 3.0  # ar 4.56, ar-eos 3.52 (at beta 0.5: 0.41, 0.33)
     assert result.kl_end < CONVERGED_KL, f"{method.label}: KL {result.kl_end:.3e}"

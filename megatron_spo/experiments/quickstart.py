@@ -53,8 +53,8 @@ from megatron_spo.training.config import (
 # default): on 2 seeds of both tasks they gained from 90 to 270 steps and beat lr 1e-4 / beta 0.5 at 270 (code
 # +0.059, math +0.028 held-out pass@1; at 90 steps, 3 seeds: code +0.031, math -0.018), docs/study-2026-11-26.
 # The other algorithms keep the 2026-11-25 sweep's lr 1e-4 and beta 0.5: their quickstart runs were not measured
-# at 3e-5 (in the study GRPO + TIS gained from it on code, PPO lost 0.026 pass@1). beta <= 0.2 once collapsed on this task, before the
-# centred, trust-region online source (docs/engineering-notes.md).
+# at 3e-5 (in the study GRPO + TIS gained from it on code, PPO lost 0.026 pass@1). beta <= 0.2 once collapsed on
+# this task, before the centred, trust-region online source (docs/engineering-notes.md).
 QUICKSTART_LR = 1e-4
 QUICKSTART_BETA = 0.5
 SPO_QUICKSTART_LR = 3e-5
