@@ -289,7 +289,7 @@ def test_centring_and_the_trust_region_are_on_for_online_sources_and_the_config_
 
 def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_only_where_spo_can(tmp_path):
     """The quickstart's defaults for online SPO (docs/spo-stability.md): centred coefficient, trust region 0.2,
-    lr 3e-5 and beta 1/log(1e5) (the other algorithms: lr 1e-4, beta 0.5, GRPO 0); the trust region reaches
+    lr 3e-5 and beta 1/log(1e5) (GRPO: lr 3e-5, beta 0; PPO and AGRO: lr 1e-4, beta 0.5); the trust region reaches
     sources.online only for SPO with a terminal / advantage objective (the config refuses it elsewhere), and
     `train.trust_region=null` turns it off."""
     from megatron_spo.config import ConfigError, apply_overrides, build_config
@@ -309,7 +309,9 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     assert online("train.trust_region=null", "train.centre=false") == (False, None, 3e-5, PAPER_BETA)
     assert online("train.lr=1e-4", "train.beta=0.5")[2:] == (1e-4, 0.5)
     assert online("algo=ppo")[2:] == (1e-4, 0.5)
-    assert online("algo=grpo")[2:] == (1e-4, 0.0)
+    assert online("algo=agro")[2:] == (1e-4, 0.5)
+    assert online("algo=grpo")[2:] == (3e-5, 0.0)
+    assert online("algo=grpo", "train.lr=1e-4")[2:] == (1e-4, 0.0)
     assert online("train.trust_region=0")[1] is None
     assert online("train.objective=mc")[:2] == (False, None)
     assert online("algo=grpo")[1] is None
