@@ -293,7 +293,8 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     sources.online only for SPO with a terminal / advantage objective (the config refuses it elsewhere), and
     `train.trust_region=null` turns it off."""
     from megatron_spo.config import ConfigError, apply_overrides, build_config
-    from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
+    from megatron_spo.experiments.quickstart import QUICKSTART_LRS, QuickstartConfig, train_config
+    from megatron_spo.training.algos import names
 
     endpoints = type("E", (), {"router_url": "http://127.0.0.1:1", "engine_urls": ["http://127.0.0.1:2"]})()
 
@@ -312,6 +313,7 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     assert online("algo=agro")[2:] == (1e-4, 0.5)
     assert online("algo=grpo")[2:] == (3e-5, 0.0)
     assert online("algo=grpo", "train.lr=1e-4")[2:] == (1e-4, 0.0)
+    assert set(QUICKSTART_LRS) <= set(names())  # a renamed algorithm would silently fall back to 1e-4
     assert online("train.trust_region=0")[1] is None
     assert online("train.objective=mc")[:2] == (False, None)
     assert online("algo=grpo")[1] is None
