@@ -64,8 +64,10 @@ def wait_job(cluster, job_id: str, timeout_s: float, until=None) -> list[dict[st
     """Wait until every component is terminal (or `until()` is true).
 
     Slurm 22.05 starts heterogeneous jobs only from the backfill scheduler, and backfill runs only after
-    some job/node/partition change: on an idle test cluster a requeued job whose BeginTime has passed
-    waits for such a change. A no-op job update (Comment) is that change; busy clusters need none.
+    some job/node/partition change: on an idle test cluster a requeued job whose BeginTime (requeue +
+    cred_expire) has passed waits for such a change, up to the controller's periodic pass (~60 s), and so does
+    every job waiting on it. A no-op update (Comment) of the pending job waited on is that change; busy
+    clusters need none.
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -74,7 +76,7 @@ def wait_job(cluster, job_id: str, timeout_s: float, until=None) -> list[dict[st
             return info
         if all(c["JobState"] in TERMINAL for c in info):
             return info
-        if info[0]["JobState"] == "PENDING" and info[0].get("Reason") == "None":
+        if info[0]["JobState"] == "PENDING":
             subprocess.run(["scontrol", "update", f"JobId={job_id}", f"Comment=poke{time.monotonic():.0f}"],
                            env=cluster["env"], capture_output=True)
         if time.monotonic() > deadline:
