@@ -234,6 +234,48 @@ def test_the_sweep_chooses_the_best_validation_score_and_ablations_inherit(tmp_p
     assert [g["validation"] for g in chosen["grpo"]["grid"]] == scores["grpo"]
 
 
+def test_the_sweep_names_the_points_its_validation_problems_cannot_separate_from_the_choice(tmp_path, monkeypatch):
+    """One paired standard error over the validation problems: a point that close to the best is listed beside
+    the choice (the sweep cannot rank them); a point further away, or one without per-problem scores, is not."""
+    assert st.paired_gap({"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.5}, {"a": 1.0, "b": 0.5, "c": 0.0, "d": 0.5}) == (
+        0.125, 0.125)  # differences 0, 0.5, 0, 0: mean 1/8, sd 1/4, se 1/4 / sqrt(4)
+    assert st.paired_gap({"a": 1.0}, {"b": 1.0}) == pytest.approx((float("nan"),) * 2, nan_ok=True)
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["grpo"],
+                                          "sweep": {"coefficients": {"grpo": [0.0]}, "lrs": [1e-5, 3e-5, 1e-4, 3e-4]}})
+    per_problem = {1e-5: [0.9, 0.6, 0.3, 0.2], 3e-5: [1.0, 0.8, 0.4, 0.2], 1e-4: [0.1, 0.2, 0.1, 0.0], 3e-4: None}
+    for settings, scores in zip(st.sweep_grid(study, "grpo"), per_problem.values()):
+        run = st.RunSpec("sweep", "grpo", 0, settings).run_dir(tmp_path)
+        run.mkdir(parents=True)
+        mean = sum(scores) / 4 if scores else 0.65  # 3e-4: the best mean, read from results.json alone
+        (run / "results.json").write_text(json.dumps({"validation": {"pass@1": {"after": mean}}}))
+        if scores:
+            (run / "eval_validation_after.jsonl").write_text("".join(
+                json.dumps({"prompt_id": f"v{i}", "pass@1": x}) + "\n" for i, x in enumerate(scores)))
+    monkeypatch.setattr(st.subprocess, "run", lambda *a, **k: pytest.fail("every sweep run is finished"))
+    # the best mean (3e-4) kept no per-problem file: nothing can be said of the others' gaps
+    chosen = st.choose(study, tmp_path, print)
+    assert chosen["grpo"]["settings"]["train.lr"] == 3e-4 and chosen["grpo"]["not_separated"] == []
+    assert all(g["gap_se"] is None for g in chosen["grpo"]["grid"])
+    (st.RunSpec("sweep", "grpo", 0, st.sweep_grid(study, "grpo")[3]).run_dir(tmp_path) / "results.json").unlink()
+    (st.RunSpec("sweep", "grpo", 0, st.sweep_grid(study, "grpo")[3]).run_dir(tmp_path).parent / "FAILED").write_text(
+        "megatron_spo.training.trainer.TrainingDiverged: step 9: mean sequence log(pi/pi_0) = 51\n")
+    chosen = st.choose(study, tmp_path, print)
+    grid = chosen["grpo"]["grid"]
+    assert chosen["grpo"]["settings"] == {"train.lr": 3e-5, "train.beta": 0.0}  # mean 0.6
+    # 1e-5: differences 0.1, 0.2, 0.1, 0 (mean 0.1, se 0.0408) -> separated; 1e-4: mean 0.5 -> separated
+    assert grid[0]["gap"] == pytest.approx(0.1) and grid[0]["gap_se"] == pytest.approx((0.02 / 3) ** 0.5 / 2)
+    assert chosen["grpo"]["not_separated"] == []
+    (st.RunSpec("sweep", "grpo", 0, st.sweep_grid(study, "grpo")[0]).run_dir(tmp_path) / "eval_validation_after.jsonl"
+     ).write_text("".join(json.dumps({"prompt_id": f"v{i}", "pass@1": x}) + "\n" for i, x in enumerate([0.6, 0.8, 0.4, 0.4])))
+    chosen = st.choose(study, tmp_path, print)  # 1e-5 now: differences 0.4, 0, 0, -0.2 (mean 0.05, se 0.13)
+    assert chosen["grpo"]["not_separated"] == [{"train.lr": 1e-5, "train.beta": 0.0}]
+    _fake_reference(tmp_path, 0)
+    _fake_run(tmp_path, study, "grpo", 0, 0.5, 0.7, pushes=9, wall=100, settings=tuple(chosen["grpo"]["settings"].items()))
+    report = write_report(study, tmp_path, chosen).read_text()
+    assert "| train.lr = 3e-05, train.beta = 0 (not separated from: lr 1e-05, beta 0) |" in report
+    assert "lr 0.0003, beta 0 -> diverged (step 9)" in report
+
+
 def test_without_a_sweep_each_arm_runs_at_its_given_settings_and_the_report_says_which(tmp_path):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "ppo", "grpo-tis"],
                                           "sweep": {"enabled": False}, "seeds": [0],

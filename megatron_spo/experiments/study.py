@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -252,8 +253,43 @@ def choose(study: StudyConfig, root: Path, log, run: bool = True) -> dict[str, d
             scores.append({"settings": dict(settings), "validation": score, "failure": failure(spec, root)})
         ok = [s for s in scores if s["validation"] is not None]
         best = max(ok, key=lambda s: s["validation"]) if ok else {"settings": {}}
-        chosen[arm] = {"settings": best["settings"], "grid": scores, "metric": metric}
+        chosen[arm] = {"settings": best["settings"], "grid": scores, "metric": metric,
+                       "not_separated": _not_separated(study, root, arm, best, ok, metric)}
     return chosen
+
+
+def _validation_records(study: StudyConfig, root: Path, arm: str, settings: dict, metric: str) -> dict[str, float]:
+    """Per validation problem, the sweep run's score ({} when the run kept no per-problem file)."""
+    path = RunSpec("sweep", arm, study.sweep.seed, tuple(settings.items())).run_dir(root) / "eval_validation_after.jsonl"
+    if not path.exists():
+        return {}
+    return {r["prompt_id"]: r[metric] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def paired_gap(best: dict[str, float], other: dict[str, float]) -> tuple[float, float]:
+    """(mean, standard error) over the problems both scored of best - other: the noise a validation set of that
+    size leaves on a difference between two settings (the same problems, so per-problem difficulty cancels)."""
+    diff = [best[p] - other[p] for p in best if p in other]
+    if len(diff) < 2:
+        return math.nan, math.nan
+    mean = sum(diff) / len(diff)
+    var = sum((d - mean) ** 2 for d in diff) / (len(diff) - 1)
+    return mean, math.sqrt(var / len(diff))
+
+
+def _not_separated(study: StudyConfig, root: Path, arm: str, best: dict, ok: list[dict], metric: str) -> list[dict]:
+    """The other grid points within one paired standard error of the choice on the validation problems: the
+    sweep cannot tell them from it (each grid point gets its "gap" and "gap_se"; None without per-problem files)."""
+    if not ok:
+        return []
+    top = _validation_records(study, root, arm, best["settings"], metric)
+    tied = []
+    for point in ok:
+        gap, se = paired_gap(top, _validation_records(study, root, arm, point["settings"], metric))
+        point["gap"], point["gap_se"] = (None, None) if math.isnan(se) else (gap, se)
+        if point is not best and point["gap_se"] is not None and gap <= se:
+            tied.append(point["settings"])
+    return tied
 
 
 def run_study(study: StudyConfig, log=print) -> Path:

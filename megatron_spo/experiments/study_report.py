@@ -373,10 +373,15 @@ def write_report(study, root: Path, chosen: dict) -> Path:
                              + f" -> {_score(g)}"
                              for g in c.get("grid", []))
             pick = ", ".join(f"{k} = {v:g}" for k, v in c.get("settings", {}).items()) or "defaults"
+            if c.get("not_separated"):
+                pick += " (not separated from: " + "; ".join(
+                    ", ".join(f"{k.split('.')[-1]} {v:g}" for k, v in t.items()) for t in c["not_separated"]) + ")"
             if c.get("inherited_from"):
                 grid, pick = f"not swept: takes {c['inherited_from']}'s settings (an ablation)", pick
             lines.append(f"| {name} | {grid} | {pick} |")
-        lines.append("")
+        lines += ["", "Not separated: the grid points whose validation score is within one paired standard error "
+                  "(over the validation problems) of the choice's; the sweep cannot rank them, so a choice among "
+                  "them is noise, which only the held-out seeds below can settle.", ""]
     else:
         lines += ["## Settings (no sweep)", "", "| arm | settings |", "|---|---|"]
         lines += [f"| {name} | " + (", ".join(f"{k} = {v}" for k, v in chosen.get(name, {}).get("settings", {}).items())
