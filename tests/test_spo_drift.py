@@ -289,9 +289,9 @@ def test_centring_and_the_trust_region_are_on_for_online_sources_and_the_config_
 
 def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_only_where_spo_can(tmp_path):
     """The quickstart's defaults for online SPO (docs/spo-stability.md): centred coefficient, trust region 0.2,
-    lr 3e-5 and beta 1/log(1e5) (GRPO: lr 3e-5, beta 0; PPO and AGRO: lr 1e-4, beta 0.5); the trust region reaches
-    sources.online only for SPO with a terminal / advantage objective (the config refuses it elsewhere), and
-    `train.trust_region=null` turns it off."""
+    lr 3e-5 and beta 1/log(1e5) (GRPO: lr 3e-5, beta 0; TRL's GRPO: lr 1e-4; PPO and AGRO: lr 1e-4, beta 0.5); the
+    trust region reaches sources.online only for SPO with a terminal / advantage objective (the config refuses it
+    elsewhere), and `train.trust_region=null` turns it off."""
     from megatron_spo.config import ConfigError, apply_overrides, build_config
     from megatron_spo.experiments.quickstart import QUICKSTART_LRS, QuickstartConfig, train_config
     from megatron_spo.training.algos import names
@@ -313,6 +313,8 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     assert online("algo=agro")[2:] == (1e-4, 0.5)
     assert online("algo=grpo")[2:] == (3e-5, 0.0)
     assert online("algo=grpo", "train.lr=1e-4")[2:] == (1e-4, 0.0)
+    trl = build_config(QuickstartConfig, {"trainer": "trl", "algo": "grpo"}, "quickstart").train
+    assert (trl.lr, trl.beta) == (1e-4, 0.0)  # TRL's GRPOTrainer: its own sweep's lr, not ours
     assert set(QUICKSTART_LRS) <= set(names())  # a renamed algorithm would silently fall back to 1e-4
     assert online("train.trust_region=0")[1] is None
     assert online("train.objective=mc")[:2] == (False, None)

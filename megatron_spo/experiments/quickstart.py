@@ -54,17 +54,19 @@ from megatron_spo.training.config import (
 # +0.059, math +0.028 held-out pass@1; at 90 steps, 3 seeds: code +0.031, math -0.018), docs/study-2026-11-26.
 # GRPO: lr 3e-5 too (GRPO + TIS on code, 3 seeds: +0.081 pass@1, +0.073 pass@10 over 1e-4; the math sweep chose
 # 3e-5 for GRPO and GRPO + TIS). PPO and AGRO keep the 2026-11-25 sweep's lr 1e-4 and beta 0.5 (PPO lost 0.026
-# pass@1 at 3e-5 on code; the math sweep chose 1e-4 for both). beta <= 0.2 once collapsed on this task, before
-# the centred, trust-region online source (docs/engineering-notes.md).
+# pass@1 at 3e-5 on code; the math sweep chose 1e-4 for both). TRL's GRPOTrainer keeps 1e-4: its math sweep put
+# 1e-4 0.050 above 3e-5 (paired SE 0.026; validation pass@1), its code sweep (2026-11-25) 1e-4 above 4e-4.
+# beta <= 0.2 once collapsed on this task, before the centred, trust-region online source
+# (docs/engineering-notes.md).
 QUICKSTART_LR = 1e-4
 QUICKSTART_BETA = 0.5
-QUICKSTART_LRS = {"spo": 3e-5, "grpo": 3e-5}  # per algorithm; any other: QUICKSTART_LR
+QUICKSTART_LRS = {"spo": 3e-5, "grpo": 3e-5}  # per algorithm on megatron-core; any other, and TRL: QUICKSTART_LR
 
 
 class QuickstartTrainConfig(StrictModel):
     steps: int = Field(90, gt=0)
     lr: float | None = Field(None, gt=0, description="Unset: 3e-5 for SPO and GRPO (QUICKSTART_LRS), 1e-4 for "
-                             "the others (QUICKSTART_LR); docs/study-2026-11-26. Online-only SPO at 2e-4 drifts (docs/spo-stability.md)")
+                             "the others and TRL's GRPO (QUICKSTART_LR); docs/study-2026-11-26. Online-only SPO at 2e-4 drifts (docs/spo-stability.md)")
     warmup_steps: int = Field(10, ge=0)
     beta: float | None = Field(None, ge=0, description="KL strength (the trainer's beta). Unset: SPO 1/log(1e5) (the "
                                "paper's, the trainer's default), 0 for an algorithm whose own default is 0 (GRPO: no KL "
@@ -190,7 +192,8 @@ class QuickstartConfig(StrictModel):
             beta = 0.0 if algo is not None and algo.default_beta == 0 else PAPER_BETA if spo else QUICKSTART_BETA
         self.train.__dict__["beta"] = beta
         if self.train.lr is None:
-            self.train.__dict__["lr"] = QUICKSTART_LRS.get(self.algo, QUICKSTART_LR)
+            ours = self.trainer == "megatron"
+            self.train.__dict__["lr"] = QUICKSTART_LRS.get(self.algo, QUICKSTART_LR) if ours else QUICKSTART_LR
         if self.trainer == "trl" and self.algo != "grpo":
             raise ValueError(f"trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not '{self.algo}'")
         if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):
