@@ -289,11 +289,16 @@ def test_centring_and_the_trust_region_are_on_for_online_sources_and_the_config_
 
 def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_only_where_spo_can(tmp_path):
     """The quickstart's defaults for online SPO (docs/spo-stability.md): centred coefficient, trust region 0.2,
-    lr 3e-5 and beta 1/log(1e5) (GRPO: lr 3e-5, beta 0; TRL's GRPO: lr 1e-4; PPO and AGRO: lr 1e-4, beta 0.5); the
-    trust region reaches sources.online only for SPO with a terminal / advantage objective (the config refuses it
-    elsewhere), and `train.trust_region=null` turns it off."""
+    lr 3e-5 and beta 1/log(1e5) (AGRO alike; GRPO: lr 3e-5, beta 0; TRL's GRPO: lr 1e-4; PPO: lr 1e-4, beta
+    0.5); the trust region reaches sources.online only for SPO with a terminal / advantage objective (the config
+    refuses it elsewhere), and `train.trust_region=null` turns it off."""
     from megatron_spo.config import ConfigError, apply_overrides, build_config
-    from megatron_spo.experiments.quickstart import QUICKSTART_LRS, QuickstartConfig, train_config
+    from megatron_spo.experiments.quickstart import (
+        PAPER_BETA_ALGOS,
+        QUICKSTART_LRS,
+        QuickstartConfig,
+        train_config,
+    )
     from megatron_spo.training.algos import names
 
     endpoints = type("E", (), {"router_url": "http://127.0.0.1:1", "engine_urls": ["http://127.0.0.1:2"]})()
@@ -310,12 +315,12 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     assert online("train.trust_region=null", "train.centre=false") == (False, None, 3e-5, PAPER_BETA)
     assert online("train.lr=1e-4", "train.beta=0.5")[2:] == (1e-4, 0.5)
     assert online("algo=ppo")[2:] == (1e-4, 0.5)
-    assert online("algo=agro")[2:] == (1e-4, 0.5)
+    assert online("algo=agro")[2:] == (3e-5, PAPER_BETA)
     assert online("algo=grpo")[2:] == (3e-5, 0.0)
     assert online("algo=grpo", "train.lr=1e-4")[2:] == (1e-4, 0.0)
     trl = build_config(QuickstartConfig, {"trainer": "trl", "algo": "grpo"}, "quickstart").train
     assert (trl.lr, trl.beta) == (1e-4, 0.0)  # TRL's GRPOTrainer: its own sweep's lr, not ours
-    assert set(QUICKSTART_LRS) <= set(names())  # a renamed algorithm would silently fall back to 1e-4
+    assert set(QUICKSTART_LRS) | set(PAPER_BETA_ALGOS) <= set(names())  # a renamed one would fall back
     assert online("train.trust_region=0")[1] is None
     assert online("train.objective=mc")[:2] == (False, None)
     assert online("algo=grpo")[1] is None

@@ -53,24 +53,27 @@ from megatron_spo.training.config import (
 # default): on 2 seeds of both tasks they gained from 90 to 270 steps and beat lr 1e-4 / beta 0.5 at 270 (code
 # +0.059, math +0.028 held-out pass@1; at 90 steps, 3 seeds: code +0.031, math -0.018), docs/study-2026-11-26.
 # GRPO: lr 3e-5 too (GRPO + TIS on code, 3 seeds: +0.081 pass@1, +0.073 pass@10 over 1e-4; the math sweep chose
-# 3e-5 for GRPO and GRPO + TIS). PPO and AGRO keep the 2026-11-25 sweep's lr 1e-4 and beta 0.5 (PPO lost 0.026
-# pass@1 at 3e-5 on code; the math sweep chose 1e-4 for both). TRL's GRPOTrainer keeps 1e-4: its math sweep put
-# 1e-4 0.050 above 3e-5 (paired SE 0.026; validation pass@1), its code sweep (2026-11-25) 1e-4 above 4e-4.
-# beta <= 0.2 once collapsed on this task, before the centred, trust-region online source
-# (docs/engineering-notes.md).
+# 3e-5 for GRPO and GRPO + TIS). AGRO: lr 3e-5 and beta 1/log(1e5) as SPO (its code sweep: 0.08+ ahead of every
+# other point; its math sweep: beta 0.087 at every lr; held-out on code, 3 seeds, over lr 1e-4 / beta 0.5: see
+# docs/study-2026-11-26/sweep-code.md), though at that beta it ends greedier than pi* on the tabular check. PPO
+# keeps the 2026-11-25 sweep's lr 1e-4 and beta 0.5 (it lost 0.026 pass@1 at 3e-5 on code). TRL's GRPOTrainer
+# keeps 1e-4: its math sweep put 1e-4 0.050 above 3e-5 (paired SE 0.026; validation pass@1), its code sweep
+# (2026-11-25) 1e-4 above 4e-4. beta <= 0.2 once collapsed on this task, before the centred, trust-region online
+# source (docs/engineering-notes.md).
 QUICKSTART_LR = 1e-4
 QUICKSTART_BETA = 0.5
-QUICKSTART_LRS = {"spo": 3e-5, "grpo": 3e-5}  # per algorithm on megatron-core; any other, and TRL: QUICKSTART_LR
+QUICKSTART_LRS = {"spo": 3e-5, "grpo": 3e-5, "agro": 3e-5}  # on megatron-core; any other, and TRL: QUICKSTART_LR
+PAPER_BETA_ALGOS = ("spo", "agro")  # an unset beta is 1/log(1e5) for these, QUICKSTART_BETA for the others
 
 
 class QuickstartTrainConfig(StrictModel):
     steps: int = Field(90, gt=0)
-    lr: float | None = Field(None, gt=0, description="Unset: 3e-5 for SPO and GRPO (QUICKSTART_LRS), 1e-4 for "
-                             "the others and TRL's GRPO (QUICKSTART_LR); docs/study-2026-11-26. Online-only SPO at 2e-4 drifts (docs/spo-stability.md)")
+    lr: float | None = Field(None, gt=0, description="Unset: 3e-5 for SPO, AGRO and GRPO (QUICKSTART_LRS), 1e-4 "
+                             "for PPO and TRL's GRPO (QUICKSTART_LR); docs/study-2026-11-26. Online-only SPO at 2e-4 drifts (docs/spo-stability.md)")
     warmup_steps: int = Field(10, ge=0)
-    beta: float | None = Field(None, ge=0, description="KL strength (the trainer's beta). Unset: SPO 1/log(1e5) (the "
-                               "paper's, the trainer's default), 0 for an algorithm whose own default is 0 (GRPO: no KL "
-                               "term), else 0.5 (QUICKSTART_BETA)")
+    beta: float | None = Field(None, ge=0, description="KL strength (the trainer's beta). Unset: SPO and AGRO 1/log(1e5) "
+                               "(the paper's, the trainer's default), 0 for an algorithm whose own default is 0 (GRPO: "
+                               "no KL term), else 0.5 (QUICKSTART_BETA)")
     prompts_per_step: int = Field(4, gt=0)
     samples_per_prompt: int = Field(8, gt=1)
     online_fraction: float = Field(0.5, ge=0, le=1, description="the rest of each SPO batch is offline data")
@@ -186,10 +189,10 @@ class QuickstartConfig(StrictModel):
         from megatron_spo.training.algos import algorithm_class
 
         beta = kl_coef_as_beta(self.train.grpo, self.train.beta, self.algo, "train.")
-        spo = self.algo == "spo"
         if beta is None:
             algo = algorithm_class(self.algo, load_hooks=False)
-            beta = 0.0 if algo is not None and algo.default_beta == 0 else PAPER_BETA if spo else QUICKSTART_BETA
+            paper = self.algo in PAPER_BETA_ALGOS
+            beta = 0.0 if algo is not None and algo.default_beta == 0 else PAPER_BETA if paper else QUICKSTART_BETA
         self.train.__dict__["beta"] = beta
         if self.train.lr is None:
             ours = self.trainer == "megatron"

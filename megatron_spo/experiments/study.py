@@ -62,7 +62,7 @@ ARMS: dict[str, Arm] = {
                      (PAPER_BETA,), "SPO at the paper's settings: terminal cross-entropy, beta 1/log(1e5), "
                      "T ~ U(0.1, 0.8), top-p 0.95, 50/50 online/offline, push every 10 steps, no centring or "
                      "trust region"),
-    "agro": Arm("agro", (), "train.beta", (0.5, 1.0), "AGRO, online"),
+    "agro": Arm("agro", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
     "grpo-tis": Arm("grpo", ("train.model_update_interval=10", "train.grpo.behaviour_correction=tis"),
