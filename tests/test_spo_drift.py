@@ -320,7 +320,8 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
     assert online("algo=grpo", "train.lr=1e-4")[2:] == (1e-4, 0.0)
     trl = build_config(QuickstartConfig, {"trainer": "trl", "algo": "grpo"}, "quickstart").train
     assert (trl.lr, trl.beta) == (1e-4, 0.0)  # TRL's GRPOTrainer: its own sweep's lr, not ours
-    assert set(QUICKSTART_LRS) | set(PAPER_BETA_ALGOS) <= set(names())  # a renamed one would fall back
+    assert {a for _, a in QUICKSTART_LRS} | set(PAPER_BETA_ALGOS) <= set(names())  # a renamed one would fall back
+    assert {t for t, _ in QUICKSTART_LRS} <= set(QuickstartConfig.model_fields["trainer"].annotation.__args__)
     assert online("train.trust_region=0")[1] is None
     assert online("train.objective=mc")[:2] == (False, None)
     assert online("algo=grpo")[1] is None

@@ -274,6 +274,11 @@ def test_the_sweep_names_the_points_its_validation_problems_cannot_separate_from
     report = write_report(study, tmp_path, chosen).read_text()
     assert "| train.lr = 3e-05, train.beta = 0 (not separated from: lr 1e-05, beta 0) |" in report
     assert "lr 0.0003, beta 0 -> diverged (step 9)" in report
+    bad = st.RunSpec("sweep", "grpo", 0, st.sweep_grid(study, "grpo")[2]).run_dir(tmp_path) / "eval_validation_after.jsonl"
+    bad.write_text('{"prompt_id": "v0", "pass@1": 0.1}\n{"prompt_id": "v1", "pass@1"')  # a truncated row
+    with pytest.raises(ValueError, match=rf"compare: {bad}:2: not a per-problem evaluation row with prompt_id and "
+                                         r"pass@1 \(JSONDecodeError"):
+        st.choose(study, tmp_path, print)
 
 
 def test_without_a_sweep_each_arm_runs_at_its_given_settings_and_the_report_says_which(tmp_path):

@@ -55,14 +55,15 @@ from megatron_spo.training.config import (
 # GRPO: lr 3e-5 too (GRPO + TIS on code, 3 seeds: +0.081 pass@1, +0.073 pass@10 over 1e-4; the math sweep chose
 # 3e-5 for GRPO and GRPO + TIS). AGRO: lr 3e-5 and beta 1/log(1e5) as SPO (its code sweep: 0.08+ ahead of every
 # other point; its math sweep: beta 0.087 at every lr; held-out on code, 3 seeds, over lr 1e-4 / beta 0.5: see
-# docs/study-2026-11-26/sweep-code.md), though at that beta it ends greedier than pi* on the tabular check. PPO
+# docs/study-2026-11-26/sweep-code.md), though at that beta it stalls short of pi* on the tabular check. PPO
 # keeps the 2026-11-25 sweep's lr 1e-4 and beta 0.5 (it lost 0.026 pass@1 at 3e-5 on code). TRL's GRPOTrainer
 # keeps 1e-4: its math sweep put 1e-4 0.050 above 3e-5 (paired SE 0.026; validation pass@1), its code sweep
 # (2026-11-25) 1e-4 above 4e-4. beta <= 0.2 once collapsed on this task, before the centred, trust-region online
 # source (docs/engineering-notes.md).
 QUICKSTART_LR = 1e-4
 QUICKSTART_BETA = 0.5
-QUICKSTART_LRS = {"spo": 3e-5, "grpo": 3e-5, "agro": 3e-5}  # on megatron-core; any other, and TRL: QUICKSTART_LR
+# per (trainer, algo); any other: QUICKSTART_LR
+QUICKSTART_LRS = {("megatron", "spo"): 3e-5, ("megatron", "grpo"): 3e-5, ("megatron", "agro"): 3e-5}
 PAPER_BETA_ALGOS = ("spo", "agro")  # an unset beta is 1/log(1e5) for these, QUICKSTART_BETA for the others
 
 
@@ -195,8 +196,7 @@ class QuickstartConfig(StrictModel):
             beta = 0.0 if algo is not None and algo.default_beta == 0 else PAPER_BETA if paper else QUICKSTART_BETA
         self.train.__dict__["beta"] = beta
         if self.train.lr is None:
-            ours = self.trainer == "megatron"
-            self.train.__dict__["lr"] = QUICKSTART_LRS.get(self.algo, QUICKSTART_LR) if ours else QUICKSTART_LR
+            self.train.__dict__["lr"] = QUICKSTART_LRS.get((self.trainer, self.algo), QUICKSTART_LR)
         if self.trainer == "trl" and self.algo != "grpo":
             raise ValueError(f"trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not '{self.algo}'")
         if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):

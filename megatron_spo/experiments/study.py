@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -263,7 +264,15 @@ def _validation_records(study: StudyConfig, root: Path, arm: str, settings: dict
     path = RunSpec("sweep", arm, study.sweep.seed, tuple(settings.items())).run_dir(root) / "eval_validation_after.jsonl"
     if not path.exists():
         return {}
-    return {r["prompt_id"]: r[metric] for r in map(json.loads, path.read_text().splitlines())}
+    scores = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+            scores[row["prompt_id"]] = float(row[metric])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"compare: {path}:{n}: not a per-problem evaluation row with prompt_id and {metric} "
+                             f"({type(e).__name__}: {e})") from None
+    return scores
 
 
 def paired_gap(best: dict[str, float], other: dict[str, float]) -> tuple[float, float]:
@@ -272,9 +281,7 @@ def paired_gap(best: dict[str, float], other: dict[str, float]) -> tuple[float, 
     diff = [best[p] - other[p] for p in best if p in other]
     if len(diff) < 2:
         return math.nan, math.nan
-    mean = sum(diff) / len(diff)
-    var = sum((d - mean) ** 2 for d in diff) / (len(diff) - 1)
-    return mean, math.sqrt(var / len(diff))
+    return statistics.fmean(diff), statistics.stdev(diff) / math.sqrt(len(diff))
 
 
 def _not_separated(study: StudyConfig, root: Path, arm: str, best: dict, ok: list[dict], metric: str) -> list[dict]:
