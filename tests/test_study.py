@@ -291,6 +291,9 @@ def test_without_a_sweep_each_arm_runs_at_its_given_settings_and_the_report_says
     run = apply_overrides({}, st.quickstart_overrides(
         study, st.RunSpec("runs", "ppo", 1, tuple(chosen["ppo"]["settings"].items())), tmp_path))
     assert run["train"] == {"lr": 3e-5, "beta": 0.05} and run["validation_problems"] == 0 and run["seed"] == 1
+    resumed = study.model_copy(update={"validation_held_out": True})  # settings from an earlier sweep: its problems
+    assert apply_overrides({}, st.quickstart_overrides(resumed, st.RunSpec("runs", "ppo", 1, ()), tmp_path))[
+        "validation_problems"] == 30
     from megatron_spo.experiments.study_report import write_report
 
     _fake_reference(tmp_path, 0)

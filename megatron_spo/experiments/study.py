@@ -122,6 +122,9 @@ class StudyConfig(StrictModel):
                                                  "use when sweep.enabled is false (dotted quickstart paths, e.g. an "
                                                  "earlier study's chosen.json); an arm not named runs at the "
                                                  "quickstart's defaults")
+    validation_held_out: bool | None = Field(None, description="keep the sweep's validation problems out of the "
+                                             "runs' training; None: when the sweep runs (true with settings taken "
+                                             "from an earlier sweep's chosen.json trains on that study's problems)")
     retry_failed: bool = Field(False, description="run failed runs again (they have a FAILED file)")
     progress: bool = True
 
@@ -173,7 +176,8 @@ def quickstart_overrides(study: StudyConfig, spec: RunSpec, root: Path) -> list[
     if spec.kind == "sweep":
         extra.update({"validation_problems": study.sweep.validation_problems, "eval_splits": ["validation"]})
     else:  # the same training problems as the sweep (validation stays out), scored on the test problems
-        extra.update({"validation_problems": study.sweep.validation_problems if study.sweep.enabled else 0,
+        held_out = study.sweep.enabled if study.validation_held_out is None else study.validation_held_out
+        extra.update({"validation_problems": study.sweep.validation_problems if held_out else 0,
                       "eval_splits": ["heldout"]})
     apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in extra.items()])
     apply_overrides(base, [f"{path}={json.dumps(value)}" for path, value in spec.settings])
