@@ -336,3 +336,49 @@ def test_wall_clock_ratios_pair_runs_by_seed(tmp_path):
     _fake_run(tmp_path, study, "ppo", 1, 0.3, 0.8, pushes=9, wall=100)  # seed 0 of PPO never finished
     report = write_report(study, tmp_path, {a: {"settings": {}} for a in study.arms}).read_text()
     assert "train wall SPO / PPO per seed 0.90;" in report
+
+
+def test_an_archive_rewrites_the_same_report_and_resumes_without_rerunning(tmp_path, monkeypatch):
+    """compare --archive keeps what the report reads (tens of KB a run, not the checkpoints): the report written
+    from the archive is the study's own, and compare there reruns nothing finished."""
+    from megatron_spo.experiments.study_report import archive, write_report
+
+    root, dest = tmp_path / "study", tmp_path / "archive"
+    study = build_config(st.StudyConfig, {"out_dir": str(root), "arms": ["spo", "ppo"], "seeds": [0, 1],
+                                          "sweep": {"enabled": False},
+                                          "long_run": {"seeds": [0], "arms": ["spo", "ppo"]}})
+    (root).mkdir()
+    (root / "study.json").write_text(study.model_dump_json())
+    for seed in (0, 1):
+        _fake_reference(root, seed)
+        _fake_run(root, study, "spo", seed, 0.4 + 0.05 * seed, 0.9, pushes=1, wall=90, distinct=3)
+        _fake_run(root, study, "ppo", seed, 0.3, 0.7 - 0.1 * seed, pushes=9, wall=120)
+    _fake_run(root, study, "spo", 0, 0.45, 0.9, pushes=3, wall=300, kind="long", settings=(("train.steps", 270),))
+    failed = st.RunSpec("long", "ppo", 0, (("train.steps", 270),)).run_dir(root).parent
+    failed.mkdir(parents=True)
+    (failed / "FAILED").write_text("TrainingDiverged: step 200\n")
+    run = st.RunSpec("runs", "spo", 0, ()).run_dir(root)
+    (run / "train" / "checkpoints").mkdir()
+    (run / "train" / "checkpoints" / "model.pt").write_bytes(b"\0" * 2_000_000)  # never archived
+    with (run / "train" / "metrics.jsonl").open("a") as f:  # a metric the report does not read is dropped
+        f.write(json.dumps({"step": 10, "time": 1100.0, "grad_norm": 1.0, "loss/online": 0.3}) + "\n")
+    chosen = {a: {"settings": {}} for a in study.arms}
+    want = write_report(study, root, chosen).read_text()
+
+    done = archive(root, dest)
+    assert done["runs"] == 5 and done["bytes"] < 60_000
+    assert not (dest / "runs" / "spo" / "default_seed0" / "spo" / "train" / "checkpoints").exists()
+    assert (dest / "long" / "ppo" / "steps270_seed0" / "FAILED").read_text() == "TrainingDiverged: step 200\n"
+    kept = (dest / "runs" / "spo" / "default_seed0" / "spo" / "train" / "metrics.jsonl").read_text()
+    assert "loss/online" not in kept and kept.count("\n") == 10
+    there = study.model_copy(update={"out_dir": str(dest)})
+    assert write_report(there, dest, chosen).read_text() == want
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a finished run was run again")
+    monkeypatch.setattr(st.subprocess, "run", must_not_run)
+    assert st.run_one(there, st.RunSpec("runs", "ppo", 1, ()), dest, print)["pass@1"] == {"after": 0.3}
+    with pytest.raises(FileNotFoundError, match=r"compare --archive: .* is not a study's out_dir \(no study.json\)"):
+        archive(tmp_path / "nowhere", dest)
+    with pytest.raises(ValueError, match="is the study's own out_dir"):
+        archive(root, root)

@@ -330,8 +330,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study, e.g. seeds=[0,1] "
                         "quickstart.train.steps=60")
     parser.add_argument("--report-only", action="store_true", help="write the report from the finished runs")
+    parser.add_argument("--archive", metavar="DIR", help="copy what the report reads (results, per-problem "
+                        "evaluations, the metrics it plots; tens of KB per run) to DIR, from which --report-only "
+                        "rewrites the report and compare resumes; runs nothing")
     args = parser.parse_args(argv)
     study = build_config(StudyConfig, apply_overrides({}, args.overrides), "compare")
+    if args.archive:
+        from megatron_spo.experiments.study_report import archive
+
+        done = archive(Path(study.out_dir), Path(args.archive))
+        print(f"archived {done['runs']} finished runs of {study.out_dir} to {args.archive} ({done['bytes'] / 1e6:.2f} MB)")
+        return 0
     if args.report_only:
         from megatron_spo.experiments.study_report import write_report
 

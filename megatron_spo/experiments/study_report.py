@@ -485,3 +485,52 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
         rows.append(("5. SPO is more stable", "needs long and normal runs of spo and grpo", "not measured"))
     return ["## The paper's claims, in miniature", "", "| claim | measurement | verdict |", "|---|---|---|",
             *[f"| {c} | {m} | {v} |" for c, m, v in rows], ""]
+
+
+# The training metrics the report reads (resources, learning curves, stability): an archive keeps only these.
+REPORT_METRICS = ("step", "time", "time/step", "reward", "reward/online", "samples/online", "grad_norm",
+                  "mean_seq_log_ratio", "weight_sync/bytes", "memory/peak_rss_gb")
+_SHARED_FILES = ("eval_before.jsonl", "q0.jsonl", "q0_correct_samples.jsonl")  # a seed's reference eval and Q0
+
+
+def archive(root: Path, dest: Path) -> dict[str, int]:
+    """Copy what the report reads out of a study's out_dir into dest, a few tens of KB per run instead of tens of
+    MB: the study and its choices, each seed's reference evaluation and Q0 files, and per finished run its
+    results.json, per-problem evaluations and the REPORT_METRICS of its metrics.jsonl (plus FAILED files).
+    `compare out_dir=dest --report-only` writes the same report from it, and `compare out_dir=dest` resumes there:
+    a run with results.json is finished. Resuming elsewhere retrains the quickstart's reference model (cached
+    per machine): the archived eval_before.jsonl is the reference the finished runs were scored against.
+    Returns {"runs": n, "bytes": total written}."""
+    from megatron_spo.training.metrics import METRICS_FILE, read_metrics
+
+    root, dest = Path(root), Path(dest)
+    if not (root / "study.json").exists():
+        raise FileNotFoundError(f"compare --archive: {root} is not a study's out_dir (no study.json)")
+    if dest.resolve() == root.resolve():
+        raise ValueError(f"compare --archive: the archive {dest} is the study's own out_dir")
+    written, runs = 0, 0
+
+    def put(rel: Path, text: str) -> None:
+        nonlocal written
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(text)
+        written += len(text.encode())
+
+    for name in ("study.json", "chosen.json"):
+        if (root / name).exists():
+            put(Path(name), (root / name).read_text())
+    for path in sorted(root.glob("shared/seed*/*")):
+        if path.name in _SHARED_FILES:
+            put(path.relative_to(root), path.read_text())
+    for kind in ("sweep", "runs", "long"):
+        for failed in sorted(root.glob(f"{kind}/*/*/FAILED")):
+            put(failed.relative_to(root), failed.read_text())
+        for done in sorted(root.glob(f"{kind}/*/*/*/results.json")):
+            run, runs = done.parent, runs + 1
+            for path in [done, *sorted(run.glob("eval_*.jsonl"))]:
+                put(path.relative_to(root), path.read_text())
+            if (run / "train" / METRICS_FILE).exists():
+                kept = [{k: m[k] for k in REPORT_METRICS if k in m} for m in read_metrics(run / "train")]
+                put((run / "train" / METRICS_FILE).relative_to(root),
+                    "".join(json.dumps(m) + "\n" for m in kept))
+    return {"runs": runs, "bytes": written}
