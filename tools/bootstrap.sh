@@ -65,11 +65,20 @@ fi
 if [ "$job" = quickstart ]; then
   exec "$PY" -m megatron_spo.cli quickstart "$@"
 else
+  # megatron-core 0.17+ ships only for Python 3.12: from another Python, the tests marked `megatron` run again on
+  # the newest megatron-core we accept, in a Python 3.12 venv (NEWEST_MEGATRON=0 skips this leg). Its venv (a
+  # ~5 GB torch download) builds in the background while this Python's tests run.
+  newest=0
+  if [ "${NEWEST_MEGATRON:-1}" != 0 ] && ! "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
+    newest=1; mkdir -p .cache
+    bash tools/ci_newest_megatron.sh --build-only > .cache/ci-newest-build.log 2>&1 &
+    build=$!; trap 'kill $build 2>/dev/null || true; rm -f "$constraints"' EXIT
+  fi
   "$PY" -m ruff check megatron_spo tests tools
   "$PY" -m pytest -q "$@"
-  # megatron-core 0.17+ ships only for Python 3.12: from another Python, the tests marked `megatron` run again on
-  # the newest megatron-core we accept, in a Python 3.12 venv (NEWEST_MEGATRON=0 skips this leg)
-  if [ "${NEWEST_MEGATRON:-1}" != 0 ] && ! "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
+  if [ "$newest" = 1 ]; then
+    wait "$build" || { cat .cache/ci-newest-build.log >&2; echo "bootstrap: the Python 3.12 venv did not build" >&2; exit 1; }
+    cat .cache/ci-newest-build.log
     exec bash tools/ci_newest_megatron.sh "$@"
   fi
 fi

@@ -4,6 +4,7 @@
 # for Python >= 3.12, so the leg runs in a venv of Python 3.12 (pyenv's, or PYTHON312=...) holding PyPI's
 # torch 2.13.0 (on 3.12 that is the CUDA build: it runs on the CPU) and this checkout installed editable.
 #   bash tools/ci_newest_megatron.sh [pytest args...]
+#   bash tools/ci_newest_megatron.sh --build-only       # the venv only (bootstrap builds it while other tests run)
 # The venv is kept under .cache/ and reused while setup.py and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ if [ ! -f "$stamp" ]; then
     -c <("$venv/bin/python" tools/torch_constraint.py) "megatron-core>=0.19,<0.20" -e . pytest pytest-timeout
   touch "$stamp"
 fi
+[ "${1:-}" = --build-only ] && { log "venv ready: $venv"; exit 0; }
 "$venv/bin/python" - <<'EOF'
 import importlib.metadata as md, sys
 v = md.version("megatron-core")
