@@ -382,3 +382,5 @@ def test_an_archive_rewrites_the_same_report_and_resumes_without_rerunning(tmp_p
         archive(tmp_path / "nowhere", dest)
     with pytest.raises(ValueError, match="is the study's own out_dir"):
         archive(root, root)
+    with pytest.raises(FileExistsError, match=r"compare --archive: .*archive is not empty \(remove it"):
+        archive(root, dest)  # a second archive into the first would mix their files

@@ -508,6 +508,8 @@ def archive(root: Path, dest: Path) -> dict[str, int]:
         raise FileNotFoundError(f"compare --archive: {root} is not a study's out_dir (no study.json)")
     if dest.resolve() == root.resolve():
         raise ValueError(f"compare --archive: the archive {dest} is the study's own out_dir")
+    if dest.exists() and any(dest.iterdir()):  # an older archive's files would mix with this one's
+        raise FileExistsError(f"compare --archive: {dest} is not empty (remove it, or name a new folder)")
     written, runs = 0, 0
 
     def put(rel: Path, text: str) -> None:
