@@ -19,8 +19,6 @@ from trainer_helpers import DeterministicSource, make_tiny_hf, run_spawned  # no
 from megatron_spo.config import ConfigError  # noqa: E402
 from megatron_spo.data.offline_store import OfflineStore  # noqa: E402
 
-pytestmark = pytest.mark.megatron
-
 REPO = Path(__file__).resolve().parents[1]
 
 

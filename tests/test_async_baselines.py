@@ -234,7 +234,6 @@ def _records(root, name):
     return [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.megatron
 @pytest.mark.multiproc
 def test_trainer_runs_grpo_and_ppo_with_tis_pushing_every_10_steps(async_runs):
     """Two steps with model_update_interval 10 (no push: policy_version stays 0). Step 1's behaviour weights come
@@ -273,7 +272,6 @@ def test_trainer_runs_grpo_and_ppo_with_tis_pushing_every_10_steps(async_runs):
     assert logged == {n for title in PANELS for n in panel_names(title, logged)}
 
 
-@pytest.mark.megatron
 @pytest.mark.multiproc
 def test_grpo_with_tis_trains_alike_at_tp2(async_runs):
     root, _ = async_runs

@@ -19,7 +19,7 @@ from megatron_spo.config import ConfigError  # noqa: E402
 from megatron_spo.training.config import TrainConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
+pytestmark = [pytest.mark.multiproc]
 
 
 def _cfg(tmp_path: Path, hf: str, name: str, **kw) -> dict:

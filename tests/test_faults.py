@@ -346,7 +346,6 @@ def train_until_stopped(cfg_data: dict, out_file: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.megatron
 @pytest.mark.multiproc
 def test_a_stop_after_a_finished_step_checkpoints_it_and_every_rank_exits(tmp_path, capfd):
     import json

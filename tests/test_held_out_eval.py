@@ -114,7 +114,6 @@ def _train(cfg_data: dict) -> None:
         trainer.close()
 
 
-@pytest.mark.megatron
 @pytest.mark.multiproc
 def test_training_logs_held_out_pass_at_k_at_the_eval_steps(tmp_path, monkeypatch):
     """Two ranks, a push every step, eval.interval 2 over 4 steps: eval/pass@1 and @2 at steps 2 and 4 only

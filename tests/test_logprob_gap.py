@@ -109,7 +109,6 @@ def runs(tmp_path_factory):
     return {name: json.loads((root / f"{name}.json").read_text()) for name in ("right", "wrong")}
 
 
-@pytest.mark.megatron
 @pytest.mark.multiproc
 def test_a_correct_push_keeps_the_gap_at_fp32_noise(runs):
     metrics = runs["right"]["metrics"]
@@ -122,7 +121,6 @@ def test_a_correct_push_keeps_the_gap_at_fp32_noise(runs):
     assert "log-prob gap" not in runs["right"]["printed"]
 
 
-@pytest.mark.megatron
 @pytest.mark.multiproc
 def test_what_a_run_prints_off_a_terminal(runs, tmp_path_factory):
     """The start banner, one progress line per step with elapsed time, s/step and ETA, and megatron-core's
@@ -144,7 +142,6 @@ def test_what_a_run_prints_off_a_terminal(runs, tmp_path_factory):
     assert all(line.endswith(f"suppressed, see {run_dir}/warnings.log") for line in summary)
 
 
-@pytest.mark.megatron
 @pytest.mark.multiproc
 def test_a_wrong_push_makes_the_gap_warn_naming_the_step(runs):
     metrics = runs["wrong"]["metrics"]

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models_helpers import all_tensors  # noqa: E402
 from trainer_helpers import make_tiny_hf, run_spawned  # noqa: E402
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
+pytestmark = [pytest.mark.multiproc]
 
 
 def test_warmup_steps_leave_the_policy_untouched_then_it_trains(tmp_path):

@@ -57,7 +57,6 @@ def _write(root: Path, hf: str, steps: int, lr: float) -> Path:
     return path
 
 
-@pytest.mark.megatron
 def test_resume_refuses_a_changed_config_unless_allowed_and_keeps_a_history(tmp_path):
     from megatron_spo.data.trajectory import Trajectory, write_jsonl
 

@@ -17,7 +17,9 @@ from megatron_spo.training.config import TrainConfig
 from megatron_spo.training.metrics import PANELS, UNPLOTTED, panel_names, plot_run
 from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, split_to_count
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
+# Marked `megatron` (run again on the newest megatron-core): the tests whose subject is megatron-core's layouts and
+# schedules; the others test this project's logic on top of them.
+pytestmark = [pytest.mark.multiproc]
 
 ALGOS = ("spo", "agro", "ppo", "grpo")
 LAYOUTS = (("single", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2))
@@ -80,12 +82,14 @@ def _assert_trains_alike(root, ref_name, name, algo):
         torch.testing.assert_close(weights[k], ref_weights[k], rtol=1e-4, atol=1e-5, msg=f"{name}: {k}")
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_parallel_layout_trains_like_one_process(trained, hf, algo, layout):
     _assert_trains_alike(trained, f"single-{algo}", f"{layout}-{algo}", algo)
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("algo", ALGOS)
 def test_training_moved_the_policy(trained, hf, algo):
     init = load_file(f"{hf}/model.safetensors")
@@ -233,12 +237,14 @@ def trained_vpp(tmp_path_factory, hf4):
     return root
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("name", list(VPP_RUNS))
 def test_virtual_pipeline_trains_like_one_process(trained_vpp, name):
     algo = VPP_RUNS[name][0]
     _assert_trains_alike(trained_vpp, f"single-{algo}", f"vpp-{name}", algo)
 
 
+@pytest.mark.megatron
 def test_virtual_pipeline_checkpoint_resumes_exactly(trained_vpp):
     """1 step, checkpoint (all chunks under 'policy.model0.'), resume, 1 step == 2 steps straight."""
     assert [m["step"] for m in _metrics(trained_vpp, "vpp-resumed")] == [1, 2]
@@ -256,6 +262,7 @@ def _packing(algo, budget, trajs, **parallel):
     return [tuple(mb.input_ids.shape) for mb in mbs]
 
 
+@pytest.mark.megatron
 def test_virtual_pipeline_packing():
     trajs = DeterministicSource().take(8)  # the first step of every run above: longest input 11 tokens
     assert _packing("spo", 48, trajs) == [(4, 11), (4, 11)]
@@ -274,6 +281,7 @@ def test_virtual_pipeline_packing():
         _packing("spo", 48, [Traj("p0", [1, 2], [3, 4], reward=0.0)])
 
 
+@pytest.mark.megatron
 def test_interleaved_schedule_helpers():
     # megatron accepts N contiguous micro-batches per virtual stage when PP <= N <= M and M % N is 0 or >= PP
     assert [microbatch_group_size(m, 2) for m in (2, 3, 4, 5, 6, 7)] == [2, 3, 2, 3, 2, 4]
@@ -287,6 +295,7 @@ def test_interleaved_schedule_helpers():
     assert split_to_count([[0, 1, 2, 3, 4]], 3, groups) == [[0, 1], [2, 3, 4]]  # groups stay whole
 
 
+@pytest.mark.megatron
 def test_virtual_pipeline_checkpoint_converts_to_the_final_policy(trained_vpp, tmp_path):
     """`megatron-spo convert megatron-to-hf` reads a PP=2 x VPP=2 PPO checkpoint (policy + value model +
     optimizer state) bit for bit (in a subprocess: megatron's CPU shims stay out of the pytest process)."""

@@ -165,7 +165,6 @@ def test_on_policy_algorithms_get_a_push_every_step(caplog):
         TrainConfig.model_validate({**base, "algo": "grpo", "model_update_interval": 4})
 
 
-@pytest.mark.megatron
 @pytest.mark.multiproc
 def test_trains_two_steps_on_a_user_jsonl_with_its_metadata_in_the_reward(tmp_path, monkeypatch):
     """A real engine serves the user's three problems (two files); the reward hook reads each problem's
