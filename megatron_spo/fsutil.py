@@ -6,6 +6,7 @@ fsync it, rename it over the target, fsync the folder (so the rename itself surv
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterable
@@ -48,3 +49,12 @@ def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> None:
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     write_lines_atomic(path, [text])
+
+
+def sha256_file(path: str | Path) -> str:
+    """The file's SHA-256 (hex), read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from megatron_spo.cli import main as cli
-from megatron_spo.data import offline_store
 from megatron_spo.data.experience import (
     BuildOptions,
     HashSet64,
@@ -29,6 +28,7 @@ from megatron_spo.data.trajectory import (
     read_jsonl,
     write_jsonl,
 )
+from megatron_spo.fsutil import sha256_file
 
 PROVENANCES = [
     None,
@@ -152,10 +152,10 @@ def write_v1_store(records: list[dict], path, rows_per_shard: int) -> None:
         files = {}
         for col, values in cols.items():
             np.save(path / name / f"{col}.npy", np.asarray(values, dtype=dtypes.get(col, np.int64)))
-            files[f"{col}.npy"] = offline_store._sha256(path / name / f"{col}.npy")
+            files[f"{col}.npy"] = sha256_file(path / name / f"{col}.npy")
         (path / name / "strings.json").write_text(json.dumps({"prompt_id": [r["prompt_id"] for r in chunk],
                                                               "source": [r["source"] for r in chunk]}))
-        files["strings.json"] = offline_store._sha256(path / name / "strings.json")
+        files["strings.json"] = sha256_file(path / name / "strings.json")
         shards.append({"name": name, "rows": len(chunk), "files": files})
     (path / "index.json").write_text(json.dumps({"format": "megatron-spo-offline-store", "version": 1,
                                                  "shards": shards}))
@@ -192,7 +192,7 @@ def test_a_store_row_with_a_bad_provenance_is_named(tmp_path):
         values = np.load(shard / f"{column}.npy")
         values[row] = value
         np.save(shard / f"{column}.npy", values)
-        index["shards"][0]["files"][f"{column}.npy"] = offline_store._sha256(shard / f"{column}.npy")
+        index["shards"][0]["files"][f"{column}.npy"] = sha256_file(shard / f"{column}.npy")
     (tmp_path / "s" / "index.json").write_text(json.dumps(index))
     with pytest.raises(RecordError, match=r"shard-00000 row 0: field 'provenance': values without a provenance"):
         OfflineStore(tmp_path / "s")

@@ -54,6 +54,10 @@ def test_quickstart_end_to_end_small(tmp_path):
         assert r["ci95"][0] <= r["delta"] <= r["ci95"][1]
         assert r["delta"] == pytest.approx(r["after"] - r["before"], abs=1e-9)
     assert result["train_steps"] == 4 and result["weight_pushes"] == 2  # steps 2 and 4
+    from megatron_spo.experiments.reference_model import reference_identity
+
+    (ref,) = (tmp_path / "cache").glob("quickstart-ref-*")  # the run names the weights it started from
+    assert result["reference"] == reference_identity(ref) == json.loads((run / "reference.json").read_text())
     train = result["training_prompts"]  # the same table on training prompts (train_eval_limit=40: all 6)
     assert (train["problems"], train["samples_per_problem"]) == (6, 10)
     assert train["pass@1"]["delta"] == pytest.approx(train["pass@1"]["after"] - train["pass@1"]["before"], abs=1e-9)

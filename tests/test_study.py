@@ -354,6 +354,8 @@ def test_an_archive_rewrites_the_same_report_and_resumes_without_rerunning(tmp_p
         _fake_run(root, study, "spo", seed, 0.4 + 0.05 * seed, 0.9, pushes=1, wall=90, distinct=3)
         _fake_run(root, study, "ppo", seed, 0.3, 0.7 - 0.1 * seed, pushes=9, wall=120)
     _fake_run(root, study, "spo", 0, 0.45, 0.9, pushes=3, wall=300, kind="long", settings=(("train.steps", 270),))
+    stamp = '{"cache_key": "abc", "sha256": "' + "e" * 64 + '"}\n'  # the reference the runs started from
+    (root / "shared" / "seed0" / "reference.json").write_text(stamp)
     failed = st.RunSpec("long", "ppo", 0, (("train.steps", 270),)).run_dir(root).parent
     failed.mkdir(parents=True)
     (failed / "FAILED").write_text("TrainingDiverged: step 200\n")
@@ -369,6 +371,7 @@ def test_an_archive_rewrites_the_same_report_and_resumes_without_rerunning(tmp_p
     assert done["runs"] == 5 and done["bytes"] < 60_000
     assert not (dest / "runs" / "spo" / "default_seed0" / "spo" / "train" / "checkpoints").exists()
     assert (dest / "long" / "ppo" / "steps270_seed0" / "FAILED").read_text() == "TrainingDiverged: step 200\n"
+    assert (dest / "shared" / "seed0" / "reference.json").read_text() == stamp
     kept = (dest / "runs" / "spo" / "default_seed0" / "spo" / "train" / "metrics.jsonl").read_text()
     assert "loss/online" not in kept and kept.count("\n") == 10
     there = study.model_copy(update={"out_dir": str(dest)})

@@ -12,6 +12,7 @@ import pytest
 from megatron_spo.data import offline_store
 from megatron_spo.data.offline_store import OfflineStore, OfflineStoreWriter, write_store
 from megatron_spo.data.trajectory import RecordError, Trajectory, load_trajectories, read_jsonl, write_jsonl
+from megatron_spo.fsutil import sha256_file
 
 
 def make_records(n: int, seed: int = 0) -> list[dict]:
@@ -159,7 +160,7 @@ def test_bad_rows_in_a_shard_name_shard_row_and_field(tmp_path):
     reward[4] = np.inf
     np.save(shard / "reward.npy", reward)
     index = json.loads((tmp_path / "s" / "index.json").read_text())  # a consistent but wrong writer
-    index["shards"][0]["files"]["reward.npy"] = offline_store._sha256(shard / "reward.npy")
+    index["shards"][0]["files"]["reward.npy"] = sha256_file(shard / "reward.npy")
     (tmp_path / "s" / "index.json").write_text(json.dumps(index))
     with pytest.raises(RecordError, match=r"shard-00000 row 4: field 'reward': not finite"):
         OfflineStore(tmp_path / "s")

@@ -30,7 +30,6 @@ shapes is an error naming the shard and file (``skip_invalid`` skips it, counted
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -54,7 +53,7 @@ from megatron_spo.data.trajectory import (
     validate_provenance,
     validate_record,
 )
-from megatron_spo.fsutil import fsync_path, write_text_atomic
+from megatron_spo.fsutil import fsync_path, sha256_file, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +76,6 @@ SHARD_FILES = {1: {f"{c}.npy" for c in COLUMNS_V1} | {STRINGS}, 2: {f"{c}.npy" f
 RAGGED = {"prompt_tokens": "prompt_offsets", "response_tokens": "response_offsets",
           "behaviour_logprobs": "behaviour_offsets", "mc_t": "mc_offsets", "mc_p": "mc_offsets"}
 PER_ROW = ("has_behaviour", "reward", "policy_version", "q0", "has_mc")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_json_atomic(path: Path, obj) -> None:
@@ -194,7 +185,7 @@ class OfflineStoreWriter:
             f.flush()
             os.fsync(f.fileno())
         for file in sorted(os.listdir(tmp)):
-            files[file] = _sha256(tmp / file)
+            files[file] = sha256_file(tmp / file)
         fsync_path(tmp)
         return files
 
@@ -266,7 +257,7 @@ class _Shard:
         for file, digest in sorted(files.items()):
             if not (root / self.name / file).is_file():
                 raise RecordError(where, file, "missing (half-written or deleted shard)")
-            if _sha256(root / self.name / file) != digest:
+            if sha256_file(root / self.name / file) != digest:
                 raise RecordError(where, file, "checksum mismatch (half-written or corrupted shard)")
         names = COLUMNS if self.version >= 2 else COLUMNS_V1
         self.cols = {}

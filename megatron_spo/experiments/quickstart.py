@@ -142,7 +142,9 @@ class QuickstartConfig(StrictModel):
                                                 "megatron-core (algo=grpo; pip install megatron-spo[bench]), the "
                                                 "outside reference for our GRPO")
     reuse_dir: str | None = Field(None, description="keep the reference's evaluations and Q0 here and reuse them: "
-                                  "the arms of one seed in a study share them (megatron-spo compare)")
+                                  "the arms of one seed in a study share them (megatron-spo compare); its "
+                                  "reference.json names the reference weights that made them, and a run from "
+                                  "other weights is refused")
     train: QuickstartTrainConfig = Field(default_factory=QuickstartTrainConfig)
     sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig(time_limit_s=1.0, memory_mb=256))
     progress: bool = True
@@ -380,6 +382,37 @@ def plot_comparison(result: dict, path: Path, algo: str) -> None:
     plt.close(fig)
 
 
+REFERENCE_STAMP = "reference.json"  # in reuse_dir: which reference made the evaluations and Q0 kept there
+
+
+def claim_reuse_dir(shared: Path, identity: dict) -> None:
+    """Refuse a folder of reference evaluations and Q0 made by another reference (e.g. a study resumed on a machine
+    whose SFT gave other weights: its "before" numbers and Q0 would not be this run's); stamp an unclaimed one.
+    identity: reference_model.reference_identity of the reference this run starts from."""
+    from megatron_spo.config import ConfigError
+    from megatron_spo.fsutil import write_text_atomic
+
+    stamp = shared / REFERENCE_STAMP
+    if stamp.exists():
+        try:
+            had = json.loads(stamp.read_text())["sha256"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"quickstart: {stamp}: not a reference stamp with a sha256 "
+                              f"({type(e).__name__}: {e})") from None
+        if had != identity["sha256"]:
+            raise ConfigError(
+                f"quickstart: reuse_dir {shared} holds the evaluations and Q0 of reference {had[:12]}, but this "
+                f"run's reference (cache key {identity['cache_key']}) has weights {identity['sha256'][:12]} (rebuilt "
+                "on another machine?): a run from it cannot share them; use an empty reuse_dir (a new study out_dir)")
+        return
+    made = sorted(p.name for p in [shared / "q0.jsonl", *shared.glob("eval_*before.jsonl")] if p.exists())
+    if made:
+        raise ConfigError(f"quickstart: reuse_dir {shared} holds {', '.join(made)} but no {REFERENCE_STAMP} naming "
+                          "the reference that made them; use an empty reuse_dir, or write the stamp (reference_model."
+                          "reference_identity of that reference) if you know which it was")
+    write_text_atomic(stamp, json.dumps(identity, indent=1) + "\n")
+
+
 def split_problems(cfg: QuickstartConfig, toy) -> dict[str, list]:
     """The problems of each role: "train" (RL prompts), "validation" (the last validation_problems of the task's
     training split, never trained on), "heldout" (the test problems), "training_prompts" (train_eval_limit of
@@ -424,7 +457,7 @@ def run(cfg: QuickstartConfig) -> dict:
     from megatron_spo.data.prompts import make_prompts
     from megatron_spo.engine_tools.estimate_q0 import estimate_q0
     from megatron_spo.engine_tools.eval import evaluate
-    from megatron_spo.experiments.reference_model import build_reference, task_from_config
+    from megatron_spo.experiments.reference_model import build_reference, reference_identity, task_from_config
     from megatron_spo.models.convert import hf_to_megatron
     from megatron_spo.rewards.reward import RewardPool
     from megatron_spo.rewards.sandbox import SandboxPool
@@ -449,7 +482,9 @@ def run(cfg: QuickstartConfig) -> dict:
 
     t0 = stage("1/6 reference model (SFT on the generated task, cached)")
     ref = build_reference(cfg.reference, cfg.cache_dir, progress=cfg.progress)
-    console.print(f"reference: {ref}")
+    identity = reference_identity(ref)
+    claim_reuse_dir(shared, identity)
+    console.print(f"reference: {ref} (weights {identity['sha256'][:12]})")
     wall["reference"] = time.perf_counter() - t0
 
     t0 = stage("2/6 HF -> Megatron conversion")
@@ -538,7 +573,8 @@ def run(cfg: QuickstartConfig) -> dict:
         if name != "heldout":
             result[name] = comparison(before[name], after[name])
     train_metrics = read_metrics(out / "train")
-    result.update({"algo": cfg.algo, "trainer": cfg.trainer, "seed": cfg.seed, "wall_s": wall,
+    result.update({"algo": cfg.algo, "trainer": cfg.trainer, "seed": cfg.seed, "reference": identity,
+                   "wall_s": wall,
                    "train_steps": len(train_metrics),
                    "weight_pushes": int(max(m.get("policy_version", 0) for m in train_metrics))})
     gaps = [m for m in train_metrics if "logprob_gap/mean_abs" in m]

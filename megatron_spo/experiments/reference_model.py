@@ -39,6 +39,7 @@ from megatron_spo.data import toy_code, toy_math
 from megatron_spo.data.char_tokenizer import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
 from megatron_spo.data.tasks import GENERATED_TASKS, generated_task
 from megatron_spo.experiments.config import QuickstartModelConfig
+from megatron_spo.fsutil import sha256_file
 
 REFERENCE_VERSION = 2  # bump when the SFT recipe changes (part of the cache key)
 BUILD_INFO = "build_info.json"
@@ -300,6 +301,16 @@ def build_reference(
 
 def read_build_info(path: str | Path) -> dict:
     return json.loads((Path(path) / BUILD_INFO).read_text())
+
+
+def reference_identity(path: str | Path) -> dict:
+    """{"cache_key", "sha256"}: the reference by its weights' content. The cache key names the recipe; the same
+    recipe rebuilt on another machine can give other weights (the SFT's float sums follow the CPU's kernels)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (not a built reference)")
+    digest = hashlib.sha256("".join(f"{f.name}:{sha256_file(f)}\n" for f in files).encode()).hexdigest()
+    return {"cache_key": read_build_info(path).get("cache_key"), "sha256": digest}
 
 
 def main(argv: list[str]) -> int:

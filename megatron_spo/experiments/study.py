@@ -194,6 +194,33 @@ def _check_quickstart(study: StudyConfig) -> None:
                      f"compare: arm {arm}")
 
 
+def _check_reference(study: StudyConfig, root: Path) -> None:
+    """A resumed study's shared evaluations and Q0 must be this machine's reference's: every new run would refuse
+    them (quickstart.claim_reuse_dir), so say it once, before any run, rather than in a FAILED file per run."""
+    from megatron_spo.config import ConfigError
+    from megatron_spo.experiments.quickstart import REFERENCE_STAMP, QuickstartConfig
+    from megatron_spo.experiments.reference_model import build_reference, reference_identity
+
+    stamps = sorted((root / "shared").glob(f"seed*/{REFERENCE_STAMP}"))
+    if not stamps:
+        return
+    spec = RunSpec("runs", study.arms[0], study.seeds[0], ())
+    cfg = build_config(QuickstartConfig, apply_overrides({}, quickstart_overrides(study, spec, root)), "compare")
+    path = build_reference(cfg.reference, cfg.cache_dir, progress=False)
+    mine = reference_identity(path)["sha256"]
+    for stamp in stamps:
+        try:
+            had = json.loads(stamp.read_text())["sha256"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"compare: {stamp}: not a reference stamp with a sha256 ({type(e).__name__}: {e})") \
+                from None
+        if had != mine:
+            raise ConfigError(f"compare: {stamp.parent} holds the evaluations and Q0 of reference {had[:12]}, but "
+                              f"this machine's {path} has weights {mine[:12]} (the same recipe rebuilt: the SFT's float "
+                              "sums follow the CPU), so new runs would start from another model than the finished "
+                              "ones; resume where that reference is, or start a new out_dir")
+
+
 def failure(spec: RunSpec, root: Path) -> str | None:
     """Why a run failed (its FAILED file: the error line of its log), or None."""
     path = spec.run_dir(root).parent / "FAILED"
@@ -312,6 +339,7 @@ def run_study(study: StudyConfig, log=print) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "study.json").write_text(study.model_dump_json(indent=2) + "\n")
     _check_quickstart(study)
+    _check_reference(study, root)
     chosen = choose(study, root, log) if study.sweep.enabled else study.fixed_settings()
     (root / "chosen.json").write_text(json.dumps(chosen, indent=2) + "\n")
     for seed in study.seeds:  # seed-major: a stopped study has every arm at its first seeds

@@ -490,7 +490,8 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
 # The training metrics the report reads (resources, learning curves, stability): an archive keeps only these.
 REPORT_METRICS = ("step", "time", "time/step", "reward", "reward/online", "samples/online", "grad_norm",
                   "mean_seq_log_ratio", "weight_sync/bytes", "memory/peak_rss_gb")
-_SHARED_FILES = ("eval_before.jsonl", "q0.jsonl", "q0_correct_samples.jsonl")  # a seed's reference eval and Q0
+# a seed's reference evaluation, Q0, and the stamp naming the reference that made them (quickstart.REFERENCE_STAMP)
+_SHARED_FILES = ("eval_before.jsonl", "q0.jsonl", "q0_correct_samples.jsonl", "reference.json")
 
 
 def archive(root: Path, dest: Path) -> dict[str, int]:
@@ -498,8 +499,9 @@ def archive(root: Path, dest: Path) -> dict[str, int]:
     MB: the study and its choices, each seed's reference evaluation and Q0 files, and per finished run its
     results.json, per-problem evaluations and the REPORT_METRICS of its metrics.jsonl (plus FAILED files).
     `compare out_dir=dest --report-only` writes the same report from it, and `compare out_dir=dest` resumes there:
-    a run with results.json is finished. Resuming elsewhere retrains the quickstart's reference model (cached
-    per machine): the archived eval_before.jsonl is the reference the finished runs were scored against.
+    a run with results.json is finished. Resuming elsewhere rebuilds the quickstart's reference model (cached per
+    machine), which another CPU can make with other weights: each seed's reference.json names the weights the
+    finished runs started from, and compare refuses to resume from others.
     Returns {"runs": n, "bytes": total written}."""
     from megatron_spo.training.metrics import METRICS_FILE, read_metrics
 
