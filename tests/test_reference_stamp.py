@@ -30,7 +30,7 @@ def _reference(path: Path, bump: float = 0.0) -> Path:
 def test_the_identity_is_the_weights_content(tmp_path):
     one = rm.reference_identity(_reference(tmp_path / "one"))
     again = rm.reference_identity(_reference(tmp_path / "again"))  # the same weights written again elsewhere
-    other = rm.reference_identity(_reference(tmp_path / "other", bump=2.0 ** -20))  # one float moved by 1 ulp-ish
+    other = rm.reference_identity(_reference(tmp_path / "other", bump=2.0 ** -20))  # one float moved by 2^-20
     assert one == again and one["cache_key"] == "abc" and len(one["sha256"]) == 64
     assert other["sha256"] != one["sha256"] and other["cache_key"] == "abc"
     (tmp_path / "empty").mkdir()
@@ -51,7 +51,7 @@ def test_a_reuse_dir_belongs_to_the_reference_that_filled_it(tmp_path):
         claim_reuse_dir(shared, theirs)
     msg = str(info.value)
     assert "\n" not in msg and f"reference {mine['sha256'][:12]}" in msg and f"weights {theirs['sha256'][:12]}" in msg
-    assert msg.startswith(f"quickstart: reuse_dir {shared} holds the evaluations and Q0 of reference")
+    assert msg.startswith(f"quickstart: {shared} holds the evaluations and Q0 of reference")
     # files from before stamps: nobody can say which reference made them
     legacy = tmp_path / "legacy"
     legacy.mkdir()
@@ -79,13 +79,17 @@ def test_compare_refuses_to_resume_from_another_reference_before_any_run(tmp_pat
     for seed in (0, 1):
         (root / "shared" / f"seed{seed}").mkdir(parents=True)
     (root / "shared" / "seed0" / REFERENCE_STAMP).write_text(json.dumps(rm.reference_identity(mine)))
-    st._check_reference(study, root)  # made here: the study goes on
+    st._check_reference(study, root)  # made here: the study goes on (seed 1's empty folder is claimed by its run)
+    assert not (root / "shared" / "seed1" / REFERENCE_STAMP).exists()
+    (root / "shared" / "seed1" / "eval_before.jsonl").write_text("{}\n")  # from before stamps: whose?
+    with pytest.raises(ConfigError, match=r"^compare: .*seed1 holds eval_before.jsonl but no reference.json naming"):
+        st.run_study(study)
     made_elsewhere = rm.reference_identity(_reference(tmp_path / "elsewhere", bump=1.0))
     (root / "shared" / "seed1" / REFERENCE_STAMP).write_text(json.dumps(made_elsewhere))
     with pytest.raises(ConfigError) as info:
         st.run_study(study)
     msg = str(info.value)
     assert msg.startswith(f"compare: {root / 'shared' / 'seed1'} holds the evaluations and Q0 of reference "
-                          f"{made_elsewhere['sha256'][:12]}, but this machine's {mine} has weights "
+                          f"{made_elsewhere['sha256'][:12]}, but the reference here (cache key abc) has weights "
                           f"{rm.reference_identity(mine)['sha256'][:12]}") and "\n" not in msg
     assert not (root / "runs").exists()

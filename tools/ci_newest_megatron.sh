@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI's second leg: the tests marked `megatron` (those whose subject is megatron-core itself: model builds, parallel
 # layouts, conversion, checkpoints; see pyproject.toml) on the newest megatron-core the package accepts (0.19.x).
-# megatron-core 0.17 and later ship only for Python >= 3.12, so the leg runs in a venv of Python 3.12 (pyenv's, or PYTHON312=...) holding PyPI's
-# torch 2.13.0 (on 3.12 that is the CUDA build: it runs on the CPU) and this checkout installed editable.
+# megatron-core 0.17 and later ship only for Python >= 3.12, so the leg runs in a venv of Python 3.12 (pyenv's,
+# or PYTHON312=...) holding PyPI's torch 2.13.0 (on 3.12 that is the CUDA build: it runs on the CPU) and this
+# checkout installed editable.
 #   bash tools/ci_newest_megatron.sh [pytest args...]
 #   bash tools/ci_newest_megatron.sh --build-only       # the venv only
 # The venv is kept under .cache/ and reused while setup.py and this script are unchanged.

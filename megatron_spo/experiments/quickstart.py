@@ -385,10 +385,11 @@ def plot_comparison(result: dict, path: Path, algo: str) -> None:
 REFERENCE_STAMP = "reference.json"  # in reuse_dir: which reference made the evaluations and Q0 kept there
 
 
-def claim_reuse_dir(shared: Path, identity: dict) -> None:
+def claim_reuse_dir(shared: Path, identity: dict, who: str = "quickstart") -> None:
     """Refuse a folder of reference evaluations and Q0 made by another reference (e.g. a study resumed on a machine
-    whose SFT gave other weights: its "before" numbers and Q0 would not be this run's); stamp an unclaimed one.
-    identity: reference_model.reference_identity of the reference this run starts from."""
+    whose SFT gave other weights: its "before" numbers and Q0 would not be this run's), or by an unnamed one;
+    stamp an unclaimed one. identity: reference_model.reference_identity of the reference the runs start from;
+    who: the command the error names."""
     from megatron_spo.config import ConfigError
     from megatron_spo.fsutil import write_text_atomic
 
@@ -397,17 +398,18 @@ def claim_reuse_dir(shared: Path, identity: dict) -> None:
         try:
             had = json.loads(stamp.read_text())["sha256"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"quickstart: {stamp}: not a reference stamp with a sha256 "
+            raise ConfigError(f"{who}: {stamp}: not a reference stamp with a sha256 "
                               f"({type(e).__name__}: {e})") from None
         if had != identity["sha256"]:
             raise ConfigError(
-                f"quickstart: reuse_dir {shared} holds the evaluations and Q0 of reference {had[:12]}, but this "
-                f"run's reference (cache key {identity['cache_key']}) has weights {identity['sha256'][:12]} (rebuilt "
-                "on another machine?): a run from it cannot share them; use an empty reuse_dir (a new study out_dir)")
+                f"{who}: {shared} holds the evaluations and Q0 of reference {had[:12]}, but the reference here (cache "
+                f"key {identity['cache_key']}) has weights {identity['sha256'][:12]} (the same recipe rebuilt on another "
+                "machine?): runs from it cannot share them; use an empty folder (a new study out_dir), or resume where "
+                "that reference is")
         return
     made = sorted(p.name for p in [shared / "q0.jsonl", *shared.glob("eval_*before.jsonl")] if p.exists())
     if made:
-        raise ConfigError(f"quickstart: reuse_dir {shared} holds {', '.join(made)} but no {REFERENCE_STAMP} naming "
+        raise ConfigError(f"{who}: {shared} holds {', '.join(made)} but no {REFERENCE_STAMP} naming "
                           "the reference that made them; use an empty reuse_dir, or write the stamp (reference_model."
                           "reference_identity of that reference) if you know which it was")
     write_text_atomic(stamp, json.dumps(identity, indent=1) + "\n")

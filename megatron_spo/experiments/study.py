@@ -197,28 +197,17 @@ def _check_quickstart(study: StudyConfig) -> None:
 def _check_reference(study: StudyConfig, root: Path) -> None:
     """A resumed study's shared evaluations and Q0 must be this machine's reference's: every new run would refuse
     them (quickstart.claim_reuse_dir), so say it once, before any run, rather than in a FAILED file per run."""
-    from megatron_spo.config import ConfigError
-    from megatron_spo.experiments.quickstart import REFERENCE_STAMP, QuickstartConfig
+    from megatron_spo.experiments.quickstart import QuickstartConfig, claim_reuse_dir
     from megatron_spo.experiments.reference_model import build_reference, reference_identity
 
-    stamps = sorted((root / "shared").glob(f"seed*/{REFERENCE_STAMP}"))
-    if not stamps:
+    used = sorted(p for p in (root / "shared").glob("seed*") if p.is_dir() and any(p.iterdir()))
+    if not used:
         return
     spec = RunSpec("runs", study.arms[0], study.seeds[0], ())
     cfg = build_config(QuickstartConfig, apply_overrides({}, quickstart_overrides(study, spec, root)), "compare")
-    path = build_reference(cfg.reference, cfg.cache_dir, progress=False)
-    mine = reference_identity(path)["sha256"]
-    for stamp in stamps:
-        try:
-            had = json.loads(stamp.read_text())["sha256"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"compare: {stamp}: not a reference stamp with a sha256 ({type(e).__name__}: {e})") \
-                from None
-        if had != mine:
-            raise ConfigError(f"compare: {stamp.parent} holds the evaluations and Q0 of reference {had[:12]}, but "
-                              f"this machine's {path} has weights {mine[:12]} (the same recipe rebuilt: the SFT's float "
-                              "sums follow the CPU), so new runs would start from another model than the finished "
-                              "ones; resume where that reference is, or start a new out_dir")
+    identity = reference_identity(build_reference(cfg.reference, cfg.cache_dir, progress=False))
+    for shared in used:
+        claim_reuse_dir(shared, identity, who="compare")
 
 
 def failure(spec: RunSpec, root: Path) -> str | None:
