@@ -9,7 +9,8 @@ job="${1:-}"; shift || true
 case "$job" in quickstart|test) ;; *) echo "usage: bash tools/bootstrap.sh quickstart|test [args...]" >&2; exit 2;; esac
 
 PY="${PYTHON:-python3}"
-log() { printf '\033[1m[bootstrap]\033[0m %s\n' "$*"; }
+export BOOTSTRAP_T0="${BOOTSTRAP_T0:-$(date +%s)}"  # each line says the seconds since the start (CI's log: where the time went)
+log() { printf '\033[1m[bootstrap +%ds]\033[0m %s\n' "$(( $(date +%s) - BOOTSTRAP_T0 ))" "$*"; }
 
 # 1. Debian packages the project uses at run time (sandbox) and in tests (SLURM cluster).
 debs=(bubblewrap python3)  # python3: the sandbox interpreter when this one lies where slot uids cannot reach
@@ -75,8 +76,10 @@ else
   # the newest megatron-core we accept, in a Python 3.12 venv (NEWEST_MEGATRON=0 skips this leg). Its venv (a
   # ~5 GB torch download) builds after this Python's tests, not beside them: built beside them (stop 39) CI took
   # 3359 s against 1618 s before, probably the 5 GB of dirty pages that every test's fsync then waits behind.
+  log "ruff, then the tests on $("$PY" -c 'import sys; print("Python", sys.version.split()[0])')"
   "$PY" -m ruff check megatron_spo tests tools
   "$PY" -m pytest -q "$@"
+  log "tests done"
   if [ "${NEWEST_MEGATRON:-1}" != 0 ] && ! "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
     exec bash tools/ci_newest_megatron.sh "$@"
   fi

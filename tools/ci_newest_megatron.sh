@@ -9,7 +9,8 @@
 # The venv is kept under .cache/ and reused while setup.py and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-log() { printf '\033[1m[ci-newest]\033[0m %s\n' "$*"; }
+T0="${BOOTSTRAP_T0:-$(date +%s)}"  # seconds since bootstrap.sh started, when it runs this
+log() { printf '\033[1m[ci-newest +%ds]\033[0m %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 
 PY312="${PYTHON312:-}"
 if [ -z "$PY312" ]; then  # pyenv's own 3.12 first: its `python3.12` shim fails unless 3.12 is a selected version
@@ -41,6 +42,7 @@ v = md.version("megatron-core")
 assert v.startswith("0.19."), f"ci-newest: expected megatron-core 0.19.x in the venv, found {v}"
 print(f"[ci-newest] Python {sys.version.split()[0]}, megatron-core {v}, torch {md.version('torch')}")
 EOF
+log "venv ready; the tests marked megatron"
 rc=0; "$venv/bin/python" -m pytest -q -m megatron -p no:cacheprovider "$@" || rc=$?
 [ "$rc" = 5 ] && { log "no test marked megatron among the ones asked for"; rc=0; }  # pytest: nothing collected
 exit "$rc"
