@@ -45,27 +45,22 @@ constraints="$(mktemp)"; trap 'rm -f "$constraints"' EXIT
 #    moved one) would pass, then fail in every process SLURM starts elsewhere.
 # [bench]: TRL and accelerate, pure-Python wheels over the installed torch / transformers (tests/test_trl_grpo.py).
 extras=""; [ "$job" = test ] && extras="[test,bench]"
-# uv installs the package and its dependencies (16 s here against pip's 148 s, the same versions). Not torch:
-# uv does not look at a local wheel file (step 1), so pip installs it and uv keeps it (the constraint pins it).
-uv_install() {
-  "$PY" -c "import uv" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check "uv>=0.9,<1"
-  "$PY" -m uv pip install -q --python "$("$PY" -c 'import sys; print(sys.executable)')" "$@"
-}
-stamp=".cache/bootstrap-$job-$(cat setup.py tools/bootstrap.sh | sha1sum | cut -c1-12)"
+source tools/pkg_install.sh  # uv, else pip; not for torch (pip takes it from the local wheel above)
+stamp=".cache/bootstrap-$job-$(cat setup.py tools/bootstrap.sh tools/pkg_install.sh | sha1sum | cut -c1-12)"
 installed_at="$(cd / && "$PY" -c "import megatron.core, megatron_spo, os; \
 print(os.path.realpath(os.path.join(os.path.dirname(megatron_spo.__file__), '..')))" 2>/dev/null || true)"
 if [ ! -f "$stamp" ] || [ "$installed_at" != "$(pwd -P)" ]; then
   [ -n "$installed_at" ] && [ "$installed_at" != "$(pwd -P)" ] && log "megatron_spo is installed from $installed_at"
-  log "uv pip install -e .$extras"
-  uv_install -c "$constraints" -e ".$extras"
+  log "install -e .$extras"
+  pkg_install "$PY" -c "$constraints" -e ".$extras"
   mkdir -p .cache && touch "$stamp"
 fi
 
 # 3b. Tests check request bodies against SGLang's own schema: its source only (--no-deps: the full
 #     package needs CUDA kernels and another torch; see docs/engineering-notes.md).
 if [ "$job" = test ] && ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"; then
-  log "uv pip install --no-deps sglang==0.5.23"
-  uv_install --no-deps "sglang==0.5.23"
+  log "install --no-deps sglang==0.5.23"
+  pkg_install "$PY" --no-deps "sglang==0.5.23"
 fi
 
 # 4. Run.

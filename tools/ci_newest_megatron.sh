@@ -22,17 +22,16 @@ fi
   exit 1; }
 
 venv=".cache/py312-mcore019"
-stamp="$venv/.stamp-$(cat setup.py tools/ci_newest_megatron.sh | sha1sum | cut -c1-12)"
+stamp="$venv/.stamp-$(cat setup.py tools/ci_newest_megatron.sh tools/pkg_install.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   log "venv $venv from $PY312: torch 2.13.0, megatron-core 0.19.x, this package"
   rm -rf "$venv"
   "$PY312" -m venv "$venv"
-  # uv, not pip, for the ~5 GB of torch and CUDA wheels: 48 s wall here against pip's 301 s (parallel downloads,
-  # no recompression); the same versions of every package (checked against a pip-built venv)
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.9,<1"
-  "$venv/bin/uv" pip install -q --python "$venv/bin/python" "torch==2.13.0"
-  "$venv/bin/uv" pip install -q --python "$venv/bin/python" \
-    -c <("$venv/bin/python" tools/torch_constraint.py) "megatron-core>=0.19,<0.20" -e . pytest pytest-timeout
+  source tools/pkg_install.sh  # uv, else pip: ~5 GB of torch and CUDA wheels, 48 s with uv here, 301 s with pip
+  pkg_install "$venv/bin/python" "torch==2.13.0"
+  c312="$(mktemp)"; "$venv/bin/python" tools/torch_constraint.py > "$c312"  # a file: pip may read it after uv
+  pkg_install "$venv/bin/python" -c "$c312" "megatron-core>=0.19,<0.20" -e . pytest pytest-timeout
+  rm -f "$c312"
   touch "$stamp"
 fi
 [ "${1:-}" = --build-only ] && { log "venv ready: $venv"; exit 0; }
