@@ -71,7 +71,7 @@ else
   # the newest megatron-core we accept, in a Python 3.12 venv (NEWEST_MEGATRON=0 skips this leg). Its venv (a
   # ~5 GB torch download) builds after this Python's tests, not beside them (CI took 3359 s with it beside them,
   # 1618 s before; but 2920 s after, with it after them and fewer tests: CI's own spread is that large). The leg's
-  # tests beside the 3.11 ones are slower too (2026-11-27, 2 cores: leg ~31 min beside them, 8.5 min alone).
+  # tests beside the 3.11 ones are slower too (2026-11-27, 2 cores: leg 34 min beside them, 8.5 min alone).
   log "ruff, then the tests on $("$PY" -c 'import sys; print("Python", sys.version.split()[0])')"
   "$PY" -m ruff check megatron_spo tests tools
   "$PY" -m pytest -q "$@"
