@@ -62,9 +62,10 @@ def test_pip_gets_the_same_arguments_when_uv_fails(tmp_path):
     assert proc.stderr == "pkg_install: uv could not install -c c.txt -e .[test]; pip instead (PKG_INSTALLER=pip skips uv)\n"
 
 
-@pytest.mark.parametrize("how", ["PKG_INSTALLER=pip", "PIP_INDEX_URL", "pip.conf index-url"])
+@pytest.mark.parametrize("how", ["PKG_INSTALLER=pip", "PIP_INDEX_URL", "pip.conf index-url", "constraint URL"])
 def test_pip_alone_where_asked_or_a_mirror_replaces_pypi(tmp_path, how):
     kwargs = {"PKG_INSTALLER=pip": {"installer": "pip"}, "PIP_INDEX_URL": {"PIP_INDEX_URL": "https://mirror/simple"},
-              "pip.conf index-url": {"pip_conf": "global.index-url='https://mirror/simple'\n"}}[how]
+              "pip.conf index-url": {"pip_conf": "global.index-url='https://mirror/simple'\n"},
+              "constraint URL": {"PIP_CONSTRAINT": "https://cluster/pins.txt"}}[how]
     proc, calls = _run(tmp_path, uv_rc=0, **kwargs)
     assert proc.returncode == 0 and calls == [PIP] and proc.stderr == "", (calls, proc.stderr)
