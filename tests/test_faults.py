@@ -163,10 +163,24 @@ def test_train_against_a_dead_fleet_exits_on_sigterm_with_the_reason(tmp_path, m
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing had finished: nothing written
 
 
+def _wait_until_caught(proc: subprocess.Popen, sig: signal.Signals, timeout_s: float = 120.0) -> None:
+    """Return once ``proc`` has a handler for ``sig`` (Linux: the SigCgt mask in /proc/PID/status). A fixed
+    sleep instead raced the interpreter's own start-up on a loaded machine: SIGTERM before any handler kills
+    the process with -15, which is Python's default, not the CLI's behaviour under test."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+        if int(fields["SigCgt"], 16) >> (sig - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"no {sig.name} handler after {timeout_s} s")
+
+
 def test_sigterm_while_starting_up_exits_at_once_in_one_line(tmp_path, model_dir):
     proc = subprocess.Popen(_train_cmd(tmp_path, model_dir), cwd=REPO, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    time.sleep(2.0)  # importing torch and megatron
+    _wait_until_caught(proc, signal.SIGTERM)  # the CLI's start-up handler, then seconds of importing torch
     proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=60)
