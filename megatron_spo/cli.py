@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import signal
 import sys
 
@@ -65,12 +66,27 @@ positive_float = _number(float, lambda v: v > 0, "a finite number > 0")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM's cancel / preemption and its warning signal
 
 
+def _inside_an_import(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def exit_while_starting(signum, frame) -> None:
     """Signal handler for start-up (imports, config, model build): nothing to save yet, so SIGTERM / SIGUSR1
     end the process at once with one line on stderr and exit 0, as a preempted run does (slurm/README.md: the
-    batch shell requeues it). Replaced by the trainer's PreemptionHandler."""
+    batch shell requeues it). Replaced by the trainer's PreemptionHandler.
+
+    Inside an import the process ends with os._exit: an exception raised there leaves a module half made, and a
+    library that catches broadly at import time went on with it (seen: numpy.linalg half imported, then
+    torch._dynamo's 'np.linalg' recursed, a RecursionError traceback and exit 1, which SLURM does not requeue)."""
     print(f"megatron-spo: {signal.Signals(signum).name} received while starting up: nothing to save, exiting",
           file=sys.stderr, flush=True)
+    if _inside_an_import(frame):
+        sys.stdout.flush()
+        os._exit(0)
     raise SystemExit(0)
 
 

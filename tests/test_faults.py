@@ -190,6 +190,30 @@ def test_sigterm_while_starting_up_exits_at_once_in_one_line(tmp_path, model_dir
                                             "exiting")
 
 
+START_UP_HANDLER = ("import signal, sys; sys.path.insert(0, sys.argv[1]); from megatron_spo.cli import exit_while_starting; "
+                    "signal.signal(signal.SIGTERM, exit_while_starting); ")
+SELF_TERM = "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)"
+
+
+def test_sigterm_inside_an_import_ends_the_process_even_where_a_library_catches_everything(tmp_path):
+    # a module whose import catches BaseException (as a library's import guard may): the handler's SystemExit was
+    # swallowed there and the process went on with half-made modules (a RecursionError from numpy.linalg, exit 1)
+    (tmp_path / "broad.py").write_text(f"import os, signal, time\ntry:\n    {SELF_TERM}\nexcept BaseException:\n"
+                                       "    pass\nprint('went on after the signal', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", START_UP_HANDLER + "import broad; print('after the import')",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert (proc.returncode, proc.stdout) == (0, "")
+    assert proc.stderr.strip() == "megatron-spo: SIGTERM received while starting up: nothing to save, exiting"
+
+
+def test_sigterm_outside_an_import_still_unwinds_so_cleanups_run(tmp_path):
+    code = START_UP_HANDLER + f"import os, time\ntry:\n    {SELF_TERM}\nfinally:\n    print('cleaned up')"
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "cleaned up")
+    assert proc.stderr.strip() == "megatron-spo: SIGTERM received while starting up: nothing to save, exiting"
+
+
 # -- SGLang's /health while paused -----------------------------------------------------------------------------
 class FlakyEngine(LocalEngine):
     """Fails its next ``failures`` weight loads (after receiving them), like a GPU that ran out of memory."""
