@@ -41,7 +41,7 @@ def test_quickstart_end_to_end_small(tmp_path):
             "q0_samples=4", "offline_per_prompt=2", "eval_n=10", "heldout_limit=4", "train_limit=6", "train_eval_limit=40",
             "train.steps=4", "train.model_update_interval=2", "train.prompts_per_step=2", "train.samples_per_prompt=4",
             "train.nproc=2", "train.tensor_model_parallel_size=2", "train.max_new_tokens=48", "progress=false"]
-    # 8 SFT steps of 8 sequences (was 40 of 32: 110 of the test's ~330 CPU s): at this size pass@1 is 0 either way
+    # 8 SFT steps of 8 sequences (was 40 of 32: 110 s of the test's 375 s beside a study): pass@1 is 0 either way
     # and the offline set is the task's own solutions, so the reference's quality is not what this test checks
     proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "quickstart", *args], capture_output=True,
                           text=True, timeout=1500, env={**os.environ, "MEGATRON_SPO_TEST_RUN": tag})
