@@ -44,11 +44,12 @@ def test_uv_installs_when_it_can(tmp_path):
 
 
 def test_uv_gets_the_constraint_files_pip_would_apply(tmp_path):
-    """A container's pins (NGC sets PIP_CONSTRAINT) and pip.conf's constraint bind uv too; missing files are skipped."""
+    """A container's pins (NGC sets PIP_CONSTRAINT) and pip.conf's constraint bind uv too (a missing one goes to
+    pip, which refuses it: test_pip_alone_where_asked_or_a_mirror_replaces_pypi)."""
     env_pins, conf_pins = tmp_path / "env.txt", tmp_path / "conf.txt"
     env_pins.write_text("numpy==1.26.4\n")
     conf_pins.write_text("torch<=2.14.1\n")
-    proc, calls = _run(tmp_path, uv_rc=0, PIP_CONSTRAINT=f"{env_pins} {tmp_path / 'gone.txt'}",
+    proc, calls = _run(tmp_path, uv_rc=0, PIP_CONSTRAINT=str(env_pins),
                        pip_conf=f"global.constraint='{conf_pins}'\nglobal.find-links='/opt/wheels'\n")
     assert proc.returncode == 0, proc.stderr
     assert calls == [f"-m uv pip install -q --python {tmp_path / 'python'} -c {env_pins} -c {conf_pins} "
@@ -62,10 +63,12 @@ def test_pip_gets_the_same_arguments_when_uv_fails(tmp_path):
     assert proc.stderr == "pkg_install: uv could not install -c c.txt -e .[test]; pip instead (PKG_INSTALLER=pip skips uv)\n"
 
 
-@pytest.mark.parametrize("how", ["PKG_INSTALLER=pip", "PIP_INDEX_URL", "pip.conf index-url", "constraint URL"])
+@pytest.mark.parametrize("how", ["PKG_INSTALLER=pip", "PIP_INDEX_URL", "pip.conf index-url", "constraint URL",
+                                 "constraint file missing"])
 def test_pip_alone_where_asked_or_a_mirror_replaces_pypi(tmp_path, how):
     kwargs = {"PKG_INSTALLER=pip": {"installer": "pip"}, "PIP_INDEX_URL": {"PIP_INDEX_URL": "https://mirror/simple"},
               "pip.conf index-url": {"pip_conf": "global.index-url='https://mirror/simple'\n"},
-              "constraint URL": {"PIP_CONSTRAINT": "https://cluster/pins.txt"}}[how]
+              "constraint URL": {"PIP_CONSTRAINT": "https://cluster/pins.txt"},
+              "constraint file missing": {"PIP_CONSTRAINT": "/nonexistent/pins.txt"}}[how]
     proc, calls = _run(tmp_path, uv_rc=0, **kwargs)
     assert proc.returncode == 0 and calls == [PIP] and proc.stderr == "", (calls, proc.stderr)

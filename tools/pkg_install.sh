@@ -3,7 +3,8 @@
 # pip's 148 s here, the 3.12 venv 48 s against 301 s; the same version of every package), falling back to pip.
 # uv reads neither pip.conf nor PIP_*: it is given pip's constraint files (PIP_CONSTRAINT, pip.conf's
 # `constraint`: a container's pins stay), and pip alone runs where an index-url replaces PyPI (a cluster's mirror),
-# where a constraint lies at a URL, where uv fails, or with PKG_INSTALLER=pip. Not for torch from a local wheel file: uv does not look there.
+# where a constraint is not a local file (a URL, or missing: pip's own error instead of a pin silently dropped),
+# where uv fails, or with PKG_INSTALLER=pip. Not for torch from a local wheel file: uv does not look there.
 pkg_install() {
   local py="$1"; shift
   local conf installer="${PKG_INSTALLER:-uv}" pins=() f
@@ -11,7 +12,7 @@ pkg_install() {
   if [ -n "${PIP_INDEX_URL:-}" ] || grep -q '\.index-url=' <<<"$conf"; then installer=pip; fi
   for f in ${PIP_CONSTRAINT:-} $(sed -n "s/^[^=]*\.constraint='\(.*\)'$/\1/p" <<<"$conf"); do
     if [ -f "$f" ]; then pins+=(-c "$f")
-    elif [[ "$f" == *://* ]]; then installer=pip; fi  # a pin at a URL: pip reads it, uv is not trusted to
+    else installer=pip; fi  # at a URL, or missing: pip reads the one and refuses the other; uv would drop both
   done
   if [ "$installer" != pip ]; then
     if "$py" -c "import uv" 2>/dev/null || "$py" -m pip install -q --disable-pip-version-check "uv>=0.9,<1"; then
