@@ -69,9 +69,9 @@ if [ "$job" = quickstart ]; then
 else
   # megatron-core 0.17+ ships only for Python 3.12: from another Python, the tests marked `megatron` run again on
   # the newest megatron-core we accept, in a Python 3.12 venv (NEWEST_MEGATRON=0 skips this leg). Its venv (a
-  # ~5 GB torch download) builds after this Python's tests, not beside them (CI took 3359 s with it beside them,
-  # 1618 s before; but 2920 s after, with it after them and fewer tests: CI's own spread is that large). The leg's
-  # tests beside the 3.11 ones are slower too (2026-11-27, 2 cores: leg 34 min beside them, 8.5 min alone).
+  # ~5 GB torch download) builds after this Python's tests, not beside them. The leg's tests beside the 3.11 ones
+  # are slower too (2026-11-27, 2 cores: leg 34 min beside them, 8.5 min alone): both are CPU-bound (the 3.11
+  # suite is 2055 CPU s, its megatron-marked tests 869 of them), so only less test work shortens CI.
   log "ruff, then the tests on $("$PY" -c 'import sys; print("Python", sys.version.split()[0])')"
   "$PY" -m ruff check megatron_spo tests tools
   "$PY" -m pytest -q "$@"
