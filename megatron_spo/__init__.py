@@ -1,3 +1,7 @@
 """megatron-spo: Soft Policy Optimization (SPO), AGRO and PPO post-training on megatron-core."""
 
+from megatron_spo import deferred_compile
+
 __version__ = "0.1.0"
+
+deferred_compile.install()  # megatron-core's fused functions compile at their first call (see that module)
