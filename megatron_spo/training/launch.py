@@ -121,9 +121,10 @@ def _preflight_cpu(cfg: TrainConfig, nproc: int) -> None:
 
 
 def launch(cfg: TrainConfig) -> None:
-    """Under torchrun / srun (WORLD_SIZE set) train as this rank; otherwise spawn cfg.nproc ranks here.
+    """Under torchrun / srun (WORLD_SIZE set) train as this rank; otherwise start cfg.nproc ranks here
+    (``start_local``: several are forked from one helper that imports megatron-core once).
 
-    The spawning parent forwards SIGTERM / SIGUSR1 / SIGINT to its ranks (which checkpoint and exit),
+    The launching parent forwards SIGTERM / SIGUSR1 / SIGINT to its ranks (which checkpoint and exit),
     so a scheduler signalling only the launcher still gets a checkpoint and leaves no orphan."""
     if os.environ.get("WORLD_SIZE") or cfg.nproc == 1:
         preflight_model(cfg, int(os.environ.get("WORLD_SIZE") or 1))
@@ -136,33 +137,28 @@ def launch(cfg: TrainConfig) -> None:
     preflight_model(cfg, cfg.nproc)
     _preflight_cpu(cfg, cfg.nproc)
     preflight_data(cfg)
-    import signal
-
     import torch.multiprocessing as mp
 
-    from megatron_spo.models.parallel import _spawn_entry
-    from megatron_spo.net import free_port
+    from megatron_spo.models.parallel import rank_failure, start_local
 
-    ctx = mp.start_processes(_spawn_entry, args=(cfg.nproc, free_port(), run, (cfg.model_dump(mode="json"),)),
-                             nprocs=cfg.nproc, join=False, start_method="spawn")
+    ctx = start_local(run, cfg.nproc, cfg.model_dump(mode="json"))
 
-    def forward(signum, frame):
+    def forward(signum, frame):  # to the ranks' helper (or the one rank), which forwards them to the ranks
         for p in ctx.processes:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGINT if signum == signal.SIGINT else signum)
+                os.kill(p.pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
         while not ctx.join(timeout=1.0):
             pass
-    except mp.ProcessRaisedException as err:  # a rank's one-line reason, not its traceback
-        last = str(err).strip().splitlines()[-1]
-        name, _, reason = last.partition(": ")
-        if name.endswith("FleetUnavailable"):
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:  # a rank's one-line reason
+        name, reason = rank_failure(err)
+        if name == "FleetUnavailable":
             raise FleetUnavailable(reason) from None
+        if name == "ProcessExitedException":  # e.g. SIGTERM forwarded before the rank could handle it
+            raise RankExited(f"rank {reason.removeprefix('process ')}") from None
         raise
-    except mp.ProcessExitedException as err:  # e.g. SIGTERM forwarded before the rank could handle it
-        raise RankExited(f"rank {str(err).removeprefix('process ')}") from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
