@@ -141,9 +141,9 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 def _fork_ranks(_index: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     """The launch's helper process: import what the ranks need once, fork ``world_size`` ranks from here, forward
-    SIGTERM / SIGUSR1 / SIGINT to them, and raise what the first failing rank raised. A fresh (spawned) process
-    that has run no torch op and holds no CUDA context, so forking it is safe; each rank saves the ~10 CPU seconds
-    of importing megatron-core on its own (measured on 2 cores)."""
+    SIGTERM / SIGUSR1 / SIGINT to them, and raise what the first failing rank raised. A fresh (spawned) process,
+    on a machine without a CUDA device, that has run no torch op: forking it is safe. Each rank saves the ~10 CPU
+    seconds of importing megatron-core on its own (measured on 2 cores)."""
     import importlib
 
     import torch.multiprocessing as mp
@@ -171,16 +171,18 @@ def _fork_ranks(_index: int, world_size: int, port: int, fn: Callable, args: tup
 
 def start_local(fn: Callable[..., Any], world_size: int, *args: Any):
     """Start ``fn(*args)`` on ``world_size`` local ranks with a torchrun-style environment; returns torch's
-    ProcessContext (``join()`` it). One rank is spawned directly; several are forked from one spawned helper that
-    has imported megatron-core (``_fork_ranks``). A failing rank's error reaches ``join()`` as a
+    ProcessContext (``join()`` it). Without a CUDA device several ranks are forked from one spawned helper that
+    has imported megatron-core (``_fork_ranks``); one rank, or any number on a machine with a CUDA device, is
+    spawned directly (CUDA's driver state does not survive a fork, and Transformer Engine touches the device when
+    megatron-core imports it). A failing rank's error reaches ``join()`` as a
     ProcessRaisedException whose last line is the rank's (for a rank ended by a signal or ``os._exit``:
     ``...ProcessExitedException: process R terminated with ...``); ``rank_failure`` reads it.
     ``fn`` must be importable (module level)."""
     import torch.multiprocessing as mp
 
-    if world_size == 1:
-        return mp.start_processes(_spawn_entry, args=(1, free_port(), fn, args), nprocs=1, join=False,
-                                  start_method="spawn")
+    if world_size == 1 or torch.cuda.is_available():
+        return mp.start_processes(_spawn_entry, args=(world_size, free_port(), fn, args), nprocs=world_size,
+                                  join=False, start_method="spawn")
     return mp.start_processes(_fork_ranks, args=(world_size, free_port(), fn, args), nprocs=1, join=False,
                               start_method="spawn")
 
