@@ -69,9 +69,10 @@ if [ "$job" = quickstart ]; then
 else
   # megatron-core 0.17+ ships only for Python 3.12: from another Python, the tests marked `megatron` run again on
   # the newest megatron-core we accept, in a Python 3.12 venv (NEWEST_MEGATRON=0 skips this leg). Its venv (a
-  # ~5 GB torch download) builds after this Python's tests, not beside them. The leg's tests beside the 3.11 ones
-  # are slower too (2026-11-27, 2 cores: leg 34 min beside them, 8.5 min alone): both are CPU-bound (the 3.11
-  # suite is 2055 CPU s, its megatron-marked tests 869 of them), so only less test work shortens CI.
+  # ~5 GB torch download) builds after this Python's tests, not beside them: both are CPU-bound, so only less test
+  # work shortens CI. Measured here (2026-11-27, 2 cores, per-test CPU incl. children): the 3.11 suite 1724 CPU s
+  # (2055 before one import per launch, docs/engineering-notes.md); the leg 1578 CPU s, 26 min alone, for its 198
+  # tests: on 3.12 the torch is PyPI's CUDA build, and a process pays ~22 CPU s to import megatron-core (~6 on 3.11).
   log "ruff, then the tests on $("$PY" -c 'import sys; print("Python", sys.version.split()[0])')"
   "$PY" -m ruff check megatron_spo tests tools
   "$PY" -m pytest -q "$@"
