@@ -4,4 +4,4 @@ from megatron_spo import deferred_compile
 
 __version__ = "0.1.0"
 
-deferred_compile.install()  # megatron-core's fused functions compile at their first call (see that module)
+deferred_compile.install()  # what megatron-core torch.compiles at import compiles at its first call
