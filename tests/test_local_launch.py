@@ -3,7 +3,10 @@ megatron-core once; a failing rank's reason reaches the launcher in one line."""
 
 import json
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -47,3 +50,24 @@ def test_a_failing_rank_reaches_the_launcher_as_its_own_one_line_reason():
             while not ctx.join(timeout=1.0):
                 pass
         assert rank_failure(err.value) == expected
+
+
+def test_a_helper_preempted_while_importing_ends_like_a_starting_rank_in_one_line_with_exit_0(tmp_path, capfd):
+    """SIGTERM (SLURM's cancel / preemption) during the helper's seconds of importing megatron-core: one line, exit
+    0 (SLURM requeues on 0), no rank started. Without the start-up handler the helper died by the signal, which the
+    launcher reports as a failed rank (exit 1)."""
+    ctx = start_local(record_rank, 2, str(tmp_path))
+    helper = ctx.processes[0]
+    deadline = time.monotonic() + 120
+    while True:  # the helper's start-up handler is in place (SigCgt), then it imports megatron-core for seconds
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{helper.pid}/status").read_text().splitlines())
+        if int(status["SigCgt"], 16) >> (signal.SIGTERM - 1) & 1:
+            break
+        assert time.monotonic() < deadline and helper.is_alive()
+        time.sleep(0.005)
+    os.kill(helper.pid, signal.SIGTERM)
+    while not ctx.join(timeout=1.0):  # no exception: the helper exited 0
+        pass
+    assert helper.exitcode == 0 and list(tmp_path.iterdir()) == []
+    assert capfd.readouterr().err.strip().splitlines()[-1] == (
+        "megatron-spo: SIGTERM received while starting up: nothing to save, exiting")

@@ -128,6 +128,7 @@ def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)  # a forked rank inherits its helper's mask
     torch.set_num_threads(1)
     fn(*args)
 
@@ -139,27 +140,44 @@ RANK_IMPORTS = ("megatron.core", "megatron.core.models.gpt", "megatron.core.opti
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
+def forward_to(processes) -> Callable:
+    """A signal handler that sends the signal it receives on to every live process of ``processes``."""
+
+    def forward(signum, frame):
+        for p in processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    return forward
+
+
 def _fork_ranks(_index: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     """The launch's helper process: import what the ranks need once, fork ``world_size`` ranks from here, forward
     SIGTERM / SIGUSR1 / SIGINT to them, and raise what the first failing rank raised. A fresh (spawned) process,
     on a machine without a CUDA device, that has run no torch op: forking it is safe. Each rank saves the ~10 CPU
-    seconds of importing megatron-core on its own (measured on 2 cores)."""
+    seconds of importing megatron-core on its own (measured on 2 cores).
+
+    Preempted while importing (SIGTERM / SIGUSR1), it ends as a starting rank does: one line, exit 0 (SLURM
+    requeues on 0). Across the fork the signals are blocked, so none is lost or lands on the default action: the
+    ranks unblock them (``_spawn_entry``), the helper once its forwarding handler is in place."""
     import importlib
 
     import torch.multiprocessing as mp
 
+    from megatron_spo.cli import STOP_SIGNALS, exit_while_starting
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, exit_while_starting)
     for name in RANK_IMPORTS:
         importlib.import_module(name)
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+    for sig in STOP_SIGNALS:  # the ranks start with the default, as spawned ones do, until their own handlers
+        signal.signal(sig, signal.SIG_DFL)
     ctx = mp.start_processes(_spawn_entry, args=(world_size, port, fn, args), nprocs=world_size, join=False,
                              start_method="fork")
-
-    def forward(signum, frame):  # installed after the fork: the ranks keep the default until their own handlers
-        for p in ctx.processes:
-            if p.is_alive():
-                os.kill(p.pid, signum)
-
     for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, forward)
+        signal.signal(sig, forward_to(ctx.processes))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)  # one that came meanwhile is forwarded now
     try:
         while not ctx.join(timeout=1.0):
             pass

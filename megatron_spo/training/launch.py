@@ -139,16 +139,11 @@ def launch(cfg: TrainConfig) -> None:
     preflight_data(cfg)
     import torch.multiprocessing as mp
 
-    from megatron_spo.models.parallel import rank_failure, start_local
+    from megatron_spo.models.parallel import FORWARDED_SIGNALS, forward_to, rank_failure, start_local
 
     ctx = start_local(run, cfg.nproc, cfg.model_dump(mode="json"))
-
-    def forward(signum, frame):  # to the ranks' helper (or the one rank), which forwards them to the ranks
-        for p in ctx.processes:
-            if p.is_alive():
-                os.kill(p.pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    # to the ranks, or to their helper, which forwards them to the ranks
+    previous = {sig: signal.signal(sig, forward_to(ctx.processes)) for sig in FORWARDED_SIGNALS}
     try:
         while not ctx.join(timeout=1.0):
             pass
