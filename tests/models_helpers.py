@@ -101,6 +101,7 @@ def make_tiny_family(out_dir: str | Path, case: str, seed: int = 0, num_layers: 
 
 
 FAMILY_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP) on a world of 4
+PACKED_LENGTHS = torch.tensor([SEQ - 7, SEQ, 5, SEQ - 20])  # per row of tokens(): the micro-batches' packed streams
 
 
 def family_worker(hf_dirs: dict[str, str], result_path: str) -> None:
@@ -139,8 +140,15 @@ def family_worker(hf_dirs: dict[str, str], result_path: str) -> None:
             load_hf_into_model(chunks, cfg, reader.get)
             rec: dict = {}
             logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=2)
+            # packed sequences (THD): each row's first PACKED_LENGTHS[i] tokens back to back; causal attention makes
+            # them the full rows' prefixes, so their logits are the reference's
+            packed = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=2, lengths=PACKED_LENGTHS)
             if rank == 0:
                 rec["logit_max_abs_diff"] = (logits - ref_logits).abs().max().item()
+                rec["packed_logit_max_abs_diff"] = max(
+                    (packed[i, :n] - ref_logits[i, :n]).abs().max().item() for i, n in enumerate(PACKED_LENGTHS.tolist()))
+                rec["packed_padding_is_zero"] = all(
+                    bool((packed[i, n:] == 0).all()) for i, n in enumerate(PACKED_LENGTHS.tolist()))
             for c in chunks:
                 c.train()
                 c.zero_grad(set_to_none=True)

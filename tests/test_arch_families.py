@@ -1,5 +1,6 @@
 """Every registered family (models/arch/) against transformers' own model class: Llama 3.2 (tied),
 Qwen2.5 (q/k/v biases, tied and untied), Qwen3 (q/k norms, head_dim of its own, tied and untied), Mistral.
+Logits are checked on padded rows and on the same rows packed (THD), both through the SDPA core attention.
 
 One 4-process gloo spawn runs TP=1, TP=2 and PP=2 for every family (logits, gradients, the streaming
 export that live weight sync sends); one subprocess converts each family HF -> Megatron -> HF.
@@ -82,6 +83,9 @@ def test_family_matches_transformers(family_results, case, layout):
     rec = family_results[f"{case}/{layout}"]
     # the same tolerances as the Llama layouts in test_models.py
     assert rec["logit_max_abs_diff"] < 2e-5, rec["logit_max_abs_diff"]
+    # the same rows packed back to back (THD, the trainer's default): RoPE restarts per sequence, attention stays in it
+    assert rec["packed_logit_max_abs_diff"] < 2e-5, rec["packed_logit_max_abs_diff"]
+    assert rec["packed_padding_is_zero"]
     assert rec["grad_max_rel_diff"] < 1e-4, (rec["grad_max_rel_diff"], rec["grad_worst_tensor"])
     assert rec["export_bit_exact"]
     # the export (= the names a weight push sends) is exactly the checkpoint's tensors, each once

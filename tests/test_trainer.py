@@ -255,10 +255,14 @@ def test_virtual_pipeline_checkpoint_resumes_exactly(trained_vpp):
         torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-7, msg=k)
 
 
-def _packing(algo, budget, trajs, **parallel):
+def _packing(algo, budget, trajs, pack=False, **parallel):
+    """Padded rows: each micro-batch's [rows, width]; packed: (rows, tokens)."""
     cfg = _vpp_cfg(Path("/nonexistent"), "/nonexistent", "x", algo, budget)
-    cfg = TrainConfig.model_validate(dict(cfg, parallel=dict(cfg["parallel"], **parallel)))
+    cfg = TrainConfig.model_validate(dict(cfg, parallel=dict(cfg["parallel"], **parallel),
+                                          batch=dict(cfg["batch"], pack_sequences=pack)))
     mbs = micro_batches(trajs, cfg, keep_groups=algo == "agro", pad_id=0, dp_rank=0)
+    if pack:
+        return [(mb.num_sequences, int(mb.lengths.sum())) for mb in mbs]
     return [tuple(mb.input_ids.shape) for mb in mbs]
 
 
@@ -275,6 +279,11 @@ def test_virtual_pipeline_packing():
     assert _packing("spo", 36, trajs, **no_vpp) == [(3, 11), (4, 9), (1, 11)]
     assert _packing("spo", 36, trajs, **no_vpp, tensor_model_parallel_size=4, sequence_parallel=True) == [
         (3, 12), (4, 12), (1, 12)]
+    # packed (the default): the budget counts the tokens themselves, so fuller micro-batches; lengths 11 9 11 10 ...
+    lengths = [len(t.prompt_tokens) + len(t.response_tokens) - 1 for t in trajs]
+    assert _packing("spo", 48, trajs, pack=True) == [(5, sum(lengths[:5])), (3, sum(lengths[5:]))]
+    assert all(n <= 36 for _, n in _packing("spo", 36, trajs, pack=True, **no_vpp))
+    assert sum(r for r, _ in _packing("spo", 36, trajs, pack=True, **no_vpp)) == 8
     with pytest.raises(ConfigError, match=r"^batch: the interleaved pipeline schedule \(parallel.virtual_pipeline_"
                        r"model_parallel_size\) needs at least 2 micro-batches per step, but data-parallel rank 0 "
                        r"has only 1 sequences; raise batch.sequences_per_step$"):

@@ -49,6 +49,7 @@ class TrainBatch:
     behaviour_top_p: torch.Tensor
     mc_positions: torch.Tensor  # [B, K] long positions in L (-1 = none)
     mc_success: torch.Tensor  # [B, K] float success probabilities S_t
+    lengths: torch.Tensor  # [B] long: tokens of each row before its padding (prompt + response - 1)
 
     @property
     def num_sequences(self) -> int:
@@ -147,6 +148,7 @@ def collate(trajectories: Sequence[TrajectoryLike], pad_id: int, length: int | N
         behaviour_top_p=torch.tensor([sampling_settings(tr)[1] for tr in trajectories]),
         mc_positions=mc_positions,
         mc_success=mc_success,
+        lengths=torch.tensor([len(p) + len(r) - 1 for p, r in rows], dtype=torch.long),
     )
 
 
@@ -173,8 +175,9 @@ def _mc_fields(mc: Any) -> tuple[int, float]:
 
 
 def split_by_token_budget(lengths: Sequence[int], max_tokens: int, *, keep_groups: Sequence[Any] | None = None,
-                          ) -> list[list[int]]:
-    """Greedy micro-batches of sequence indices whose padded size (count x longest) stays <= max_tokens.
+                          packed: bool = False) -> list[list[int]]:
+    """Greedy micro-batches of sequence indices whose size stays <= max_tokens: count x longest (padded rows),
+    or the sum of the lengths (packed: sequences back to back, models/packing.py).
 
     Sequences sharing a group id stay in one micro-batch when keep_groups is given (AGRO's and the
     leave-one-out baselines need a whole prompt group in one loss call). Order is preserved.
@@ -187,20 +190,20 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int, *, keep_group
         for i, g in enumerate(keep_groups):
             by_group.setdefault(g, []).append(i)
         units = list(by_group.values())
+
+    def size(rows: list[int]) -> int:
+        return sum(lengths[i] for i in rows) if packed else len(rows) * max(lengths[i] for i in rows)
+
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = 0
     for unit in units:
-        unit_longest = max(lengths[i] for i in unit)
-        if len(unit) * unit_longest > max_tokens:
-            raise ValueError(f"split_by_token_budget: a group of {len(unit)} sequences of up to {unit_longest} "
-                             f"tokens does not fit max_tokens {max_tokens}")
-        new_longest = max(longest, unit_longest)
-        if current and (len(current) + len(unit)) * new_longest > max_tokens:
+        if size(unit) > max_tokens:
+            raise ValueError(f"split_by_token_budget: a group of {len(unit)} sequences of up to "
+                             f"{max(lengths[i] for i in unit)} tokens does not fit max_tokens {max_tokens}")
+        if current and size(current + unit) > max_tokens:
             batches.append(current)
-            current, new_longest = [], unit_longest
+            current = []
         current = current + unit
-        longest = new_longest
     if current:
         batches.append(current)
     return batches

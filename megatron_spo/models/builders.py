@@ -80,6 +80,10 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, 
         fp8="hybrid" if model_cfg.fp8 else None,
         use_cpu_initialization=on_cpu,
         perform_initialization=init_weights,
+        recompute_granularity=parallel_cfg.recompute_granularity,
+        recompute_method=parallel_cfg.recompute_method,
+        recompute_num_layers=parallel_cfg.recompute_num_layers,
+        recompute_modules=parallel_cfg.recompute_modules,
         # gloo: batched isend/irecv gives wrong gradients with interleaved PP; plain p2p is exact
         # (docs/engineering-notes.md, "Interleaved pipeline and batched p2p on gloo").
         batch_p2p_comm=not on_cpu,
@@ -218,7 +222,7 @@ def _build_chunks(
             f"PP={parallel_cfg.pipeline_model_parallel_size} but the process groups are TP={tp} PP={pp}"
         )
     config = transformer_config(model_cfg, parallel_cfg, init_weights=init_weights)
-    spec, _ = layer_spec(model_cfg, spec_backend)
+    spec, _ = layer_spec(model_cfg, spec_backend, parallel_cfg.attention_kernel)
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -240,6 +244,8 @@ def _build_chunks(
         )
         model.valid_vocab_size = model_cfg.vocab_size
         model.model_cfg = model_cfg  # hf_map reads the family's rule table from it
+        if model.pre_process:
+            model.embedding.register_forward_hook(_standard_strides)
         if model_cfg.rope_scaling is not None:
             rope = model.rotary_pos_emb
             dim = model_cfg.head_dim
@@ -254,6 +260,18 @@ def _build_chunks(
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _standard_strides(module, args, output: Tensor) -> Tensor:
+    """The embedding's [S, B, H] output with row-major strides. megatron transposes [B, S, H] and calls
+    .contiguous(), which leaves strides (H, S * H, 1) when B = 1 (a size-1 dim does not count), and torch.matmul
+    folds such a 3-D input into one GEMM only when the weight requires grad: a frozen model (the reference) then
+    ran S batched [1, H] GEMMs, slower and rounding differently from the policy's, so a packed micro-batch's
+    reference log-probs differed from the identical policy's in the last bits."""
+    row_major = [1]
+    for size in reversed(output.shape[1:]):
+        row_major.insert(0, row_major[0] * size)
+    return output if list(output.stride()) == row_major else output.clone(memory_format=torch.contiguous_format)
 
 
 def _cast_to_params_dtype(model, dtype: torch.dtype) -> None:

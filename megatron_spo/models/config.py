@@ -125,11 +125,39 @@ class InitConfig(StrictModel):
 
 
 class ParallelConfig(StrictModel):
+    """How the model runs: its TP / PP / DP layout, the local spec's attention kernel, activation recompute."""
+
     tensor_model_parallel_size: int = Field(1, gt=0)
     pipeline_model_parallel_size: int = Field(1, gt=0)
     virtual_pipeline_model_parallel_size: int | None = Field(None, gt=0)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    attention_kernel: Literal["sdpa", "dot_product"] = Field(
+        "sdpa", description="core attention of the local (no Transformer Engine) layer spec: sdpa = torch's "
+        "scaled_dot_product_attention (memory linear in tokens; packed sequences); dot_product = megatron-core's "
+        "DotProductAttention ([s, s] scores; padded batches only). The TE spec keeps TE's attention")
+    recompute_granularity: Literal["selective", "full"] | None = Field(
+        None, description="megatron-core activation recompute: selective = the recompute_modules of every layer; "
+        "full = whole layers (recompute_method, recompute_num_layers); unset = every activation kept")
+    recompute_method: Literal["uniform", "block"] | None = Field(
+        None, description="full recompute: uniform = every layer in units of recompute_num_layers; block = the "
+        "first recompute_num_layers layers of each pipeline stage")
+    recompute_num_layers: int | None = Field(None, gt=0, description="full recompute: layers per unit (uniform) "
+                                             "or per stage (block)")
+    recompute_modules: list[Literal["core_attn", "mlp", "layernorm"]] | None = Field(
+        None, description="selective recompute: the submodules recomputed (megatron's default: core_attn)")
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> ParallelConfig:
+        full = self.recompute_granularity == "full"
+        if full and (self.recompute_method is None or self.recompute_num_layers is None):
+            raise ValueError("recompute_granularity 'full' needs recompute_method (uniform | block) and "
+                             "recompute_num_layers")
+        if not full and (self.recompute_method is not None or self.recompute_num_layers is not None):
+            raise ValueError("recompute_method / recompute_num_layers act only with recompute_granularity 'full'")
+        if self.recompute_modules is not None and self.recompute_granularity != "selective":
+            raise ValueError("recompute_modules acts only with recompute_granularity 'selective'")
+        return self
 
     def data_parallel_size(self, world_size: int) -> int:
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from megatron_spo.collectives import all_reduce_
 from megatron_spo.models.builders import default_position_ids, output_hidden_states
+from megatron_spo.models.packing import Packed
 
 
 def run_pipeline(
@@ -29,8 +30,12 @@ def run_pipeline(
     loss_fn: Callable[[Tensor, int], Tensor] | None = None,
     hidden_states: bool = False,
     position_ids: Tensor | None = None,
+    lengths: Tensor | None = None,
 ) -> list[Tensor]:
-    """One global batch [B, S] through the schedule as B / micro_batch_size micro-batches."""
+    """One global batch [B, S] through the schedule as B / micro_batch_size micro-batches.
+
+    lengths [B]: run each micro-batch packed (models/packing.py: its rows' first lengths[i] tokens back to back,
+    every stream padded to one width); the outputs come back in the padded [b, S, ...] layout, 0 past each length."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b, s = input_ids.shape
@@ -40,13 +45,20 @@ def run_pipeline(
     if position_ids is None:
         position_ids = default_position_ids(input_ids)
     micro = [(input_ids[i : i + mbs], position_ids[i : i + mbs]) for i in range(0, b, mbs)]
+    packs = None
+    if lengths is not None:
+        width = max(int(lengths[i : i + mbs].sum()) for i in range(0, b, mbs))
+        packs = [Packed.of(input_ids[i : i + mbs], lengths[i : i + mbs], width=width) for i in range(0, b, mbs)]
+        micro = [(p.input_ids, p.position_ids, p) for p in packs]
     outputs: list[Tensor] = []
     step = {"i": 0}
 
     def forward_step(data_iterator, model):
-        ids, pos = next(data_iterator)
+        ids, pos, *pack = next(data_iterator)
         index = step["i"]
-        output = model(ids, pos, None)
+        output = model(ids, pos, None, **({"packed_seq_params": pack[0].params()} if pack else {}))
+        if pack and _is_last_stage(model):
+            output = pack[0].unpack(output[0])  # [1, T, ...] -> [b, S, ...]
 
         def loss_func(output_tensor):
             outputs.append(output_tensor.detach())
@@ -73,11 +85,17 @@ def run_pipeline(
             data_iterator=data,
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(micro),
-            seq_length=s,
-            micro_batch_size=mbs,
+            seq_length=packs[0].num_tokens if packs else s,
+            micro_batch_size=1 if packs else mbs,
             forward_only=loss_fn is None,
         )
     return outputs
+
+
+def _is_last_stage(model) -> bool:
+    while hasattr(model, "module"):
+        model = model.module
+    return bool(model.post_process)
 
 
 def _indexed(forward_step, step, virtual: bool):
@@ -107,18 +125,19 @@ class _null:
 
 @torch.no_grad()
 def gather_logits_to_rank0(
-    model_chunks, input_ids: Tensor, vocab_size: int, micro_batch_size: int | None = None
+    model_chunks, input_ids: Tensor, vocab_size: int, micro_batch_size: int | None = None,
+    lengths: Tensor | None = None,
 ):
     """Full-vocab logits [B, S, vocab_size] (padding dropped) on global rank 0; None elsewhere.
 
-    Every rank must call it with the same input_ids.
+    Every rank must call it with the same input_ids. lengths: run packed (see run_pipeline).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     for chunk in model_chunks:
         chunk.eval()
-    outs = run_pipeline(model_chunks, input_ids, micro_batch_size=micro_batch_size)
+    outs = run_pipeline(model_chunks, input_ids, micro_batch_size=micro_batch_size, lengths=lengths)
     b, s = input_ids.shape
     result = torch.zeros(b, s, vocab_size, dtype=torch.float32)
     if outs and ps.get_data_parallel_rank() == 0:

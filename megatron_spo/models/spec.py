@@ -3,6 +3,9 @@
 One guarded probe (``extras.transformer_engine()``: TE imports AND a GPU is present, catching
 ImportError, RuntimeError and OSError) decides. Both specs write the same dist-checkpoint keys (the
 local spec maps its norms onto TE's fused names), so a checkpoint moves between them unchanged.
+The local spec's core attention is ``attention_kernel``: "sdpa" (models/attention.py: torch's
+scaled_dot_product_attention, memory linear in tokens, packed sequences) or "dot_product" (megatron-core's
+DotProductAttention: [s, s] scores, padded batches only). The TE spec keeps TE's attention.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from megatron_spo.config import ConfigError
 from megatron_spo.models.config import ModelConfig
 
 Backend = Literal["transformer_engine", "local"]
+AttentionKernel = Literal["sdpa", "dot_product"]
 
 
 def spec_backend(prefer: Backend | None = None) -> Backend:
@@ -28,7 +32,7 @@ def spec_backend(prefer: Backend | None = None) -> Backend:
     return "transformer_engine" if te_usable else "local"
 
 
-def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None):
+def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None, attention_kernel: AttentionKernel = "sdpa"):
     """(ModuleSpec for one decoder layer of the config's family, backend name). FP8 needs the TE spec."""
     backend = spec_backend(prefer)
     if model_cfg.fp8 and backend != "transformer_engine":
@@ -37,4 +41,9 @@ def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None):
 
     if backend == "transformer_engine":  # GPU path: not exercised on the CPU test machine
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.qk_layernorm), backend
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model_cfg.qk_layernorm), backend
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model_cfg.qk_layernorm)
+    if attention_kernel == "sdpa":
+        from megatron_spo.models.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec, backend

@@ -144,7 +144,11 @@ class OptimizerConfig(StrictModel):
 
 class BatchConfig(StrictModel):
     sequences_per_step: int = Field(128, gt=0, description="global batch: trajectories per optimizer step")
-    max_tokens_per_micro_batch: int = Field(16384, gt=0, description="padded tokens per micro-batch")
+    max_tokens_per_micro_batch: int = Field(16384, gt=0, description="tokens per micro-batch: the packed tokens "
+                                            "with pack_sequences, else rows x the longest row")
+    pack_sequences: bool = Field(
+        True, description="micro-batches carry whole sequences back to back with no padding (THD: "
+        "models/packing.py); needs parallel.attention_kernel sdpa or Transformer Engine's attention")
     max_seq_length: int = Field(4096, gt=1, description="prompt + response tokens; longer ones are refused")
 
 
@@ -368,6 +372,9 @@ class TrainConfig(StrictModel):
         if algo is not None:
             algo.check_config(self)
         self._check_eval()
+        if self.batch.pack_sequences and self.parallel.attention_kernel == "dot_product":
+            raise ValueError("batch.pack_sequences: megatron-core's DotProductAttention (parallel.attention_kernel "
+                             "dot_product) refuses packed sequences; use attention_kernel sdpa, or pack_sequences false")
         if self.init.hf is None and self.init.megatron is None:
             raise ValueError("init: give init.hf (an HF model directory) or init.megatron (a converted checkpoint)")
         return self

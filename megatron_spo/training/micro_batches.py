@@ -1,4 +1,5 @@
-"""A training step's trajectories -> this data-parallel rank's micro-batches, cut by a padded-token budget.
+"""A training step's trajectories -> this data-parallel rank's micro-batches, cut by a token budget (padded rows,
+or the packed tokens with batch.pack_sequences).
 
     mine = shard(trajectories, dp_rank, dp_size)        # whole prompt groups, round-robin
     mbs = micro_batches(mine, cfg, keep_groups=..., pad_id=0, dp_rank=r, device=None)
@@ -43,9 +44,12 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
     keep = [(t.source, t.prompt_id) for t in trajs] if keep_groups else None
     pp = cfg.parallel.pipeline_model_parallel_size
     virtual = bool(cfg.parallel.virtual_pipeline_model_parallel_size)
-    width = max(lengths) if virtual else None  # one shape per step with virtual stages (trainer._schedule_ready)
-    parts = split_by_token_budget([width] * len(lengths) if virtual else lengths,
-                                  cfg.batch.max_tokens_per_micro_batch, keep_groups=keep)
+    packed = cfg.batch.pack_sequences
+    # one shape per step with virtual stages (trainer._schedule_ready): padded rows all take the longest row's
+    # width; packed micro-batches are padded to one stream length by the trainer (models/packing.py)
+    width = max(lengths) if virtual and not packed else None
+    parts = split_by_token_budget([width] * len(lengths) if width else lengths,
+                                  cfg.batch.max_tokens_per_micro_batch, keep_groups=keep, packed=packed)
     if virtual and len(parts) < pp:
         # megatron's interleaved schedule needs at least PP micro-batches per step
         parts = split_to_count(parts, pp, keep)
@@ -54,8 +58,9 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
             raise ConfigError(f"batch: the interleaved pipeline schedule (parallel.virtual_pipeline_model_"
                               f"parallel_size) needs at least {pp} micro-batches per step, but data-parallel "
                               f"rank {dp_rank} has only {len(parts)} {unit}; raise batch.sequences_per_step")
-    # sequence parallelism splits the sequence over TP ranks: widths must be a multiple of TP
-    multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+    # sequence parallelism splits the sequence over TP ranks: widths must be a multiple of TP (a packed stream is
+    # rounded up when it is packed)
+    multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel and not packed else 1
     # one id per prompt group over the whole step: a group cut into two micro-batches keeps its id in both (SPO's
     # centred coefficient takes its baseline over the whole group)
     groups = group_numbers([t.prompt_id for t in trajs])

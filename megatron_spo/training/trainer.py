@@ -244,10 +244,11 @@ class Trainer:
         return payload[0], time.perf_counter() - t0
 
     def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
-                        return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([B, L] log-probs of targets, [B, L] entropies or None) from final hidden states [B, L, H] via the
-        fused vocab-parallel op; 0 where loss_mask [B, L] is 0 (prompt and padding positions skip the LM-head
-        GEMMs). The entropy comes from the same blocks of logits (no extra GEMM) and takes no gradient.
+                        layout, return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, L] log-probs of targets, [B, L] entropies or None) from final hidden states [N, H] of the layout's
+        tokens (models/packing.py: Packed, or Padded with N = B * L) via the fused vocab-parallel op; 0 where
+        loss_mask [B, L] is 0 (prompt and padding positions skip the LM-head GEMMs). The entropy comes from the
+        same blocks of logits (no extra GEMM) and takes no gradient.
 
         The op owns the LM-head matmul, so it also all-reduces the hidden gradient over TP ranks (under
         sequence parallelism the model has already gathered the sequence: builders.output_hidden_states)."""
@@ -255,14 +256,27 @@ class Trainer:
         from megatron_spo.ops import token_logprobs
 
         tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.parallel.tensor_model_parallel_size > 1 else None
-        b, s, h = hidden.shape
-        targets = targets.masked_fill(loss_mask == 0, IGNORE_INDEX)
-        out = token_logprobs(hidden.reshape(b * s, h), lm_head_weight(chunk), targets.reshape(-1),
+        targets = layout.gather(targets.masked_fill(loss_mask == 0, IGNORE_INDEX), fill=IGNORE_INDEX)
+        out = token_logprobs(hidden, lm_head_weight(chunk), targets,
                              tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_start_index=lm_head_vocab_start(chunk),
                              valid_vocab_size=self.model_cfg.vocab_size, return_entropy=return_entropy,
                              **self.cfg.logprobs.op_kwargs())
         logp, entropy = out if return_entropy else (out, None)
-        return logp.view(b, s), None if entropy is None else entropy.detach().view(b, s)
+        return layout.unpack(logp), None if entropy is None else layout.unpack(entropy.detach())
+
+    def _layouts(self, mbs: list[TrainBatch]) -> list:
+        """Each micro-batch's token layout: Packed (batch.pack_sequences; with virtual stages every stream padded
+        to the step's longest, rounded to TP under sequence parallelism) or Padded."""
+        from megatron_spo.models.packing import Packed, Padded
+
+        if not self.cfg.batch.pack_sequences:
+            return [Padded(tuple(mb.input_ids.shape)) for mb in mbs]
+        par = self.cfg.parallel
+        multiple = par.tensor_model_parallel_size if par.sequence_parallel else 1
+        width = None
+        if par.virtual_pipeline_model_parallel_size:
+            width = max(int(mb.lengths.sum()) for mb in mbs)
+        return [Packed.of(mb.input_ids, mb.lengths, multiple=multiple, width=width) for mb in mbs]
 
     def _run(self, chunks, mbs: list[TrainBatch], *, forward_only: bool, output: str,
              loss_fn: Callable | None) -> list:
@@ -277,31 +291,37 @@ class Trainer:
         gap = None  # the first policy log-prob pass of a step measures the engines' log-prob gap
         if output == "logp" and chunks is self.policy and self._gap_pass is not None:
             gap, self._gap_pass = self._gap_pass, None
-        seq_len = max(mb.input_ids.shape[1] for mb in mbs)
-        mbs_size = max(mb.num_sequences for mb in mbs)
+        layouts = self._layouts(mbs)
+        packed = self.cfg.batch.pack_sequences
+        seq_len = max(lay.num_tokens for lay in layouts) if packed else max(mb.input_ids.shape[1] for mb in mbs)
+        mbs_size = 1 if packed else max(mb.num_sequences for mb in mbs)
         virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
         # the policy's entropy, logged from its training pass (its gradient is never asked for: no extra work)
         want_entropy = output == "logp" and not forward_only and self.cfg.logging.policy_entropy
 
         def forward_step(data_iterator, model):
             index, mb = next(data_iterator)
-            input_ids, position_ids = mb.input_ids, mb.position_ids
-            if virtual:  # every micro-batch has the step's shape: pad rows (sliced off the output below)
-                input_ids = pad_rows(input_ids, mbs_size, self.pad_id)
-                position_ids = pad_rows(position_ids, mbs_size, 0)
-            if output == "logp":
-                with output_hidden_states(model):
-                    out = model(input_ids, position_ids, None)
+            layout = layouts[index]
+            if packed:  # one stream [1, T] of whole sequences (models/packing.py)
+                args, kwargs = (layout.input_ids, layout.position_ids, None), {"packed_seq_params": layout.params()}
+            elif virtual:  # every micro-batch has the step's shape: pad rows (sliced off the output below)
+                args, kwargs = (pad_rows(mb.input_ids, mbs_size, self.pad_id), pad_rows(mb.position_ids, mbs_size, 0),
+                                None), {}
             else:
-                out = model(input_ids, position_ids, None)
+                args, kwargs = (mb.input_ids, mb.position_ids, None), {}
+            with output_hidden_states(model) if output == "logp" else contextlib.nullcontext():
+                out = model(*args, **kwargs)
             if not _is_last(model):
                 return out, None
-            out, entropy = out[:mb.num_sequences], None
+            # [rows, S, ...] -> the layout's tokens [N, ...]
+            out, entropy = (out[0] if packed else layout.gather(out[:mb.num_sequences])), None
             if output == "logp":
                 hidden = out
-                out, entropy = self._token_logprobs(model, hidden, mb.targets, mb.loss_mask, want_entropy)
+                out, entropy = self._token_logprobs(model, hidden, mb.targets, mb.loss_mask, layout, want_entropy)
                 if gap is not None:
-                    self._measure_gap(gap, model, hidden, mb, out)
+                    self._measure_gap(gap, model, hidden, mb, out, layout)
+            else:
+                out = layout.unpack(out)
             return out, partial(_loss_wrapper, loss_fn, index, mb, entropy=entropy)
 
         n_global = self.cfg.batch.sequences_per_step
@@ -328,19 +348,22 @@ class Trainer:
                        forward_only=forward_only)
         return store if self.is_last_stage else []
 
-    def _measure_gap(self, gap: GapPass, chunk, hidden: torch.Tensor, mb: TrainBatch, logp: torch.Tensor) -> None:
+    def _measure_gap(self, gap: GapPass, chunk, hidden: torch.Tensor, mb: TrainBatch, logp: torch.Tensor,
+                     layout) -> None:
         """Add this micro-batch's engine-vs-trainer log-prob gap (training/logprob_gap.py) to gap. The engines
         report log softmax(logits / T): rows sampled at T != 1 get the trainer's log-probs of hidden / T (one
-        no-grad LM-head pass over those rows' response tokens; logits are linear in the hidden state)."""
+        no-grad LM-head pass over those rows' response tokens; logits are linear in the hidden state).
+        hidden: [N, H] final hidden states of the layout's tokens."""
         rows, current, kl = measured_rows(mb, gap.version)
         if not bool(rows.any()):
             return
         temperature = mb.behaviour_temperature.to(hidden.device)
         if bool((temperature[rows] != 1.0).any()):
             scale = torch.where(rows, temperature, torch.ones_like(temperature)).to(hidden.dtype)
+            per_token = layout.gather(scale[:, None].expand(mb.input_ids.shape).contiguous(), fill=1.0)
             with torch.no_grad():
-                logp, _ = self._token_logprobs(chunk, hidden.detach() / scale[:, None, None], mb.targets,
-                                               mb.loss_mask * rows[:, None].to(mb.loss_mask.dtype))
+                logp, _ = self._token_logprobs(chunk, hidden.detach() / per_token[:, None], mb.targets,
+                                               mb.loss_mask * rows[:, None].to(mb.loss_mask.dtype), layout)
         gap.current = gap.current.add(gap_tally(logp, mb.behaviour_logp, mb.loss_mask, current, kl))
         gap.every = gap.every.add(gap_tally(logp, mb.behaviour_logp, mb.loss_mask, rows, kl))
 
