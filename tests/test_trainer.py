@@ -166,13 +166,49 @@ def test_centred_spo_trains_alike_however_micro_batches_cut_its_prompt_groups(tm
         c["batch"] = dict(c["batch"], max_tokens_per_micro_batch=budget)
         return c, str(tmp_path / f"{name}.pt")
 
-    run_spawned([cfg("whole", 512)], 1)
+    run_spawned([cfg("whole", 512), cfg("groups-whole", 48)], 1)
     run_spawned([cfg("pp2-cut", 24, pp=2)], 2)
     _assert_trains_alike(tmp_path, "whole", "pp2-cut", "spo")
+    # 48 tokens hold a group of 4 (~40 tokens) but not the step's 2: two micro-batches, each group whole in one,
+    # each centring inside its own loss without the step-wide forward, exactly as one micro-batch does
+    _assert_trains_alike(tmp_path, "whole", "groups-whole", "spo")
     for a, b in zip(_metrics(tmp_path, "whole"), _metrics(tmp_path, "pp2-cut")):
         assert b["residual_group_var/online"] == pytest.approx(a["residual_group_var/online"], rel=1e-5)
         assert b["trust_region_clipped/online"] == pytest.approx(a["trust_region_clipped/online"], rel=1e-6)
         assert a["trust_region_clipped/online"] > 0
+
+
+def test_packed_micro_batches_train_like_padded_ones(tmp_path, hf):
+    """batch.pack_sequences (the default: whole sequences back to back, THD) against padded rows, with one
+    micro-batch per step so both cut the step alike: SPO (policy log-probs and the gap pass) and PPO (the value
+    model's outputs too) take the same two steps."""
+    runs = []
+    for algo in ("spo", "ppo"):
+        for pack in (True, False):
+            c = _cfg(tmp_path, hf, f"{algo}-{'packed' if pack else 'padded'}", algo)
+            c["batch"] = dict(c["batch"], max_tokens_per_micro_batch=512, pack_sequences=pack)
+            runs.append((c, str(tmp_path / f"{c['run_dir'].rsplit('/', 1)[1]}.pt")))
+    run_spawned(runs, 1)
+    for algo in ("spo", "ppo"):
+        _assert_trains_alike(tmp_path, f"{algo}-padded", f"{algo}-packed", algo)
+
+
+def test_centred_spo_keeps_prompt_groups_whole_where_they_fit_the_budget():
+    """Whole groups spare the centred coefficient its step-wide forward (cuts_a_group false); a budget no group
+    fits cuts them (and the trainer runs that forward)."""
+    from megatron_spo.training.algos.spo import cuts_a_group
+
+    trajs = DeterministicSource().take(8)  # 2 prompt groups of 4, ~40 tokens each
+
+    def cut(budget):
+        cfg = TrainConfig.model_validate(_cfg(Path("/nonexistent"), "/nonexistent", "x", batch={
+            "sequences_per_step": 8, "max_tokens_per_micro_batch": budget, "max_seq_length": 64}))
+        mbs = micro_batches(trajs, cfg, keep_groups=False, prefer_groups=True, pad_id=0, dp_rank=0)
+        return len(mbs), cuts_a_group(mbs, frozenset({"online"}))
+
+    assert cut(48) == (2, False)
+    assert cut(24)[1] is True
+    assert cut(512) == (1, False)
 
 
 def test_a_reference_refresh_copies_the_policy_and_a_resume_keeps_it(tmp_path, hf):

@@ -209,6 +209,20 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int, *, keep_group
     return batches
 
 
+def pad_share(lengths: Sequence[int], parts: Sequence[Sequence[int]], *, packed: bool, width: int | None = None,
+              multiple: int = 1) -> float:
+    """Fraction of the tokens a step computes that are padding: micro-batches `parts` (indices into lengths) as
+    padded rows (rows x the longest row, or x width) or packed streams (their tokens, or width), each rounded up to
+    a multiple (sequence parallelism)."""
+    real = sum(lengths[i] for part in parts for i in part)
+    computed = 0
+    for part in parts:
+        size = sum(lengths[i] for i in part) if packed else max(lengths[i] for i in part)
+        size = -(-(width or size) // multiple) * multiple
+        computed += size if packed else size * len(part)
+    return 1.0 - real / computed if computed else 0.0
+
+
 def source_counts(weights: dict[str, float], total: int) -> dict[str, int]:
     """Integer counts per source summing to `total`, proportional to weights (largest remainder)."""
     if total < 0:

@@ -93,6 +93,10 @@ class Padded:
 
     shape: tuple[int, int]  # (B, L)
 
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[0] * self.shape[1]
+
     def gather(self, x: Tensor, fill: float = 0) -> Tensor:
         return x.reshape(self.shape[0] * self.shape[1], *x.shape[2:])
 

@@ -53,6 +53,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "PPO value loss": ("value_loss", "critic_warmup"),
     "staleness (policy versions)": ("staleness", "staleness/*"),
     "tokens / s": ("tokens_per_s", "rollout/tokens_per_s"),
+    "share of computed tokens that are padding (this rank's micro-batches)": ("batch/pad_share",),
     "rollout queue depth (groups)": ("rollout/queue_depth",),
     "rollout events (cumulative)": ("rollout/requests", "rollout/groups", "rollout/retries",
                                     "rollout/failed_requests", "rollout/reward_errors", "rollout/dropped_stale",

@@ -31,8 +31,15 @@ def shard(trajs: list, dp_rank: int, dp_size: int) -> list:
 
 
 def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: int, dp_rank: int,
-                  device=None) -> list[TrainBatch]:
-    """keep_groups: a prompt group never straddles two micro-batches (group-wise algorithms)."""
+                  device=None, prefer_groups: bool = False) -> list[TrainBatch]:
+    """keep_groups: a prompt group never straddles two micro-batches (group-wise algorithms). prefer_groups: keep
+    them whole when every group fits the budget (and the interleaved schedule still gets its micro-batches), else
+    cut them (SPO's centred coefficient: whole groups spare it a forward pass)."""
+    if prefer_groups and not keep_groups:
+        try:
+            return micro_batches(trajs, cfg, keep_groups=True, pad_id=pad_id, dp_rank=dp_rank, device=device)
+        except (ValueError, ConfigError):
+            pass
     lengths = [len(t.prompt_tokens) + len(t.response_tokens) - 1 for t in trajs]
     too_long = [i for i, n in enumerate(lengths) if n + 1 > cfg.batch.max_seq_length]
     if too_long:

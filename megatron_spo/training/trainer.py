@@ -278,6 +278,14 @@ class Trainer:
             width = max(int(mb.lengths.sum()) for mb in mbs)
         return [Packed.of(mb.input_ids, mb.lengths, multiple=multiple, width=width) for mb in mbs]
 
+    def _pad_share(self, mbs: list[TrainBatch]) -> float:
+        """Share of the tokens this rank's model passes compute that are padding (the rows added for one shape per
+        step with virtual stages not counted)."""
+        real = sum(int(mb.lengths.sum()) for mb in mbs)
+        computed = sum(lay.num_tokens for lay in self._layouts(mbs)) if self.cfg.batch.pack_sequences else sum(
+            mb.input_ids.numel() for mb in mbs)
+        return 1.0 - real / computed
+
     def _run(self, chunks, mbs: list[TrainBatch], *, forward_only: bool, output: str,
              loss_fn: Callable | None) -> list:
         """One pass of megatron's schedule over the micro-batches. output: 'logp' | 'values'.
@@ -384,8 +392,10 @@ class Trainer:
         if self.reference_step and self.algorithm.uses_q0:
             q0_from_own_groups(trajs, cfg.beta)  # the Q0 table is of the first reference
         mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
-                            keep_groups=self.algorithm.keeps_prompt_groups, device=self.device)
+                            keep_groups=self.algorithm.keeps_prompt_groups, device=self.device,
+                            prefer_groups=getattr(self.algorithm, "prefers_prompt_groups", False))
 
+        pad = self._pad_share(mbs)
         t_fb = time.perf_counter()
         gap = self._gap_pass = GapPass(self.policy_version if self._holds_pushed_weights else None)
         ref = self.forward("reference", mbs, "logp")
@@ -421,7 +431,7 @@ class Trainer:
             "lr": lr, "grad_norm": grad_norm, "reward": sum(t.reward for t in trajs) / len(trajs),
             "time/rollout_wait": t_wait, "time/forward_backward": t_fb, "time/weight_sync": t_sync,
             "time/step": time.perf_counter() - t_step, "policy_version": float(self.policy_version),
-            "memory/peak_rss_gb": peak_rss_gb(),
+            "memory/peak_rss_gb": peak_rss_gb(), "batch/pad_share": pad,
         })
         online = [t for t in trajs if t.source == "online"]
         if online:  # policy versions behind the trainer (offline data has no meaningful version)

@@ -55,6 +55,8 @@ class Algorithm:
     name: ClassVar[str]
     uses_value_model: ClassVar[bool] = False  # build, checkpoint and optimise a value model (PPO)
     keeps_prompt_groups: ClassVar[bool] = False  # micro-batches hold whole prompt groups (leave-one-out)
+    # whole prompt groups per micro-batch wherever each fits the token budget (cut only those that do not)
+    prefers_prompt_groups: ClassVar[bool] = False
     on_policy: ClassVar[bool] = False  # only the online source; weights pushed every step
     # importance ratios against the engines' log-probs: those must be of the distribution that sampled
     uses_behaviour_logprobs: ClassVar[bool] = False

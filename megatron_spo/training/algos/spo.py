@@ -145,6 +145,16 @@ def step_coefficient_baselines(micro_batches: list[TrainBatch], logps: list[Tens
     return out, report
 
 
+def cuts_a_group(micro_batches: list[TrainBatch], sources: frozenset[str]) -> bool:
+    """Whether a prompt group of one of these sources has sequences in two micro-batches."""
+    seen: dict[tuple[str, int], int] = {}
+    for i, mb in enumerate(micro_batches):
+        for source, group in zip(mb.source, mb.group.tolist()):
+            if source in sources and seen.setdefault((source, group), i) != i:
+                return True
+    return False
+
+
 def resolve_loss(name: str, field: str):
     """A REGRESSION_LOSSES name as is, or a config hook 'package.module:function' loaded and checked."""
     from megatron_spo.hooks import is_hook, load_hook
@@ -164,16 +174,18 @@ class SPO(Algorithm):
         self.token_normalised = frozenset(name for name, s in cfg.sources.items() if s.normalise == "token")
         self.trust_regions = {name: s.clip(name) for name, s in cfg.sources.items() if s.clip(name) is not None}
         self.pg_coefs = {name: s.pg_coef for name, s in cfg.sources.items() if s.pg_coef}
-        # centred baselines come from one no-grad forward over the whole step (step_coefficient_baselines), so
-        # micro-batches may cut prompt groups; only a centred source's policy-gradient term needs them whole
+        # only a centred source's policy-gradient term needs prompt groups whole; the centred coefficient prefers
+        # them whole (each micro-batch then centres inside its own loss), and where a group does not fit the
+        # budget its baselines come from one no-grad forward over the whole step (step_coefficient_baselines)
         self.keeps_prompt_groups = any(name in self.pg_coefs for name in self.centred)
+        self.prefers_prompt_groups = bool(self.centred)
 
     def update(self, step: StepInputs) -> Update:
         beta, objectives = self.cfg.beta, self.objectives
         baselines, group_var = [None] * len(step.micro_batches), {}
-        # one micro-batch holds its groups whole (data-parallel shards do): it centres inside the loss, alike,
-        # without the extra forward
-        if self.centred and not self.keeps_prompt_groups and len(step.micro_batches) > 1:
+        # micro-batches that hold their centred groups whole (data-parallel shards do) centre inside the loss:
+        # exactly the step-wide baselines, without the third pass over every token
+        if self.centred and cuts_a_group(step.micro_batches, self.centred):
             logps = step.forward("policy", "logp")  # this step's weights: the loss's forward gives the same
             if step.is_last_stage:
                 baselines, group_var = step_coefficient_baselines(step.micro_batches, logps, step.ref, beta=beta,

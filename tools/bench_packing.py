@@ -1,0 +1,147 @@
+"""What packing saves: the pad share at a realistic length spread, and the trainer's step with packed micro-batches
+against padded ones, measured in one run.
+
+    python tools/bench_packing.py                    # CPU: a tiny Llama, 3 SPO steps each way
+    python tools/bench_packing.py --steps 5 --hidden 128 --json
+
+1. Pad share (pure arithmetic, data/batching.py): 256 trajectories of a 200-token prompt and a log-normal response
+   (median 2k, clipped to 200..16k tokens), cut by a 64k-token budget as padded rows or packed streams.
+2. The real Trainer (one process, SPO, the deterministic in-process source of this file: groups of 4, responses
+   log-normal with median --median tokens, clipped to 1/10..8x of it) trains --steps steps with
+   batch.pack_sequences true and false on the same batches; tokens/s = response tokens / time of the model passes
+   (time/forward_backward), its first step (warm-up) dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VOCAB = 97
+
+
+@dataclass
+class _Traj:
+    prompt_id: str
+    prompt_tokens: list
+    response_tokens: list
+    reward: float
+    source: str = "online"
+    policy_version: int = 0
+    q0: float = -0.5
+    behaviour_logprobs: list | None = None
+    mc_targets: list = field(default_factory=list)
+
+
+class SpreadSource:
+    """Groups of 4 responses per prompt; response lengths log-normal (median `median`, sigma 1, clipped)."""
+
+    def __init__(self, median: int, prompt: int = 20, seed: int = 0):
+        self.rng, self.median, self.prompt, self.drawn = random.Random(seed), median, prompt, 0
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        out = []
+        for _ in range(k):
+            n = min(8 * self.median, max(self.median // 10, int(self.rng.lognormvariate(math.log(self.median), 1.0))))
+            prompt = [self.rng.randrange(1, VOCAB) for _ in range(self.prompt)]
+            response = [self.rng.randrange(1, VOCAB) for _ in range(n)]
+            out.append(_Traj(f"p{self.drawn // 4}", prompt, response, reward=-float(response[0] % 2)))
+            self.drawn += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = state["drawn"]
+
+
+def realistic_pad_share(n: int = 256, budget: int = 65_536, seed: int = 0) -> dict:
+    from megatron_spo.data.batching import pad_share, split_by_token_budget
+
+    rng = random.Random(seed)
+    lengths = [200 + min(16_384, max(200, int(rng.lognormvariate(math.log(2000), 1.0)))) for _ in range(n)]
+    padded = pad_share(lengths, split_by_token_budget(lengths, budget), packed=False)
+    parts = split_by_token_budget(lengths, budget, packed=True)
+    packed = pad_share(lengths, parts, packed=True)
+    width = max(sum(lengths[i] for i in p) for p in parts)
+    return {"padded": padded, "packed": packed,
+            "packed_one_width": pad_share(lengths, parts, packed=True, width=width)}
+
+
+def tiny_hf(path: Path, hidden: int, layers: int) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16_384,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def train(root: Path, hf: str, pack: bool, args) -> dict:
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    name = "packed" if pack else "padded"
+    cfg = TrainConfig.model_validate(dict(
+        run_dir=str(root / name), steps=args.steps, algo="spo", beta=0.5, init={"hf": hf},
+        optimizer={"lr": 1e-4}, model_update_interval=args.steps + 1, checkpoint={"interval": 10_000},
+        logging={"progress": False, "wandb_mode": "disabled"},
+        batch={"sequences_per_step": args.sequences, "max_tokens_per_micro_batch": args.budget,
+               "max_seq_length": 9 * args.median + 64, "pack_sequences": pack}))
+    trainer = Trainer(cfg, online_source=SpreadSource(args.median))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()][1:]
+    seconds = sum(r["time/forward_backward"] for r in rows)
+    tokens = sum(r["tokens_per_s"] * r["time/step"] for r in rows)
+    return {"tokens_per_s": tokens / seconds, "pad_share": sum(r["batch/pad_share"] for r in rows) / len(rows),
+            "seconds": seconds}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sequences", type=int, default=32)
+    ap.add_argument("--median", type=int, default=120, help="median response tokens of the trainer runs")
+    ap.add_argument("--budget", type=int, default=4096, help="batch.max_tokens_per_micro_batch")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    report = {"realistic_pad_share": realistic_pad_share()}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        hf = tiny_hf(root / "hf", args.hidden, args.layers)
+        report["padded"] = train(root, hf, False, args)
+        report["packed"] = train(root, hf, True, args)
+    report["tokens_per_s_ratio"] = report["packed"]["tokens_per_s"] / report["padded"]["tokens_per_s"]
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    r = report["realistic_pad_share"]
+    print(f"pad share, 256 trajectories of 200..16k tokens, 64k-token budget: padded {r['padded']:.1%}, packed "
+          f"{r['packed']:.1%}, packed to one width (virtual stages) {r['packed_one_width']:.1%}")
+    for name in ("padded", "packed"):
+        x = report[name]
+        print(f"trainer step, {name:>6}: {x['tokens_per_s']:9.1f} response tokens/s over the model passes, "
+              f"pad share {x['pad_share']:.1%}")
+    print(f"packed / padded tokens/s: {report['tokens_per_s_ratio']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
