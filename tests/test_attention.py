@@ -147,6 +147,21 @@ def test_recompute_and_kernel_fields_are_checked(fields, message):
         build_config(ParallelConfig, fields, "parallel")
 
 
+def test_recompute_fields_reach_megatrons_transformer_config():
+    from megatron_spo.models.builders import transformer_config
+    from megatron_spo.models.config import ModelConfig
+
+    model = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                        vocab_size=100)
+    full = transformer_config(model, ParallelConfig(recompute_granularity="full", recompute_method="block",
+                                                    recompute_num_layers=3))
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "block", 3)
+    selective = transformer_config(model, ParallelConfig(recompute_granularity="selective",
+                                                         recompute_modules=["mlp"]))
+    assert (selective.recompute_granularity, selective.recompute_modules) == ("selective", ["mlp"])
+    assert transformer_config(model, ParallelConfig()).recompute_granularity is None
+
+
 def test_packing_with_megatrons_dot_product_attention_is_refused_in_the_config(tmp_path):
     from megatron_spo.config import ConfigError
     from megatron_spo.training.config import TrainConfig

@@ -211,6 +211,23 @@ def test_centred_spo_keeps_prompt_groups_whole_where_they_fit_the_budget():
     assert cut(512) == (1, False)
 
 
+@pytest.mark.megatron
+def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, hf):
+    """parallel.recompute_*: megatron-core recomputes whole layers (full, uniform) or the core attention
+    (selective) in the backward; the gradients, and so the two steps, are the same as with every activation kept."""
+    variants = {"kept": {}, "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                     "recompute_num_layers": 1},
+                "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}}
+    runs = []
+    for name, fields in variants.items():
+        c = _cfg(tmp_path, hf, f"recompute-{name}")
+        c["parallel"] = dict(c["parallel"], **fields)
+        runs.append((c, str(tmp_path / f"recompute-{name}.pt")))
+    run_spawned(runs, 1)
+    for name in ("full", "selective"):
+        _assert_trains_alike(tmp_path, "recompute-kept", f"recompute-{name}", "spo")
+
+
 def test_a_reference_refresh_copies_the_policy_and_a_resume_keeps_it(tmp_path, hf):
     """reference_refresh_interval 2: step 3's reference is step 2's policy, so log(pi / pi_ref) on step 3's batch
     is exactly 0 (without the refresh it is not); online groups then take Q0 from their own rewards. A run of 2
