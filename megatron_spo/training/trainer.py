@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -266,13 +267,15 @@ class Trainer:
 
     def _layouts(self, mbs: list[TrainBatch]) -> list:
         """Each micro-batch's token layout: Packed (batch.pack_sequences; with virtual stages every stream padded
-        to the step's longest, rounded to TP under sequence parallelism) or Padded."""
+        to the step's longest; rounded up to TP under sequence parallelism, to 16 under FP8) or Padded."""
         from megatron_spo.models.packing import Packed, Padded
 
         if not self.cfg.batch.pack_sequences:
             return [Padded(tuple(mb.input_ids.shape)) for mb in mbs]
         par = self.cfg.parallel
         multiple = par.tensor_model_parallel_size if par.sequence_parallel else 1
+        if self.model_cfg.fp8:  # Transformer Engine's FP8 GEMMs take token counts in multiples of 16
+            multiple = math.lcm(multiple, 16)
         width = None
         if par.virtual_pipeline_model_parallel_size:
             width = max(int(mb.lengths.sum()) for mb in mbs)
