@@ -448,7 +448,8 @@ LIGER_SCRIPT = textwrap.dedent(
     hidden, weight = torch.randn(n, h, generator=gen), 0.3 * torch.randn(v, h, generator=gen)
     targets = torch.randint(0, v, (n,), generator=gen)
     targets[[2, 30]] = -100
-    results = []
+    upstream = torch.rand(n, generator=gen)  # a per-token upstream gradient, as SPO's sequence losses give
+    results, per_token = [], []
     for name in ("liger", "ours"):
         hd, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if name == "liger":  # liger's loss is -sum log p over the kept tokens (scalar upstream only)
@@ -456,8 +457,15 @@ LIGER_SCRIPT = textwrap.dedent(
         else:
             loss = -token_logprobs(hd, wt, targets, chunk_size=8, vocab_tile=64).sum()
         results.append((loss,) + torch.autograd.grad(loss, (hd, wt)))
+        hd, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if name == "liger":  # reduction "none": -log p per token, gradients recomputed in its backward
+            nll = LigerFusedLinearCrossEntropyLoss(reduction="none")(wt, hd, targets)
+        else:
+            nll = -token_logprobs(hd, wt, targets, chunk_size=8, vocab_tile=64)
+        per_token.append((nll,) + torch.autograd.grad(nll, (hd, wt), upstream))
     names = ("loss", "grad_hidden", "grad_weight")
     out = {k: float((a - b).abs().max()) for k, a, b in zip(names, *results)}
+    out.update({f"per_token_{k}": float((a - b).abs().max()) for k, a, b in zip(names, *per_token)})
     out["loss_value"] = float(results[0][0])
     print(json.dumps(out))
     """
@@ -465,7 +473,8 @@ LIGER_SCRIPT = textwrap.dedent(
 
 
 def test_matches_liger_fused_linear_cross_entropy_under_the_interpreter():
-    """liger-kernel's Triton FLCE (the field's reference fused op) and ours agree on -sum log p and grads."""
+    """liger-kernel's Triton FLCE (the field's reference fused op) and ours agree on -sum log p and grads, and with a
+    per-token upstream gradient (liger's reduction "none", the like-for-like comparison of tools/bench_logprobs)."""
     if importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("liger-kernel is not installed (pip install -e .[test] installs it)")
     diffs = run_under_interpreter(LIGER_SCRIPT)

@@ -47,11 +47,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MEMORY_VARIANTS = ("naive", "fused", "naive_forward", "fused_forward", "liger")
-TIMED_VARIANTS = ("fused", "naive", "liger", "gemm")
+MEMORY_VARIANTS = ("naive", "fused", "naive_forward", "fused_forward", "liger", "liger_per_token")
+TIMED_VARIANTS = ("fused", "naive", "liger", "liger_per_token", "gemm")
 # (numerator, denominator) of the printed ratios: memory as den / num ("x lower"), time as num / den
-COMPARISONS = (("fused", "naive"), ("fused_forward", "naive_forward"), ("liger", "naive"), ("fused", "liger"))
-GEMMS_PER_STEP = {"fused": 4, "naive": 3, "liger": 3}  # LM-head GEMMs of N x H x V in one forward + backward
+COMPARISONS = (("fused", "naive"), ("fused_forward", "naive_forward"), ("liger", "naive"), ("fused", "liger"),
+               ("fused", "liger_per_token"))
+# LM-head GEMMs of N x H x V in one forward + backward. liger (a scalar upstream gradient, a mean or sum of token
+# losses) computes both gradients in its forward; with a per-token upstream gradient (reduction "none", what SPO's
+# sequence losses give) it recomputes the logits in the backward, as the fused op must: the like-for-like pair
+GEMMS_PER_STEP = {"fused": 4, "naive": 3, "liger": 3, "liger_per_token": 4}
 
 
 def build_inputs(args):
@@ -93,14 +97,18 @@ def make_step(variant: str, hidden, weight, targets, coef, args):
             torch.mm(hidden, weight.t(), out=out)
 
         return gemm_step
-    if variant == "liger":
+    if variant in ("liger", "liger_per_token"):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+        per_token = variant == "liger_per_token"
+        loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="none" if per_token else "sum")
+        upstream = torch.rand(hidden.shape[0], generator=torch.Generator(device=hidden.device).manual_seed(1),
+                              device=hidden.device) if per_token else None
 
         def liger_step():
             h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-            loss_fn(w, h, targets).backward()  # = -sum logp: liger only takes a scalar upstream gradient
+            loss = loss_fn(w, h, targets)  # -log p per token, or their sum
+            loss.backward(upstream)
 
         return liger_step
     fn = token_logprobs_reference if variant.startswith("naive") else token_logprobs
@@ -306,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  liger: skipped: {liger_reason}")
 
     def selected(option: str) -> list[str]:
-        return [v for v in option.split(",") if v and not (v == "liger" and liger_reason)]
+        return [v for v in option.split(",") if v and not (v.startswith("liger") and liger_reason)]
 
     peaks = {}
     for variant in selected(args.memory_variants):
