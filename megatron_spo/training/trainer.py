@@ -5,7 +5,7 @@
 Each step:
   1. rank 0 draws the global batch from the configured sources (online rollout buffer, offline stores,
      MC-annotated sets) by their weights and broadcasts it; each data-parallel rank takes whole prompt
-     groups; micro-batches are cut by a padded-token budget;
+     groups; micro-batches are cut by a token budget and packed (whole sequences back to back, no padding);
   2. reference forward (no grad) -> ref log-probs; for PPO also the value model's old values;
   3. policy forward + backward through megatron's pipeline schedule; token log-probs come from the
      fused op on the final hidden states (no [tokens x vocab] tensor is kept), the loss per source;
