@@ -184,3 +184,28 @@ def test_attention_memory_grows_linearly_with_tokens_not_quadratically():
     sdpa, dot = (results[k][1]["memory_ratio"] for k in ("sdpa", "dot_product"))
     assert sdpa <= 5.0, results
     assert dot >= 10.0, results
+
+
+def test_the_gpu_varlen_path_asks_torch_for_causal_gqa_attention(monkeypatch):
+    """On a GPU in half precision packed sequences go to torch's varlen flash kernel (CUDA only: it cannot run here).
+    The wrapper must ask for causal attention in the signature torch has (torch 2.13: window_size (-1, 0)) and pass
+    the K/V groups unexpanded with enable_gqa; a stand-in with that signature records the call."""
+    import torch.nn.attention.varlen as varlen_module
+
+    from megatron_spo.models import attention
+
+    calls = []
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        calls.append(dict(shapes=(query.shape, key.shape), cu=cu_seq_q.tolist(), max=(max_q, max_k), scale=scale,
+                          window_size=window_size, enable_gqa=enable_gqa))
+        return query.clone()
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", varlen_attn)
+    run = attention._varlen_causal()
+    q, k = torch.randn(10, 4, 8), torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    assert run(q, k, k, cu, 6, 0.125).shape == (10, 4, 8)
+    assert calls == [dict(shapes=((10, 4, 8), (10, 2, 8)), cu=[0, 4, 10], max=(6, 6), scale=0.125,
+                          window_size=(-1, 0), enable_gqa=True)]
