@@ -153,3 +153,29 @@ def test_rich_table_output(capsys):
     with pytest.raises(ConfigError, match="recompute must be 'none' or 'full', got 'selective'"):
         capacity.activation_bytes(*capacity.load_preset("llama3.1-8b")[:1], CapacityConfig(trainer_gpus=8, global_batch_size=8),
                                   ParallelConfig(), "selective")
+
+
+def test_plan_takes_its_throughput_from_a_measured_step_benchmark(tmp_path, capsys):
+    """`plan --measured step_bench.json` (tools/bench_step.py): the SPO step's TFLOP/s in the plan's own FLOP count
+    replaces the assumed 400, and the plan names the report; an explicit override still wins; a bad file is one line."""
+    report = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01",
+              "cases": [{"seq": 4096, "sequences": 8, "spo_plan_tflops": 312.5}]}
+    path = tmp_path / "step_bench.json"
+    path.write_text(json.dumps(report))
+    assert cli_main(["plan", "--preset", "llama3.1-8b", "--json"]) == 0
+    assumed = json.loads(capsys.readouterr().out)
+    assert cli_main(["plan", "--preset", "llama3.1-8b", "--json", "--measured", str(path)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["shape"]["achieved_tflops_per_gpu"] == 312.5
+    assert plan["throughput_source"] == "measured: step_bench.json: NVIDIA H100 80GB HBM3, 2026-12-01, SPO step of 8 x 4096"
+    assert assumed["throughput_source"] == "assumed"
+    assert plan["throughput"]["step_s"] == pytest.approx(assumed["throughput"]["step_s"] * 400 / 312.5)
+    assert cli_main(["plan", "--preset", "llama3.1-8b", "--json", "--measured", str(path),
+                     "achieved_tflops_per_gpu=500"]) == 0
+    assert json.loads(capsys.readouterr().out)["throughput_source"] == "as given"
+    assert cli_main(["plan", "--preset", "llama3.1-8b"]) == 0
+    assert "400 TFLOP/s achieved per trainer GPU, assumed" in capsys.readouterr().out
+    path.write_text("{}")
+    assert cli_main(["plan", "--measured", str(path)]) == 2
+    assert ("config error: plan --measured: '" + str(path) + "' is not a readable step benchmark report"
+            in capsys.readouterr().err)

@@ -225,11 +225,15 @@ def run_case(root: Path, hf: str, model_cfg, args, seq: int, sequences: int, bud
         trainer.close(keep_process_group=not last)
     spo_s, lm_s = sum(spo_times) / len(spo_times), sum(lm_times) / len(lm_times)
     flops = model_flops_per_token(model_cfg, seq) * tokens
+    # what `megatron-spo plan` counts for an SPO step (8 N per token: forward + backward + the reference forward, N
+    # every parameter; 6 L S h causal attention), so `plan --measured` can turn this step's time into its TFLOP/s
+    plan_flops = (8 * model_cfg.num_parameters() + 6 * model_cfg.num_layers * seq * model_cfg.hidden_size) * tokens
     split = {k: v / args.steps for k, v in timer.totals.items()}
     return {"seq": seq, "sequences": sequences, "micro_batch_tokens": budget, "micro_batches": len(mbs),
             "spo_step_s": spo_s, "lm_step_s": lm_s, "spo_tokens_per_s": tokens / spo_s, "lm_tokens_per_s": tokens / lm_s,
             "spo_over_lm": lm_s / spo_s, "lm_mfu": flops / lm_s / (args.peak_tflops * 1e12),
-            "spo_mfu": flops / spo_s / (args.peak_tflops * 1e12), "spo_peak_gib": spo_peak / 2**30,
+            "spo_mfu": flops / spo_s / (args.peak_tflops * 1e12), "spo_plan_tflops": plan_flops / spo_s / 1e12,
+            "spo_peak_gib": spo_peak / 2**30,
             "lm_peak_gib": lm_peak / 2**30, "lm_loss": lm_loss, "spo_split_s": split}
 
 

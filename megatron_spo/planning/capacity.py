@@ -366,7 +366,9 @@ def print_plan(plan: dict, title: str) -> None:
                   f"bucket, {shape['weight_sync_efficiency']:.0%} of link bandwidth): {sweep}")
 
     t = plan["throughput"]
-    tp_table = Table(title=f"Throughput (assumed {shape['achieved_tflops_per_gpu']:.0f} TFLOP/s achieved per trainer GPU)")
+    source = plan.get("throughput_source", "assumed")
+    tp_table = Table(title=f"Throughput ({shape['achieved_tflops_per_gpu']:.0f} TFLOP/s achieved per trainer GPU, "
+                     f"{source})")
     tp_table.add_column("")
     tp_table.add_column("value", justify="right")
     tp_table.add_row("trainer step", f"{t['step_s']:.1f} s ({t['trained_tokens_per_step'] / 1e6:.2f}M tokens)")
@@ -511,6 +513,23 @@ def train_config_shape(path: str, data: dict) -> dict:
     return capacity_shape(cfg, world)
 
 
+def measured_throughput(path: str) -> dict:
+    """{"tflops", "source"} from tools/bench_step.py's step_bench.json: the SPO step of its first case (sequences of
+    4096 tokens on a GPU), in this plan's FLOP count (spo_plan_tflops)."""
+    file = Path(path)
+    try:
+        report = json.loads(file.read_text())
+        case = report["cases"][0]
+        tflops = float(case["spo_plan_tflops"])
+        source = f"{file.name}: {report['device']}, {report['date']}, SPO step of {case['sequences']} x {case['seq']}"
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as err:
+        raise ConfigError(f"plan --measured: '{path}' is not a readable step benchmark report "
+                          f"(tools/bench_step.py's step_bench.json): {type(err).__name__}: {err}") from None
+    if not math.isfinite(tflops) or tflops <= 0:
+        raise ConfigError(f"plan --measured: '{path}' gives {tflops} TFLOP/s for its SPO step")
+    return {"tflops": tflops, "source": source}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo plan", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama3.1-70b", help=f"{' | '.join(BUILTIN_PRESETS)} (or examples/models/NAME.yaml)")
@@ -520,6 +539,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--vpp", type=non_negative_int, help="virtual pipeline stages (0: none)")
     parser.add_argument("overrides", nargs="*", help="dotted CapacityConfig overrides, e.g. seq_length=8192")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--measured", metavar="STEP_BENCH_JSON",
+                        help="take achieved_tflops_per_gpu from a GPU step benchmark (tools/bench_step.py's "
+                        "step_bench.json: its SPO step's time, counted with this plan's FLOP formula) instead of "
+                        "the assumed figure; the plan names the report it used")
     parser.add_argument("--validate-cpu", action="store_true",
                         help="measure a tiny Llama training step on CPU and compare with the memory model")
     args = parser.parse_args(argv)
@@ -557,9 +580,17 @@ def main(argv: list[str]) -> int:
     if updates:
         parallel = build_config(ParallelConfig, {**parallel.model_dump(), **updates}, "command line")
     from_train = train_config_shape(args.config, data) if args.config else {}
-    shape = build_config(CapacityConfig, apply_overrides({**from_train, **data.get("plan", {})}, args.overrides),
-                         args.config or "command line")
+    measured = measured_throughput(args.measured) if args.measured else None
+    base = {**from_train, **data.get("plan", {})}
+    if measured is not None:
+        base["achieved_tflops_per_gpu"] = measured["tflops"]
+    shape = build_config(CapacityConfig, apply_overrides(base, args.overrides), args.config or "command line")
     plan = make_plan(model, parallel, shape)
+    overridden = any(o.split("=", 1)[0].strip() == "achieved_tflops_per_gpu" for o in args.overrides)
+    # the command line's override, then --measured, then the config's plan section, then the default
+    plan["throughput_source"] = (
+        "as given" if overridden else ("measured: " + measured["source"]) if measured
+        else "as given" if "achieved_tflops_per_gpu" in data.get("plan", {}) else "assumed")
     if args.json:
         print(json.dumps(plan, indent=1))
     else:
