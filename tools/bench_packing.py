@@ -21,23 +21,9 @@ import random
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 VOCAB = 97
-
-
-@dataclass
-class _Traj:
-    prompt_id: str
-    prompt_tokens: list
-    response_tokens: list
-    reward: float
-    source: str = "online"
-    policy_version: int = 0
-    q0: float = -0.5
-    behaviour_logprobs: list | None = None
-    mc_targets: list = field(default_factory=list)
 
 
 class SpreadSource:
@@ -47,12 +33,15 @@ class SpreadSource:
         self.rng, self.median, self.prompt, self.drawn = random.Random(seed), median, prompt, 0
 
     def take(self, k: int, timeout_s: float | None = None) -> list:
+        from megatron_spo.data.trajectory import Trajectory
+
         out = []
         for _ in range(k):
             n = min(8 * self.median, max(self.median // 10, int(self.rng.lognormvariate(math.log(self.median), 1.0))))
             prompt = [self.rng.randrange(1, VOCAB) for _ in range(self.prompt)]
             response = [self.rng.randrange(1, VOCAB) for _ in range(n)]
-            out.append(_Traj(f"p{self.drawn // 4}", prompt, response, reward=-float(response[0] % 2)))
+            out.append(Trajectory(f"p{self.drawn // 4}", prompt, response, reward=-float(response[0] % 2),
+                                  source="online", policy_version=0, q0=-0.5))
             self.drawn += 1
         return out
 

@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 SHAPES = {  # (hidden, ffn, layers, heads, kv heads, vocab)
@@ -41,19 +40,6 @@ SHAPES = {  # (hidden, ffn, layers, heads, kv heads, vocab)
 PROMPT = 256
 
 
-@dataclass
-class _Traj:
-    prompt_id: str
-    prompt_tokens: list
-    response_tokens: list
-    reward: float
-    source: str = "online"
-    policy_version: int = 0
-    q0: float = -0.5
-    behaviour_logprobs: list | None = None
-    mc_targets: list = field(default_factory=list)
-
-
 class RandomSequences:
     """Trajectories of `length` random tokens (the first `prompt` of them the prompt), groups of 4."""
 
@@ -61,11 +47,13 @@ class RandomSequences:
         self.rng, self.length, self.prompt, self.vocab, self.drawn = random.Random(seed), length, prompt, vocab, 0
 
     def take(self, k: int, timeout_s: float | None = None) -> list:
+        from megatron_spo.data.trajectory import Trajectory
+
         out = []
         for _ in range(k):
             ids = [self.rng.randrange(1, self.vocab) for _ in range(self.length + 1)]
-            out.append(_Traj(f"p{self.drawn // 4}", ids[:self.prompt], ids[self.prompt:],
-                             reward=-float(self.rng.random() < 0.5)))
+            out.append(Trajectory(f"p{self.drawn // 4}", ids[:self.prompt], ids[self.prompt:],
+                                  reward=-float(self.rng.random() < 0.5), source="online", policy_version=0, q0=-0.5))
             self.drawn += 1
         return out
 

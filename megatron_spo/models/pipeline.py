@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from megatron_spo.collectives import all_reduce_
-from megatron_spo.models.builders import default_position_ids, output_hidden_states
+from megatron_spo.models.builders import _unwrap, default_position_ids, output_hidden_states
 from megatron_spo.models.packing import Packed
 
 
@@ -57,7 +57,7 @@ def run_pipeline(
         ids, pos, *pack = next(data_iterator)
         index = step["i"]
         output = model(ids, pos, None, **({"packed_seq_params": pack[0].params()} if pack else {}))
-        if pack and _is_last_stage(model):
+        if pack and _unwrap(model).post_process:
             output = pack[0].unpack(output[0])  # [1, T, ...] -> [b, S, ...]
 
         def loss_func(output_tensor):
@@ -90,12 +90,6 @@ def run_pipeline(
             forward_only=loss_fn is None,
         )
     return outputs
-
-
-def _is_last_stage(model) -> bool:
-    while hasattr(model, "module"):
-        model = model.module
-    return bool(model.post_process)
 
 
 def _indexed(forward_step, step, virtual: bool):
