@@ -26,22 +26,22 @@ from pathlib import Path
 VOCAB = 97
 
 
-class SpreadSource:
-    """Groups of 4 responses per prompt; response lengths log-normal (median `median`, sigma 1, clipped)."""
+class RandomTrajectories:
+    """An in-process online source: groups of 4 trajectories per prompt of random tokens, a prompt of `prompt`
+    tokens and a response of response_length(rng) tokens, rewards in {0, -1} (tools/bench_step.py uses it too)."""
 
-    def __init__(self, median: int, prompt: int = 20, seed: int = 0):
-        self.rng, self.median, self.prompt, self.drawn = random.Random(seed), median, prompt, 0
+    def __init__(self, response_length, prompt: int, vocab: int = VOCAB, seed: int = 0):
+        self.rng, self.response_length, self.prompt, self.vocab = random.Random(seed), response_length, prompt, vocab
+        self.drawn = 0
 
     def take(self, k: int, timeout_s: float | None = None) -> list:
         from megatron_spo.data.trajectory import Trajectory
 
         out = []
         for _ in range(k):
-            n = min(8 * self.median, max(self.median // 10, int(self.rng.lognormvariate(math.log(self.median), 1.0))))
-            prompt = [self.rng.randrange(1, VOCAB) for _ in range(self.prompt)]
-            response = [self.rng.randrange(1, VOCAB) for _ in range(n)]
-            out.append(Trajectory(f"p{self.drawn // 4}", prompt, response, reward=-float(response[0] % 2),
-                                  source="online", policy_version=0, q0=-0.5))
+            ids = [self.rng.randrange(1, self.vocab) for _ in range(self.prompt + self.response_length(self.rng))]
+            out.append(Trajectory(f"p{self.drawn // 4}", ids[:self.prompt], ids[self.prompt:],
+                                  reward=-float(self.rng.random() < 0.5), source="online", policy_version=0, q0=-0.5))
             self.drawn += 1
         return out
 
@@ -50,6 +50,11 @@ class SpreadSource:
 
     def load_state_dict(self, state: dict) -> None:
         self.drawn = state["drawn"]
+
+
+def log_normal(median: int):
+    """Response lengths log-normal with this median (sigma 1), clipped to median / 10 .. 8 x median."""
+    return lambda rng: min(8 * median, max(median // 10, int(rng.lognormvariate(math.log(median), 1.0))))
 
 
 def realistic_pad_share(n: int = 256, budget: int = 65_536, seed: int = 0) -> dict:
@@ -88,7 +93,7 @@ def train(root: Path, hf: str, pack: bool, args) -> dict:
         logging={"progress": False, "wandb_mode": "disabled"},
         batch={"sequences_per_step": args.sequences, "max_tokens_per_micro_batch": args.budget,
                "max_seq_length": 9 * args.median + 64, "pack_sequences": pack}))
-    trainer = Trainer(cfg, online_source=SpreadSource(args.median))
+    trainer = Trainer(cfg, online_source=RandomTrajectories(log_normal(args.median), prompt=20))
     try:
         trainer.train()
     finally:

@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+
+from bench_packing import RandomTrajectories  # tools/ is on sys.path when a tool runs
 
 SHAPES = {  # (hidden, ffn, layers, heads, kv heads, vocab)
     "full": dict(hidden_size=2048, ffn_hidden_size=8192, num_layers=16, num_attention_heads=32, num_query_groups=8,
@@ -38,30 +39,6 @@ SHAPES = {  # (hidden, ffn, layers, heads, kv heads, vocab)
                  vocab_size=1000, tie_word_embeddings=False),
 }
 PROMPT = 256
-
-
-class RandomSequences:
-    """Trajectories of `length` random tokens (the first `prompt` of them the prompt), groups of 4."""
-
-    def __init__(self, length: int, prompt: int, vocab: int, seed: int = 0):
-        self.rng, self.length, self.prompt, self.vocab, self.drawn = random.Random(seed), length, prompt, vocab, 0
-
-    def take(self, k: int, timeout_s: float | None = None) -> list:
-        from megatron_spo.data.trajectory import Trajectory
-
-        out = []
-        for _ in range(k):
-            ids = [self.rng.randrange(1, self.vocab) for _ in range(self.length + 1)]
-            out.append(Trajectory(f"p{self.drawn // 4}", ids[:self.prompt], ids[self.prompt:],
-                                  reward=-float(self.rng.random() < 0.5), source="online", policy_version=0, q0=-0.5))
-            self.drawn += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"drawn": self.drawn}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.drawn = state["drawn"]
 
 
 def write_random_hf(out: Path, model_cfg, device: str) -> str:
@@ -169,7 +146,8 @@ def run_case(root: Path, hf: str, model_cfg, args, seq: int, sequences: int, bud
         logging={"progress": False, "wandb_mode": "disabled"},
         parallel={"recompute_granularity": args.recompute} if args.recompute == "selective" else {},
         batch={"sequences_per_step": sequences, "max_tokens_per_micro_batch": budget, "max_seq_length": seq + 1}))
-    source = RandomSequences(seq, min(PROMPT, seq // 4), model_cfg.vocab_size)
+    prompt = min(PROMPT, seq // 4)
+    source = RandomTrajectories(lambda rng: seq + 1 - prompt, prompt, model_cfg.vocab_size)
     trainer = Trainer(cfg, online_source=source)
     timer = Timer(cuda)
     for name in ("forward", "optimize"):  # the time split of the SPO step, by the trainer's own verbs
