@@ -87,7 +87,9 @@ def train(root: Path, hf: str, pack: bool, args) -> dict:
     from megatron_spo.training.trainer import Trainer
 
     name = "packed" if pack else "padded"
+    kernel = {"attention_kernel": args.kernel} if getattr(args, "kernel", None) else {}
     cfg = TrainConfig.model_validate(dict(
+        parallel=kernel,
         run_dir=str(root / name), steps=args.steps, algo="spo", beta=0.5, init={"hf": hf},
         optimizer={"lr": 1e-4}, model_update_interval=args.steps + 1, checkpoint={"interval": 10_000},
         logging={"progress": False, "wandb_mode": "disabled"},
@@ -102,7 +104,28 @@ def train(root: Path, hf: str, pack: bool, args) -> dict:
     seconds = sum(r["time/forward_backward"] for r in rows)
     tokens = sum(r["tokens_per_s"] * r["time/step"] for r in rows)
     return {"tokens_per_s": tokens / seconds, "pad_share": sum(r["batch/pad_share"] for r in rows) / len(rows),
-            "seconds": seconds}
+            "seconds": seconds, "peak_rss_gb": max(r["memory/peak_rss_gb"] for r in rows)}
+
+
+ARMS = {"before": (False, "dot_product"), "after": (True, "sdpa")}  # (pack_sequences, attention kernel)
+
+
+def before_after(args) -> dict:
+    """The trainer step before this wave's defaults (padded rows, megatron's DotProductAttention) and after (packed,
+    SDPA), each arm in a fresh process so its peak resident memory is its own."""
+    import subprocess
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = tiny_hf(Path(tmp) / "hf", args.hidden, args.layers)
+        for arm in ARMS:
+            cmd = [sys.executable, __file__, "--arm", arm, "--hf", hf, "--steps", str(args.steps), "--sequences",
+                   str(args.sequences), "--median", str(args.median), "--budget", str(args.budget)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"bench_packing: arm {arm} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            out[arm] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
 
 
 def main(argv=None) -> int:
@@ -114,8 +137,27 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--before-after", action="store_true", help="padded + DotProductAttention (before) against "
+                    "packed + SDPA (after), each in its own process: tokens/s and peak resident memory")
+    ap.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)
+    ap.add_argument("--hf", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.arm:  # one arm of --before-after, in its own process
+        pack, args.kernel = ARMS[args.arm]
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(train(Path(tmp), args.hf, pack, args)))
+        return 0
+    if args.before_after:
+        r = before_after(args)
+        print(f"trainer step, median response {args.median} tokens (clipped to {args.median // 10}..{8 * args.median}), "
+              f"{args.sequences} sequences per step, {args.budget}-token micro-batches:")
+        for arm, x in r.items():
+            print(f"  {arm:>6} ({'packed, sdpa' if ARMS[arm][0] else 'padded, dot_product'}): {x['tokens_per_s']:9.1f} "
+                  f"response tokens/s, peak RSS {x['peak_rss_gb']:.2f} GB, pad share {x['pad_share']:.1%}")
+        print(f"after / before: tokens/s {r['after']['tokens_per_s'] / r['before']['tokens_per_s']:.2f}x, peak RSS "
+              f"{r['after']['peak_rss_gb'] / r['before']['peak_rss_gb']:.2f}x")
+        return 0
     report = {"realistic_pad_share": realistic_pad_share()}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
