@@ -396,7 +396,7 @@ class Trainer:
             q0_from_own_groups(trajs, cfg.beta)  # the Q0 table is of the first reference
         mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
                             keep_groups=self.algorithm.keeps_prompt_groups, device=self.device,
-                            prefer_groups=getattr(self.algorithm, "prefers_prompt_groups", False))
+                            prefer_groups=self.algorithm.prefers_prompt_groups)
 
         pad = self._pad_share(mbs)
         t_fb = time.perf_counter()
