@@ -163,3 +163,27 @@ def test_online_source_gives_up_with_a_reason_when_no_rollouts_arrive():
         assert time.monotonic() - start < 10
     finally:
         source.close()
+
+
+def test_step_metrics_are_assembled_from_the_step_parts():
+    """The step's line: staleness and reward of online samples only, tokens/s over the step's time, kl only
+    where online samples report their log-ratio, reference_step only with reference refresh."""
+    from types import SimpleNamespace as T
+
+    from megatron_spo.training.step_metrics import StepTimes, step_metrics
+
+    trajs = [T(reward=0.0, source="online", policy_version=3, response_tokens=[1, 2, 3]),
+             T(reward=-1.0, source="online", policy_version=5, response_tokens=[1]),
+             T(reward=-1.0, source="offline", policy_version=0, response_tokens=[1, 2, 3, 4])]
+    times = StepTimes(rollout_wait=0.5, forward_backward=1.0, weight_sync=0.25, step=2.0)
+    m = step_metrics(trajs, loss={"loss": 0.5, "mean_seq_log_ratio/online": 0.125}, fleet={"rollout/groups": 4.0},
+                     update={"grad_norm/extra": 1.0}, evaluation={}, times=times, lr=1e-5, grad_norm=2.0,
+                     policy_version=6, pad_share=0.25, reference_step=None)
+    assert m["reward"] == -2 / 3 and m["reward/online"] == -0.5 and m["samples/online"] == 2.0
+    assert m["staleness"] == 2.0 and m["staleness/max"] == 3.0
+    assert m["tokens_per_s"] == 4.0 and m["kl"] == 0.125 and m["batch/pad_share"] == 0.25
+    assert m["time/weight_sync"] == 0.25 and m["rollout/groups"] == 4.0 and "reference_step" not in m
+    offline = step_metrics(trajs[2:], loss={}, fleet={}, update={}, evaluation={"eval/pass@1": 0.5}, times=times,
+                           lr=1e-5, grad_norm=0.0, policy_version=6, pad_share=0.0, reference_step=4)
+    assert "staleness" not in offline and "kl" not in offline and offline["reference_step"] == 4.0
+    assert offline["eval/pass@1"] == 0.5

@@ -33,7 +33,6 @@ from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import (
     TrainBatch,
 )
-from megatron_spo.memory import peak_rss_gb
 from megatron_spo.run_layout import CheckpointDir, PreemptionHandler, Stopped
 from megatron_spo.training import checkpoint
 from megatron_spo.training import loss as losses
@@ -48,6 +47,7 @@ from megatron_spo.training.online import FleetUnavailable, q0_from_own_groups
 from megatron_spo.training.run_log import LIBRARY_WARNINGS, start_banner
 from megatron_spo.training.sources import build_archive, build_sampler
 from megatron_spo.training.stability import DivergenceGuard, TrainingDiverged, lr_at
+from megatron_spo.training.step_metrics import StepTimes, step_metrics
 
 LIBRARY_WARNINGS.install()  # megatron-core's import-time warnings: kept for RUN_DIR/warnings.log, not printed
 WAIT_ENDED = (Stopped, FleetUnavailable)  # a wait of rank 0 that ends the run: all ranks raise it together
@@ -387,21 +387,36 @@ class Trainer:
         return out
 
     def train_step(self) -> dict[str, float]:
-        cfg = self.cfg
+        """One step: batch, reference, update, push, log. Returns the step's metrics (rank 0's are complete)."""
         self.step += 1
         t_step = time.perf_counter()
+        trajs, mbs, t_wait = self.batch()
+        t_fb = time.perf_counter()
+        gap = self._gap_pass = GapPass(self.policy_version if self._holds_pushed_weights else None)
+        ref = self.forward("reference", mbs, "logp")
+        update, lr = self.update(trajs, mbs, ref)
+        t_fb = time.perf_counter() - t_fb
+        t_sync, evaluation = self.push()
+        self._gap_pass = None
+        return self.log(trajs, update, gap, lr=lr, pad_share=self._pad_share(mbs), t_step=t_step, t_wait=t_wait,
+                        t_fb=t_fb, t_sync=t_sync, evaluation=evaluation)
+
+    def batch(self) -> tuple[list, list[TrainBatch], float]:
+        """The global batch (rank 0 draws, every rank gets it), this data-parallel rank's packed micro-batches,
+        and the seconds waited for rollouts."""
+        cfg = self.cfg
         trajs, t_wait = self._global_batch()
-        refresh = cfg.reference_refresh_interval
         if self.reference_step and self.algorithm.uses_q0:
             q0_from_own_groups(trajs, cfg.beta)  # the Q0 table is of the first reference
         mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
                             keep_groups=self.algorithm.keeps_prompt_groups, device=self.device,
                             prefer_groups=self.algorithm.prefers_prompt_groups)
+        return trajs, mbs, t_wait
 
-        pad = self._pad_share(mbs)
-        t_fb = time.perf_counter()
-        gap = self._gap_pass = GapPass(self.policy_version if self._holds_pushed_weights else None)
-        ref = self.forward("reference", mbs, "logp")
+    def update(self, trajs: list, mbs: list[TrainBatch], ref: list) -> tuple:
+        """The algorithm's update of this step's micro-batches given the reference's log-probs (and the
+        reference refresh when due): (algos.Update, the policy's learning rate)."""
+        cfg = self.cfg
         lr = self.lr_at(self.step, cfg.optimizer.lr)
         rates = {"policy": lr, "value": self.lr_at(self.step, cfg.optimizer.value_lr or cfg.optimizer.lr)}
         update = self.algorithm.update(StepInputs(
@@ -410,49 +425,36 @@ class Trainer:
             forward=lambda model, output: self.forward(model, mbs, output), is_last_stage=self.is_last_stage,
             global_sequences=len(trajs), global_response_tokens=sum(len(t.response_tokens) for t in trajs),
             sum_across_data_parallel=self._sum_across_data_parallel))
-        metrics_store, grad_norm = update.reports, update.grad_norm
+        refresh = cfg.reference_refresh_interval
         if refresh and self.step % refresh == 0:
             self.refresh_reference()
-        t_fb = time.perf_counter() - t_fb
+        return update, lr
 
-        t_sync = 0.0
-        eval_metrics: dict[str, float] = {}
-        if self.step % cfg.model_update_interval == 0:
-            t_sync = self.sync_weights()
-            # the engines now hold this step's weights; the other ranks wait at the metrics gather below
-            if self.held_out is not None and self.held_out.due(self.step):
-                eval_metrics = self._evaluate_held_out()
+    def push(self) -> tuple[float, dict[str, float]]:
+        """Every model_update_interval steps the policy's weights to the fleet, then the held-out evaluation
+        when due (the engines hold this step's weights): (seconds pushing, eval metrics)."""
+        if self.step % self.cfg.model_update_interval:
+            return 0.0, {}
+        t_sync = self.sync_weights()
+        # the other ranks wait at the metrics gather in log()
+        due = self.held_out is not None and self.held_out.due(self.step)
+        return t_sync, self._evaluate_held_out() if due else {}
 
-        self._gap_pass = None
-        metrics = self._reduce_metrics(metrics_store, gap)
+    def log(self, trajs: list, update, gap: GapPass, *, lr: float, pad_share: float, t_step: float,
+            t_wait: float, t_fb: float, t_sync: float, evaluation: dict) -> dict[str, float]:
+        """Gather the step's metrics (training/step_metrics.py) to rank 0, log them, warn, and guard."""
+        cfg = self.cfg
+        loss_metrics = self._reduce_metrics(update.reports, gap)
+        fleet: dict[str, float] = {}
         if self.rank == 0 and self.online is not None and hasattr(self.online, "stats"):
-            metrics.update(self.online.stats())
-            metrics.update(self._sync_metrics)
+            fleet = {**self.online.stats(), **self._sync_metrics}
             self._sync_metrics = {}
-        n_tokens = sum(len(t.response_tokens) for t in trajs)
-        metrics.update({
-            "lr": lr, "grad_norm": grad_norm, "reward": sum(t.reward for t in trajs) / len(trajs),
-            "time/rollout_wait": t_wait, "time/forward_backward": t_fb, "time/weight_sync": t_sync,
-            "time/step": time.perf_counter() - t_step, "policy_version": float(self.policy_version),
-            "memory/peak_rss_gb": peak_rss_gb(), "batch/pad_share": pad,
-        })
-        online = [t for t in trajs if t.source == "online"]
-        if online:  # policy versions behind the trainer (offline data has no meaningful version)
-            versions = [t.policy_version for t in online]
-            metrics["staleness"] = self.policy_version - sum(versions) / len(versions)
-            metrics["staleness/max"] = float(self.policy_version - min(versions))
-            metrics["reward/online"] = sum(t.reward for t in online) / len(online)
-            metrics["samples/online"] = float(len(online))  # rollouts consumed: learning curves per rollout
-        metrics.update(update.metrics)
-        metrics.update(eval_metrics)
-        if refresh:
-            metrics["reference_step"] = float(self.reference_step)
-        metrics["tokens_per_s"] = n_tokens / max(metrics["time/step"], 1e-9)
-        if "mean_seq_log_ratio/online" in metrics:
-            # the k1 estimate of KL(pi || pi_0) is this mean on samples from pi itself: online trajectories only
-            # (offline data such as pi_0's own samples gives -KL(pi_0 || pi)); still biased when the engines
-            # sample below T=1 (rollout.temperature_range) or from a stale policy
-            metrics["kl"] = metrics["mean_seq_log_ratio/online"]
+        times = StepTimes(rollout_wait=t_wait, forward_backward=t_fb, weight_sync=t_sync,
+                          step=time.perf_counter() - t_step)
+        metrics = step_metrics(trajs, loss=loss_metrics, fleet=fleet, update=update.metrics, evaluation=evaluation,
+                               times=times, lr=lr, grad_norm=update.grad_norm, policy_version=self.policy_version,
+                               pad_share=pad_share,
+                               reference_step=self.reference_step if cfg.reference_refresh_interval else None)
         self.metrics.log(self.step, metrics)
         warning = gap_warning(self.step, metrics, cfg.logging.max_logprob_gap)
         if warning and self.rank == 0:
