@@ -387,3 +387,134 @@ def test_an_archive_rewrites_the_same_report_and_resumes_without_rerunning(tmp_p
         archive(root, root)
     with pytest.raises(FileExistsError, match=r"compare --archive: .*archive is not empty \(remove it"):
         archive(root, dest)  # a second archive into the first would mix their files
+
+
+def _bootstrap_by_hand(diff, resamples=4000, seed=0):
+    """two_way_bootstrap as it was written first (random.Random draws, a sum per resample): the numbers of every
+    committed report."""
+    rng = random.Random(seed)
+    n_s, n_p = len(diff), len(diff[0])
+    means = []
+    for _ in range(resamples):
+        seeds = [rng.randrange(n_s) for _ in range(n_s)]
+        problems = [rng.randrange(n_p) for _ in range(n_p)]
+        total = 0.0
+        for s in seeds:
+            for p in problems:
+                total += diff[s][p]
+        means.append(total / (n_s * n_p))
+    means.sort()
+    return sum(map(sum, diff)) / (n_s * n_p), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def test_the_bootstrap_draws_what_random_draws_and_sums_in_its_order(monkeypatch):
+    """The vectorised bootstrap gives the loop's intervals bit for bit (the same Mersenne Twister words, the same
+    rejections, the same order of additions), also when its first batch of random words runs out."""
+    from megatron_spo.experiments import study_report
+
+    rng = random.Random(7)
+    for n_s, n_p, resamples, seed in [(1, 1, 50, 0), (1, 7, 300, 3), (2, 2, 500, 1), (3, 120, 300, 0), (4, 33, 200, 9)]:
+        diff = [[rng.choice([-1.0, -0.95, 0.0, 0.05, 1 / 3, 1.0]) for _ in range(n_p)] for _ in range(n_s)]
+        assert two_way_bootstrap(diff, resamples=resamples, seed=seed) == _bootstrap_by_hand(diff, resamples, seed)
+    monkeypatch.setattr(study_report, "_WORDS_MARGIN", 0.05)  # too few words at first: more are drawn
+    study_report._draws.cache_clear()
+    diff = [[rng.random() for _ in range(40)] for _ in range(3)]
+    assert two_way_bootstrap(diff, resamples=400, seed=2) == _bootstrap_by_hand(diff, 400, 2)
+    study_report._draws.cache_clear()
+
+
+REPO = Path(__file__).resolve().parents[1]
+CODE_FULL = REPO / "docs" / "study-2026-11-26" / "code-full"
+
+
+def _table(text: str, header_start: str) -> list[list[str]]:
+    """The rows (cells stripped) of the markdown table whose header starts with header_start."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(header_start))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    return rows
+
+
+def test_an_archived_study_rewrites_its_report_from_its_own_settings(tmp_path, capsys):
+    """`compare --report-only out_dir=ARCHIVE` with no other override reads the study's settings from the archive's
+    study.json: the committed report comes back byte for byte, and with it the README's code table."""
+    import shutil
+
+    out = tmp_path / "code-full"
+    shutil.copytree(CODE_FULL, out)
+    for made in ("report.md", "report.json"):
+        (out / made).unlink()
+    assert st.main(["--report-only", f"out_dir={out}"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"report: {out / 'report.md'}")
+    report = (out / "report.md").read_text()
+    assert report == (CODE_FULL / "report.md").read_text()
+    assert (out / "report.json").read_text() == (CODE_FULL / "report.json").read_text()
+
+    held = {r[0]: r for r in _table(report, "| arm | seeds x problems | pass@1 | change |")}
+    minus = {r[0]: r for r in _table(report, "| arm | pass@1 | pass@10 | pass@10 - pass@1 | distinct correct |")}
+    long = {r[0]: r for r in _table(report, "| arm | seeds x problems | pass@1 1x -> long |")}
+
+    def two_places(cell: str) -> str:  # the README gives distinct correct programs to 2 decimals
+        return " ".join(f"{float(x.strip('[],')):+.2f}" for x in cell.split()).replace(" ", ", ").replace(
+            ", ", " [", 1) + "]"
+
+    readme = (REPO / "README.md").read_text()
+    rows = _table(readme, "| arm (chosen lr, coefficient) | pass@1 / pass@10 | SPO minus arm: pass@1 | pass@10 | "
+                          "pass@10 - pass@1 | distinct correct")
+    arms = {"reference": "reference", "SPO, online + offline": "spo", "SPO online only": "spo-online",
+            "SPO at the paper's settings": "spo-paper", "AGRO": "agro", "PPO": "ppo", "GRPO, push": "grpo",
+            "GRPO + TIS": "grpo-tis"}
+    assert len(rows) == len(arms)
+    for row in rows:
+        arm = next(a for prefix, a in arms.items() if row[0].startswith(prefix))
+        assert row[1] == f"{held[arm][2]} / {held[arm][4]}", row
+        if arm in ("reference", "spo"):
+            assert row[2:6] == ["", "", "", ""], row
+        else:
+            assert row[2:5] == minus[arm][1:4] and row[5] == two_places(minus[arm][4]), row
+        if arm != "reference":
+            assert row[6] == f"{long[arm][3]} / {long[arm][5]}", row
+
+
+def test_an_archived_study_refuses_other_settings_in_one_line(tmp_path, capsys):
+    """Overrides that change the archive's settings are one line naming each field with both values, not a
+    report of failed runs; repeating the archive's own values is fine; a folder without study.json is refused."""
+    import shutil
+
+    from megatron_spo.cli import main as cli
+
+    out = tmp_path / "code-full"
+    shutil.copytree(CODE_FULL / "shared", out / "shared")
+    shutil.copytree(CODE_FULL / "runs" / "spo", out / "runs" / "spo")  # train_steps 90: the steps it ran at
+    shutil.copy(CODE_FULL / "study.json", out / "study.json")
+    assert json.loads((out / "study.json").read_text())["quickstart"] == {}
+    study = st.load_study([f"out_dir={out}"], report_only=True)
+    assert study.out_dir == str(out) and study.seeds == [0, 1, 2] and not study.sweep.enabled
+    assert study.quickstart == {"train": {"steps": 90}} and study.settings["spo"] == {"train.lr": 1e-4,
+                                                                                      "train.beta": 0.5}
+    same = st.load_study([f"out_dir={out}", "sweep.enabled=false", "seeds=[0,1,2]", "quickstart.train.steps=90",
+                          "long_run.seeds=[0,1]", "progress=false"], report_only=True)
+    assert same.seeds == [0, 1, 2] and same.progress is False
+
+    assert cli(["compare", "--report-only", f"out_dir={out}", "seeds=[0,1]", "quickstart.train.steps=60",
+                "settings.spo.train.lr=0.0003"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"megatron-spo compare: config error: compare --report-only: the overrides change "
+                   f"{out / 'study.json'}: seeds [0, 1] given, [0, 1, 2] in the study; quickstart.train.steps 60 "
+                   f"given, 90 in the study; settings.spo.train.lr 0.0003 given, 0.0001 in the study (the runs "
+                   f"were made with the study's settings: drop the overrides)\n")
+    assert not (out / "report.md").exists()
+
+    said = []  # resuming runs the changed study, and says what changed
+    resumed = st.load_study([f"out_dir={out}", "seeds=[0,1,2,3]"], log=said.append)
+    assert resumed.seeds == [0, 1, 2, 3] and resumed.settings == study.settings
+    assert said == [f"compare: resuming {out} with changed settings: seeds [0, 1, 2, 3] given, [0, 1, 2] in the "
+                    f"study"]
+    assert cli(["compare", "--report-only", f"out_dir={tmp_path / 'nothing'}"]) == 2
+    assert capsys.readouterr().err == (f"megatron-spo compare: config error: compare --report-only: "
+                                       f"{tmp_path / 'nothing'} holds no study (no study.json): name a study's "
+                                       f"out_dir or an archive of one\n")

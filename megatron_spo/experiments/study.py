@@ -13,6 +13,11 @@
 
 Each run is a `megatron-spo quickstart` subprocess writing results.json when it is done: a study that is
 stopped and started again skips the finished runs (and redoes an unfinished one from its start).
+
+A study's out_dir (and its archive, `--archive DIR`) keeps its settings in study.json: `compare out_dir=DIR` alone
+resumes that study and `compare --report-only out_dir=DIR` alone rewrites its report. Overrides given beside an
+existing study.json are applied on top of it: `--report-only` refuses any that changes a setting, in one line naming
+each field with both values; a resumed study runs the changed settings and says which changed.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from megatron_spo.config import StrictModel, apply_overrides, build_config
+from megatron_spo.config import ConfigError, StrictModel, apply_overrides, build_config, quote, read_yaml
 from megatron_spo.data.q0 import PAPER_BETA
 
 
@@ -342,22 +347,104 @@ def run_study(study: StudyConfig, log=print) -> Path:
     return write_report(study, root, chosen)
 
 
+# study.json fields that say where and how a study runs, not what it measures: they may differ between a study's
+# study.json and the command line
+_OPERATIONAL = ("out_dir", "progress", "retry_failed")
+
+
+def _pin_steps(data: dict, root: Path) -> None:
+    """A study.json without quickstart.train.steps ran at the quickstart's default of its day, which names the long
+    runs' folders (steps x steps_factor): take it from the finished runs (their results.json's train_steps), so an
+    archive still reads after the default changes. Unchanged when the runs disagree or say nothing."""
+    quick = data.get("quickstart")
+    if not isinstance(quick, dict) or not isinstance(quick.get("train", {}), dict) or "steps" in quick.get("train", {}):
+        return
+    steps = set()
+    for path in root.glob("runs/*/*/*/results.json"):
+        try:
+            steps.add(json.loads(path.read_text()).get("train_steps"))
+        except (ValueError, AttributeError, OSError):
+            return
+    if len(steps) == 1 and isinstance(n := steps.pop(), int) and n > 0:
+        quick.setdefault("train", {})["steps"] = n
+
+
+def stored_study(root: Path) -> dict | None:
+    """The settings a study's out_dir (or its archive) was run with: its study.json, which every compare run writes
+    before its first run and --archive copies, with out_dir set to where it is now (an archive has moved) and
+    quickstart.train.steps filled in from the runs where study.json leaves it to the default. None without one."""
+    path = root / "study.json"
+    if not path.is_file():
+        return None
+    data = read_yaml(path)  # JSON; size-limited, duplicate keys refused
+    if not isinstance(data, dict):
+        raise ConfigError(f"compare: {path}: not a study's settings (a JSON object)")
+    data["out_dir"] = str(root)
+    _pin_steps(data, root)
+    return data
+
+
+def _leaves(data: dict, prefix: str = ""):
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def study_differences(old: StudyConfig, new: StudyConfig) -> list[tuple[str, Any, Any]]:
+    """(dotted field, old value, new value) for every setting that differs, the operational ones aside."""
+    a = dict(_leaves({k: v for k, v in old.model_dump().items() if k not in _OPERATIONAL}))
+    b = dict(_leaves({k: v for k, v in new.model_dump().items() if k not in _OPERATIONAL}))
+    unset = "unset"
+    return [(k, a.get(k, unset), b.get(k, unset)) for k in [*a, *(k for k in b if k not in a)]
+            if a.get(k, unset) != b.get(k, unset)]
+
+
+def load_study(overrides: list[str], report_only: bool = False, log=print) -> StudyConfig:
+    """The study the command line names: its out_dir's study.json (when there is one) with the overrides on top.
+    report_only: an override that changes a stored setting is refused in one line (the runs were made with the
+    stored ones), as is an out_dir without study.json; otherwise the change is run and said in one line."""
+    asked = build_config(StudyConfig, apply_overrides({}, list(overrides)), "compare")
+    root = Path(asked.out_dir)
+    stored = stored_study(root)
+    if stored is None:
+        if report_only:
+            raise ConfigError(f"compare --report-only: {root} holds no study (no study.json): name a study's out_dir "
+                              "or an archive of one")
+        return asked
+    source = str(root / "study.json")
+    before = build_config(StudyConfig, json.loads(json.dumps(stored)), source)
+    study = build_config(StudyConfig, apply_overrides(stored, list(overrides)), f"compare (on {source})")
+    changed = study_differences(before, study)
+    if changed:
+        what = "; ".join(f"{k} {quote(new)} given, {quote(old)} in the study" for k, old, new in changed)
+        if report_only:
+            raise ConfigError(f"compare --report-only: the overrides change {source}: {what} (the runs were made "
+                              "with the study's settings: drop the overrides)")
+        log(f"compare: resuming {root} with changed settings: {what}")
+    return study
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-spo compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study, e.g. seeds=[0,1] "
                         "quickstart.train.steps=60")
-    parser.add_argument("--report-only", action="store_true", help="write the report from the finished runs")
+    parser.add_argument("--report-only", action="store_true", help="write the report from the finished runs, with "
+                        "the settings out_dir's study.json holds (no other override needed; one that changes them "
+                        "is refused)")
     parser.add_argument("--archive", metavar="DIR", help="copy what the report reads (results, per-problem "
                         "evaluations, the metrics it plots; tens of KB per run) to DIR, from which --report-only "
                         "rewrites the report and compare resumes; runs nothing")
     args = parser.parse_args(argv)
-    study = build_config(StudyConfig, apply_overrides({}, args.overrides), "compare")
     if args.archive:
+        study = build_config(StudyConfig, apply_overrides({}, args.overrides), "compare")
         from megatron_spo.experiments.study_report import archive
 
         done = archive(Path(study.out_dir), Path(args.archive))
         print(f"archived {done['runs']} finished runs of {study.out_dir} to {args.archive} ({done['bytes'] / 1e6:.2f} MB)")
         return 0
+    study = load_study(args.overrides, report_only=args.report_only)
     if args.report_only:
         from megatron_spo.experiments.study_report import write_report
 
