@@ -1,4 +1,4 @@
-"""python_ast.parse holds where ast.parse loses the cpython gh-106905 race (the CI failure of stop 23)."""
+"""python_ast.parse holds where ast.parse loses the cpython gh-106905 race (a CI failure on 2026-11-25)."""
 
 from __future__ import annotations
 

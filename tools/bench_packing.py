@@ -111,8 +111,8 @@ ARMS = {"before": (False, "dot_product"), "after": (True, "sdpa")}  # (pack_sequ
 
 
 def before_after(args) -> dict:
-    """The trainer step before this wave's defaults (padded rows, megatron's DotProductAttention) and after (packed,
-    SDPA), each arm in a fresh process so its peak resident memory is its own."""
+    """The trainer step before the defaults of 2026-11-28 (padded rows, megatron's DotProductAttention) and after
+    (packed, SDPA), each arm in a fresh process so its peak resident memory is its own."""
     import subprocess
 
     out = {}
