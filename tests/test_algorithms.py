@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_spo.algorithms import (
+    SPOInputs,
     agro_loss,
     cross_entropy_log_space,
     cumulative_q,
@@ -167,7 +168,8 @@ def test_cross_entropy_values_minimum_and_clipping():
 def test_spo_terminal_squared_value_and_gradient():
     logp, ref, mask, reward, q0 = padded_batch()
     logp.requires_grad_(True)
-    loss, metrics = spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="terminal", loss="squared")
+    loss, metrics = spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=BETA, objective="terminal",
+                             loss="squared")
     q_t = q0 + BETA * torch.where(mask, logp.detach() - ref, 0.0).sum(1)
     assert loss.item() == pytest.approx(float(((q_t - reward) ** 2).mean()), rel=1e-14)
     loss.backward()
@@ -181,7 +183,7 @@ def test_spo_terminal_squared_value_and_gradient():
 def test_spo_reverse_q_squared_weights_earlier_tokens_more():
     logp, ref, mask, reward, q0 = padded_batch(seed=1)
     logp.requires_grad_(True)
-    loss, _ = spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="reverse_q", loss="squared")
+    loss, _ = spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=BETA, objective="reverse_q", loss="squared")
     q_t = q0 + BETA * torch.where(mask, logp.detach() - ref, 0.0).sum(1)
     n = mask.sum(1).to(D)
     assert loss.item() == pytest.approx(float((n * (q_t - reward) ** 2).mean()), rel=1e-13)
@@ -196,12 +198,13 @@ def test_spo_advantage_objectives():
     logp, ref, mask, reward, q0 = padded_batch(seed=2)
     kw = dict(beta=BETA, objective="advantage")
     seq_adv = BETA * torch.where(mask, logp - ref, 0.0).sum(1)
-    loss, _ = spo_loss(logp, ref, mask, reward, q0, loss="sigmoid_bce", **kw)
+    loss, _ = spo_loss(SPOInputs(logp, ref, mask, reward, q0), loss="sigmoid_bce", **kw)
     expected = F.binary_cross_entropy_with_logits(seq_adv / BETA, torch.sigmoid((reward - q0) / BETA))
     assert loss.item() == pytest.approx(float(expected), rel=1e-14)
     # Squared advantage regression has the same error as terminal regression (SPO paper 3.1.2).
-    adv_sq, _ = spo_loss(logp, ref, mask, reward, q0, loss="squared", **kw)
-    term_sq, _ = spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="terminal", loss="squared")
+    adv_sq, _ = spo_loss(SPOInputs(logp, ref, mask, reward, q0), loss="squared", **kw)
+    term_sq, _ = spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=BETA, objective="terminal",
+                          loss="squared")
     assert float(adv_sq) == pytest.approx(float(term_sq), rel=1e-13)
 
 
@@ -214,8 +217,8 @@ def test_spo_mc_targets_at_sparse_positions():
     q = cumulative_q(logp, ref, mask, q0, BETA)
     for loss_name in ("squared", "cross_entropy", "sigmoid_bce"):
         loss, _ = spo_loss(
-            logp, ref, mask, reward, q0, beta=BETA, objective="mc", loss=loss_name,
-            mc_positions=positions, mc_success=success,
+            SPOInputs(logp, ref, mask, reward, q0, mc_positions=positions, mc_success=success),
+            beta=BETA, objective="mc", loss=loss_name,
         )  # fmt: skip
         total = 0.0
         for b in range(2):
@@ -240,28 +243,16 @@ def test_spo_mc_targets_at_sparse_positions():
     # mc_q gives the same loss with targets in reward units.
     q_targets = q0_from_success(success, BETA)
     a, _ = spo_loss(
-        logp,
-        ref,
-        mask,
-        reward,
-        q0,
+        SPOInputs(logp, ref, mask, reward, q0, mc_positions=positions, mc_q=q_targets),
         beta=BETA,
         objective="mc",
         loss="squared",
-        mc_positions=positions,
-        mc_q=q_targets,
     )
     b, _ = spo_loss(
-        logp,
-        ref,
-        mask,
-        reward,
-        q0,
+        SPOInputs(logp, ref, mask, reward, q0, mc_positions=positions, mc_success=success),
         beta=BETA,
         objective="mc",
         loss="squared",
-        mc_positions=positions,
-        mc_success=success,
     )
     assert float(a) == pytest.approx(float(b), rel=1e-14)
 
@@ -272,18 +263,18 @@ def test_spo_supported_combinations_and_clear_refusals():
     with pytest.raises(
         ValueError, match="spo_loss: objective 'advantage' with loss 'cross_entropy' is not supported"
     ):
-        spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="advantage", loss="cross_entropy")
+        spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=BETA, objective="advantage", loss="cross_entropy")
     with pytest.raises(ValueError, match="spo_loss: unknown objective 'td'"):
-        spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="td", loss="squared")
+        spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=BETA, objective="td", loss="squared")
     with pytest.raises(ValueError, match="spo_loss: unknown loss 'huber'"):
-        spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="terminal", loss="huber")
+        spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=BETA, objective="terminal", loss="huber")
     with pytest.raises(ValueError, match="spo_loss: objective 'mc' needs mc_positions"):
-        spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="mc", loss="squared")
+        spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=BETA, objective="mc", loss="squared")
     positions = torch.full((4, 1), 0)  # column 0 is padding in some rows
     with pytest.raises(ValueError, match=r"spo_loss: mc_positions points at padding \(mask 0\)"):
         spo_loss(
-            logp, ref, mask, reward, q0, beta=BETA, objective="mc", loss="squared",
-            mc_positions=positions, mc_success=torch.ones(4, 1, dtype=D),
+            SPOInputs(logp, ref, mask, reward, q0, mc_positions=positions, mc_success=torch.ones(4, 1, dtype=D)),
+            beta=BETA, objective="mc", loss="squared",
         )  # fmt: skip
 
 
@@ -294,21 +285,21 @@ def test_validation_messages_name_argument_and_problem():
     logp, ref, mask, reward, q0 = padded_batch(batch=2, width=5)
     kw = dict(beta=BETA, objective="terminal", loss="squared")
     with pytest.raises(ValueError, match=r"^spo_loss: logp shape \(2, 5\) != mask shape \(2, 4\)$"):
-        spo_loss(logp, ref[:, :4], mask[:, :4], reward, q0, **kw)
+        spo_loss(SPOInputs(logp, ref[:, :4], mask[:, :4], reward, q0), **kw)
     with pytest.raises(ValueError, match=r"^spo_loss: reward has 2 NaN values$"):
-        spo_loss(logp, ref, mask, torch.full((2,), float("nan"), dtype=D), q0, **kw)
+        spo_loss(SPOInputs(logp, ref, mask, torch.full((2,), float("nan"), dtype=D), q0), **kw)
     with pytest.raises(ValueError, match=r"^spo_loss: q0 shape \(3,\) != \(2,\)"):
-        spo_loss(logp, ref, mask, reward, torch.zeros(3, dtype=D), **kw)
+        spo_loss(SPOInputs(logp, ref, mask, reward, torch.zeros(3, dtype=D)), **kw)
     bad = logp.clone()
     bad[mask] = float("-inf")
     with pytest.raises(ValueError, match=r"^spo_loss: logp has \d+ inf values at response positions$"):
-        spo_loss(bad, ref, mask, reward, q0, **kw)
+        spo_loss(SPOInputs(bad, ref, mask, reward, q0), **kw)
     empty = mask.clone()
     empty[1] = False
     with pytest.raises(
         ValueError, match=r"^spo_loss: mask has 1 empty response\(s\) \(rows 1 have no tokens\)$"
     ):
-        spo_loss(logp, ref, empty, reward, q0, **kw)
+        spo_loss(SPOInputs(logp, ref, empty, reward, q0), **kw)
     with pytest.raises(ValueError, match=r"^agro_loss: reward has 1 inf values$"):
         agro_loss(
             logp,
@@ -320,7 +311,7 @@ def test_validation_messages_name_argument_and_problem():
             on_policy=False,
         )
     with pytest.raises(ValueError, match=r"^spo_loss: beta must be a finite number > 0, got -1"):
-        spo_loss(logp, ref, mask, reward, q0, beta=-1, objective="terminal", loss="squared")
+        spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=-1, objective="terminal", loss="squared")
 
 
 def test_non_finite_padding_is_never_read():
@@ -332,7 +323,7 @@ def test_non_finite_padding_is_never_read():
             first = mask.to(torch.int64).argmax(1, keepdim=True)
             extra = dict(mc_positions=first, mc_success=torch.full(first.shape, 0.5, dtype=D))
         loss, metrics = spo_loss(
-            logp, ref, mask, reward, q0, beta=BETA, objective=objective, loss=loss_name, **extra
+            SPOInputs(logp, ref, mask, reward, q0, **extra), beta=BETA, objective=objective, loss=loss_name
         )
         (grad,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), (objective, loss_name)
@@ -549,9 +540,9 @@ def test_half_precision_log_probs_are_summed_in_float32():
     logp_bf16 = logp.to(torch.bfloat16).requires_grad_(True)
     ref_bf16 = ref.to(torch.bfloat16)
     kw = dict(beta=BETA, objective="reverse_q", loss="squared")
-    loss, _ = spo_loss(logp_bf16, ref_bf16, mask, reward.float(), q0.float(), **kw)
+    loss, _ = spo_loss(SPOInputs(logp_bf16, ref_bf16, mask, reward.float(), q0.float()), **kw)
     reference, _ = spo_loss(
-        logp_bf16.detach().float(), ref_bf16.float(), mask, reward.float(), q0.float(), **kw
+        SPOInputs(logp_bf16.detach().float(), ref_bf16.float(), mask, reward.float(), q0.float()), **kw
     )
     assert loss.dtype == torch.float32 and loss.item() == reference.item()
     loss.backward()

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import partial
 
 import pytest
 import torch
 
-from megatron_spo.algorithms import recurrent_drift, spo_loss, tabular
+from megatron_spo.algorithms import SPOInputs, recurrent_drift, spo_loss, tabular
 from megatron_spo.algorithms.groups import centred_on_others
 from megatron_spo.algorithms.spo_diagnostics import spo_diagnostics
+from megatron_spo.algorithms.spo_transforms import (
+    centre_groups,
+    coefficient_baseline,
+    policy_gradient,
+    trust_region,
+)
 from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.training.stability import DivergenceGuard, TrainingDiverged, lr_at
 
@@ -35,8 +42,8 @@ def _case(seed=0, b=6, t=5):
 
 def test_centred_coefficient_gradient_is_the_leave_one_out_control_variate():
     logp, ref, mask, reward, q0, group = _case()
-    loss, metrics = spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="terminal", loss="squared",
-                             centre_groups=group)
+    loss, metrics = spo_loss(SPOInputs(logp, ref, mask, reward, q0, group=group), beta=BETA, objective="terminal",
+                             loss="squared", transforms=[centre_groups])
     loss.backward()
     with torch.no_grad():
         q_t = q0 + BETA * torch.where(mask, logp - ref, 0.0).sum(1)
@@ -58,16 +65,17 @@ def test_a_sequence_alone_in_its_group_is_centred_on_all_others():
 def test_centring_is_refused_for_objectives_that_are_not_a_function_of_q_terminal():
     logp, ref, mask, reward, q0, group = _case()
     with pytest.raises(ValueError, match="centre_groups needs objective terminal or advantage, not 'reverse_q'"):
-        spo_loss(logp, ref, mask, reward, q0, beta=BETA, objective="reverse_q", loss="squared", centre_groups=group)
+        spo_loss(SPOInputs(logp, ref, mask, reward, q0, group=group), beta=BETA, objective="reverse_q",
+                 loss="squared", transforms=[centre_groups])
 
 
 def _gradient_at(task, logits, seqs, q0, centre):
     gen = torch.Generator().manual_seed(0)
     batch = tabular.make_batch(task, seqs, group_size=8, generator=gen)
     logits = logits.clone().requires_grad_(True)
-    loss, _ = spo_loss(batch.token_logp(logits), batch.token_logp(task.ref_logits), batch.mask, batch.reward,
-                       torch.full_like(batch.q0, q0), beta=task.beta, objective="terminal", loss="squared",
-                       centre_groups=batch.group if centre else None)
+    loss, _ = spo_loss(SPOInputs(batch.token_logp(logits), batch.token_logp(task.ref_logits), batch.mask,
+                                 batch.reward, torch.full_like(batch.q0, q0), group=batch.group),
+                       beta=task.beta, objective="terminal", loss="squared", transforms=[centre_groups] if centre else [])
     loss.backward()
     return logits.grad
 
@@ -222,25 +230,27 @@ def test_after_a_refresh_online_groups_take_q0_from_their_own_rewards_and_only_q
 
 
 def test_a_given_coefficient_baseline_is_the_same_centring_and_terminal_coefficients_are_dl_dq():
-    """spo_loss(coefficient_baseline=b) with b the leave-one-out mean of terminal_coefficients is exactly
-    spo_loss(centre_groups=...) (the trainer takes b over a whole step); squared: c = 2 (Q_T - r)."""
+    """The coefficient_baseline transform with b the leave-one-out mean of terminal_coefficients is exactly
+    centre_groups (the trainer takes b over a whole step); squared: c = 2 (Q_T - r)."""
     from megatron_spo.algorithms.groups import centred_on_others
     from megatron_spo.algorithms.spo import cumulative_q, terminal_coefficients
 
     logp, ref, mask, reward, q0, group = _case(3)
     kw = dict(beta=BETA, objective="terminal", loss="squared")
-    c = terminal_coefficients(logp.detach(), ref, mask, reward, q0, **kw)
+    c = terminal_coefficients(SPOInputs(logp.detach(), ref, mask, reward, q0), **kw)
     q_t = cumulative_q(logp.detach(), ref, mask, q0, BETA)[:, -1]
     torch.testing.assert_close(c, 2 * (q_t - reward), rtol=0, atol=1e-12)
-    spo_loss(logp, ref, mask, reward, q0, centre_groups=group, **kw)[0].backward()
+    spo_loss(SPOInputs(logp, ref, mask, reward, q0, group=group), transforms=[centre_groups], **kw)[0].backward()
     want = logp.grad.clone()
     logp.grad = None
-    spo_loss(logp, ref, mask, reward, q0, coefficient_baseline=c - centred_on_others(c, group), **kw)[0].backward()
+    spo_loss(SPOInputs(logp, ref, mask, reward, q0, coefficient_baseline=c - centred_on_others(c, group)),
+             transforms=[coefficient_baseline], **kw)[0].backward()
     torch.testing.assert_close(logp.grad, want, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="centre_groups or coefficient_baseline, not both"):
-        spo_loss(logp, ref, mask, reward, q0, centre_groups=group, coefficient_baseline=c, **kw)
+        spo_loss(SPOInputs(logp, ref, mask, reward, q0, group=group, coefficient_baseline=c),
+                 transforms=[centre_groups, coefficient_baseline], **kw)
     with pytest.raises(ValueError, match="objective 'mc' is not a function of Q_T alone"):
-        terminal_coefficients(logp, ref, mask, reward, q0, beta=BETA, objective="mc", loss="squared")
+        terminal_coefficients(SPOInputs(logp, ref, mask, reward, q0), beta=BETA, objective="mc", loss="squared")
 
 
 def test_trust_region_drops_the_gradient_of_tokens_already_moved_past_it_in_the_pushed_direction():
@@ -249,11 +259,12 @@ def test_trust_region_drops_the_gradient_of_tokens_already_moved_past_it_in_the_
     behaviour[1, 0] += 0.5  # log(pi / mu) = -0.5 on this token
     behaviour[4, 2] -= 0.5  # +0.5 here
     kw = dict(beta=BETA, objective="terminal", loss="squared")
-    loss, m = spo_loss(logp, ref, mask, reward, q0, trust_region=0.2, behaviour_logp=behaviour, **kw)
+    loss, m = spo_loss(SPOInputs(logp, ref, mask, reward, q0, behaviour_logp=behaviour),
+                       transforms=[partial(trust_region, limit=0.2)], **kw)
     loss.backward()
     clipped = logp.grad.clone()
     logp.grad = None
-    spo_loss(logp, ref, mask, reward, q0, **kw)[0].backward()
+    spo_loss(SPOInputs(logp, ref, mask, reward, q0), **kw)[0].backward()
     plain = logp.grad
     with torch.no_grad():
         c = 2 * (q0 + BETA * torch.where(mask, logp - ref, 0.0).sum(1) - reward)
@@ -265,7 +276,7 @@ def test_trust_region_drops_the_gradient_of_tokens_already_moved_past_it_in_the_
     torch.testing.assert_close(clipped, torch.where(frozen, 0.0, plain), rtol=0, atol=1e-12)
     assert m["trust_region_clipped"] == pytest.approx(float(frozen.sum() / mask.sum()))
     with pytest.raises(ValueError, match="trust_region needs a value > 0 and behaviour_logp"):
-        spo_loss(logp, ref, mask, reward, q0, trust_region=0.2, **kw)
+        spo_loss(SPOInputs(logp, ref, mask, reward, q0), transforms=[partial(trust_region, limit=0.2)], **kw)
 
 
 def test_centring_and_the_trust_region_are_on_for_online_sources_and_the_config_names_the_field_it_refuses():
@@ -340,11 +351,12 @@ def test_the_quickstart_trains_its_online_source_centred_inside_a_trust_region_o
 
 def test_policy_gradient_term_adds_the_leave_one_out_reinforce_gradient():
     logp, ref, mask, reward, q0, group = _case()
-    kw = dict(beta=BETA, objective="terminal", loss="squared", centre_groups=group)
-    spo_loss(logp, ref, mask, reward, q0, pg_coef=0.5, **kw)[0].backward()
+    kw = dict(beta=BETA, objective="terminal", loss="squared")
+    inputs = SPOInputs(logp, ref, mask, reward, q0, group=group)
+    spo_loss(inputs, transforms=[centre_groups, partial(policy_gradient, coef=0.5)], **kw)[0].backward()
     with_pg = logp.grad.clone()
     logp.grad = None
-    spo_loss(logp, ref, mask, reward, q0, **kw)[0].backward()
+    spo_loss(inputs, transforms=[centre_groups], **kw)[0].backward()
     others = torch.stack([reward[(group == group[i]) & (torch.arange(6) != i)].mean() for i in range(6)])
     expected = -0.5 * ((reward - others) / 6).unsqueeze(1) * mask
     torch.testing.assert_close(with_pg - logp.grad, expected, rtol=0, atol=1e-12)

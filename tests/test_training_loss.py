@@ -58,8 +58,8 @@ def test_per_source_loss_is_the_sequence_weighted_mean_of_spo_loss():
         sub = collate([t for t in trajs if t.source == src], pad_id=0, length=b.input_ids.shape[1])
         rows = [i for i, t in enumerate(trajs) if t.source == src]
         kw = dict(mc_positions=sub.mc_positions, mc_success=sub.mc_success) if obj == "mc" else {}
-        part, _ = algorithms.spo_loss(logp[rows], ref[rows], sub.loss_mask, sub.reward, sub.q0, beta=0.5,
-                                      objective=obj, loss=ls, **kw)
+        part, _ = algorithms.spo_loss(algorithms.SPOInputs(logp[rows], ref[rows], sub.loss_mask, sub.reward, sub.q0,
+                                                           **kw), beta=0.5, objective=obj, loss=ls)
         want = want + part * len(rows) / len(trajs)
     assert loss.item() == pytest.approx(want.item(), rel=1e-12)
     assert set(metrics) >= {"loss", "loss/online", "loss/offline", "loss/mc", "terminal_q_abs_error"}
@@ -90,6 +90,7 @@ def test_centred_baselines_over_the_step_give_the_whole_batchs_gradient_when_mic
     every micro-batch, as SPO.update takes them) give exactly the gradient and residual_group_var of the whole
     batch with its groups intact, for the squared and the cross-entropy loss. Within each micro-batch alone the
     groups would be centred on what the cut left there, a different gradient."""
+    from megatron_spo.algorithms.spo_transforms import centre_groups
     from megatron_spo.data.batching import group_numbers
     from megatron_spo.training.algos.spo import step_coefficient_baselines
 
@@ -103,7 +104,7 @@ def test_centred_baselines_over_the_step_give_the_whole_batchs_gradient_when_mic
         obj = {"online": ("terminal", loss_name), "offline": ("reverse_q", "squared")}
         logp_full, ref_full = _logps(full, 4)
         loss, want = spo_batch_loss(full, logp_full, ref_full, beta=0.4, objectives=obj,
-                                    centred=frozenset({"online"}))
+                                    transforms={"online": (centre_groups,)})
         loss.backward()
         parts = [[0, 1, 4], [2, 3, 5, 6], [7]]  # group p0 split 2 + 1 online rows, p1 1 + 2
         mbs = [collate([trajs[i] for i in rows], pad_id=0, length=full.input_ids.shape[1],
@@ -116,7 +117,7 @@ def test_centred_baselines_over_the_step_give_the_whole_batchs_gradient_when_mic
             for given, into in ((baseline, grads), (None, local)):
                 lp = logp_full.detach()[rows].clone().requires_grad_()
                 l_mb, _ = spo_batch_loss(mb, lp, ref_full[rows], beta=0.4, objectives=obj,
-                                         centred=frozenset({"online"}), coefficient_baseline=given)
+                                         transforms={"online": (centre_groups,)}, coefficient_baseline=given)
                 (l_mb * microbatch_scale(len(rows), len(parts), 1, len(trajs)) / len(parts)).backward()
                 into[rows] += lp.grad
         torch.testing.assert_close(grads, logp_full.grad, rtol=1e-10, atol=1e-13)

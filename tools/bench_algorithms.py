@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from megatron_spo.algorithms import agro_loss, check_token_inputs, gae, spo_loss
+from megatron_spo.algorithms import SPOInputs, agro_loss, check_token_inputs, gae, spo_loss
 
 
 def gae_loop(rewards, values, mask, gamma, lam):
@@ -66,7 +66,7 @@ def main() -> None:
 
     def spo(objective, loss):
         def run():
-            value, _ = spo_loss(logp, ref, mask, reward, q0, beta=0.5, objective=objective, loss=loss)
+            value, _ = spo_loss(SPOInputs(logp, ref, mask, reward, q0), beta=0.5, objective=objective, loss=loss)
             value.backward()
 
         return run

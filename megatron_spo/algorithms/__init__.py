@@ -16,6 +16,8 @@ from megatron_spo.algorithms.ppo import (
 from megatron_spo.algorithms.spo import (
     LOSSES,
     OBJECTIVES,
+    SPOInputs,
+    SPOTerms,
     cross_entropy_log_space,
     cumulative_q,
     q0_from_rewards,
@@ -27,11 +29,15 @@ from megatron_spo.algorithms.spo import (
     supported_combinations,
     token_advantages,
 )
+from megatron_spo.algorithms.spo_transforms import TRANSFORMS
 from megatron_spo.algorithms.validation import check_token_inputs
 
 __all__ = [
     "LOSSES",
     "OBJECTIVES",
+    "SPOInputs",
+    "SPOTerms",
+    "TRANSFORMS",
     "agro_loss",
     "check_token_inputs",
     "cross_entropy_log_space",

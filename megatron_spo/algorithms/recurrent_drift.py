@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from megatron_spo.algorithms.spo import q0_from_rewards, spo_loss
+from megatron_spo.algorithms.spo import SPOInputs, q0_from_rewards, spo_loss
+from megatron_spo.algorithms.spo_transforms import coefficient_transforms
 
 
 class RecurrentPolicy(torch.nn.Module):
@@ -207,10 +208,10 @@ def train_from_stale_sampler(
         with torch.no_grad():
             behaviour = sampler.token_logp(prompts, tokens, temperature)
             ref = reference.token_logp(prompts, tokens)
-        value, metrics = spo_loss(policy.token_logp(prompts, tokens), ref, mask, reward, q0[prompts],
-                                  beta=task.beta, objective="terminal", loss=loss,
-                                  centre_groups=prompts if centre else None, trust_region=trust_region,
-                                  behaviour_logp=behaviour if trust_region else None)
+        inputs = SPOInputs(policy.token_logp(prompts, tokens), ref, mask, reward, q0[prompts],
+                           group=prompts if centre else None, behaviour_logp=behaviour if trust_region else None)
+        value, metrics = spo_loss(inputs, beta=task.beta, objective="terminal", loss=loss,
+                                  transforms=coefficient_transforms(centre, trust_region))
         window.append(metrics["mean_q_terminal"] - float(reward.mean()))
         optimizer.zero_grad(set_to_none=True)
         value.backward()

@@ -1,24 +1,32 @@
-"""Soft Policy Optimization: cumulative Q-parameterisation, Q0 estimates, losses and objectives.
+"""Soft Policy Optimization: cumulative Q-parameterisation, Q0 estimates, losses, objectives and their composition.
 
 Notation (MATH.md section 2): A_t = beta * (log pi_theta - log pi_0)(a_t), Q_t = Q0 + sum_{t' <= t} A_t'.
 Shapes: logp, ref_logp, mask are [B, T] (mask != 0 marks response tokens); reward, q0 are [B].
 Q values are in reward units; the cross-entropy and sigmoid losses work on log-probabilities Q / beta.
+
+    loss, metrics = spo_loss(SPOInputs(logp, ref_logp, mask, reward, q0, group=group), beta=beta,
+                             objective="terminal", loss="squared", transforms=[centre_groups])
+
+reads as the math: an objective gives (prediction, target) pairs (OBJECTIVE_PAIRS), a loss L(prediction, target)
+(REGRESSION_LOSSES) each sequence's L_i and, for an objective of Q_T alone, its coefficient c_i = dL_i / dQ_T,i;
+coefficient transforms (spo_transforms.py) change c_i, the tokens it reaches, or add to L_i.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_spo.algorithms.groups import centred_on_others
 from megatron_spo.algorithms.validation import check_token_inputs, upcast
 
-OBJECTIVES = ("terminal", "reverse_q", "advantage", "mc")
+# (OBJECTIVES: the names of OBJECTIVE_PAIRS, below.)
 # Objectives whose per-sequence loss is a function of Q_T alone: their gradient is coefficient * grad Q_T, the
 # coefficient a group-centred control variate can replace (MATH.md section 7).
 CENTRABLE_OBJECTIVES = ("terminal", "advantage")
@@ -158,72 +166,170 @@ def regression_loss(pred_q: Tensor, target_q: Tensor, loss: str | Callable, beta
 
 
 # ---------------------------------------------------------------------------------------------
-# The SPO loss
+# Inputs, and the objectives: what each regresses, as (prediction, target) pairs in Q units
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SPOInputs:
+    """One batch of sequences. Per token [B, T]: logp, ref_logp (log pi, log pi_0 of the sampled tokens), mask
+    (!= 0 on response tokens), behaviour_logp (log mu of the sampler, rows of zeros = none; the trust region's).
+    Per sequence [B]: reward, q0, group (prompt-group ids: centring's and the policy-gradient term's groups; None:
+    one group), coefficient_baseline (the baselines coefficient_baseline subtracts), weights (default uniform).
+    Objective 'mc': mc_positions [B, K] (token index into T, -1 = no target) with mc_success [B, K] (success
+    probabilities, rewards in {0, -1}) or mc_q [B, K] (Q targets in reward units)."""
+
+    logp: Tensor
+    ref_logp: Tensor
+    mask: Tensor
+    reward: Tensor
+    q0: Tensor
+    group: Tensor | None = None
+    coefficient_baseline: Tensor | None = None
+    behaviour_logp: Tensor | None = None
+    mc_positions: Tensor | None = None
+    mc_success: Tensor | None = None
+    mc_q: Tensor | None = None
+    weights: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """What an objective regresses: L(prediction, target) elementwise, prediction [B] or [B, K] (with gradient),
+    target (none); valid [B, K]: the pairs that count (None: one per sequence); of_q_terminal: the prediction as a
+    function of Q_T [B] -> [B] when it depends on nothing else (its coefficient dL/dQ_T can be transformed)."""
+
+    prediction: Tensor
+    target: Tensor
+    valid: Tensor | None = None
+    of_q_terminal: Callable[[Tensor], Tensor] | None = None
+
+
+def _terminal(q: Tensor, inputs: SPOInputs, beta: float, where: str) -> Pairs:
+    return Pairs(q[:, -1], inputs.reward, of_q_terminal=lambda q_t: q_t)
+
+
+def _reverse_q(q: Tensor, inputs: SPOInputs, beta: float, where: str) -> Pairs:
+    i = inputs
+    return Pairs(q, reverse_q_targets(i.logp, i.ref_logp, i.mask, i.reward, beta), valid=i.mask)
+
+
+def _advantage(q: Tensor, inputs: SPOInputs, beta: float, where: str) -> Pairs:
+    q0 = inputs.q0
+    return Pairs(q[:, -1] - q0, inputs.reward - q0, of_q_terminal=lambda q_t: q_t - q0)
+
+
+def _mc(q: Tensor, inputs: SPOInputs, beta: float, where: str) -> Pairs:
+    i = inputs
+    index, targets, annotated = _mc_targets(where, i.mask, i.mc_positions, i.mc_success, i.mc_q, beta)
+    return Pairs(q.gather(1, index), targets.to(q.dtype), valid=annotated)
+
+
+# THE objectives (SPO paper 3.1.2-3.1.3): name -> (Q [B, T], inputs, beta, where) -> Pairs
+OBJECTIVE_PAIRS: dict[str, Callable[[Tensor, SPOInputs, float, str], Pairs]] = {
+    "terminal": _terminal,  # L(Q_T, r)
+    "reverse_q": _reverse_q,  # sum_t L(Q_t, R_t) over response tokens, R_t = detach(r - sum_{t' > t} A_t')
+    "advantage": _advantage,  # L(sum_t A_t, r - Q0)
+    "mc": _mc,  # sum_k L(Q_{t_k}, Q target_k) at the annotated positions
+}
+OBJECTIVES = tuple(OBJECTIVE_PAIRS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The SPO loss: targets, residual, coefficient, loss
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SPOTerms:
+    """One batch's SPO loss in parts, what a coefficient transform (algorithms/spo_transforms.py) reads and
+    changes. inputs: validated, log-probs upcast, reward and q0 in their dtype, mask bool; q: Q_t [B, T];
+    per_sequence: L_i [B] with its own gradient; coefficient: c_i = dL_i / dQ_T,i [B] (detached; None unless the
+    objective is a function of Q_T alone); frozen: [B, T] tokens the coefficient does not reach; scale: a factor
+    of each L_i; added: a term added to each L_i (own gradient); metrics: floats reported with the loss.
+    Change them with replace(): a coefficient or frozen tokens set there make each sequence's gradient
+    c_i * grad Q_T,i over the tokens not frozen (its loss value stays L_i)."""
+
+    inputs: SPOInputs
+    beta: float
+    objective: str
+    q: Tensor
+    per_sequence: Tensor
+    coefficient: Tensor | None
+    frozen: Tensor | None = None
+    scale: Tensor | None = None
+    added: Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    surrogate: bool = False  # set by replace(coefficient=..., frozen=...)
+    centred_by: str | None = None  # the centring transform that ran (one at most)
+    where: str = "spo_loss"
+
+    def replace(self, **changes) -> SPOTerms:
+        if "coefficient" in changes or "frozen" in changes:
+            self.need_coefficient("a transform changing the coefficient or freezing tokens")
+            changes["surrogate"] = True
+        return dataclasses.replace(self, **changes)
+
+    def need_coefficient(self, name: str) -> Tensor:
+        """The coefficient, or a ValueError naming transform `name` when the objective has none."""
+        if self.coefficient is None:
+            raise ValueError(f"{self.where}: {name} needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, not "
+                             f"'{self.objective}' (its loss is not a function of Q_T alone)")
+        return self.coefficient
+
+    def need_input(self, name: str, input_name: str) -> Tensor:
+        """inputs.<input_name>, or a ValueError naming transform `name` when it is not given."""
+        value = getattr(self.inputs, input_name)
+        if value is None:
+            raise ValueError(f"{self.where}: {name} needs inputs.{input_name}")
+        return value
+
+    def scaled(self, factor: Tensor) -> SPOTerms:
+        return self.replace(scale=factor if self.scale is None else self.scale * factor)
+
+    def plus(self, term: Tensor) -> SPOTerms:
+        return self.replace(added=term if self.added is None else self.added + term)
+
+
+Transform = Callable[[SPOTerms], SPOTerms]
+
+
 def _weighted_mean(per_sequence: Tensor, weights: Tensor | None) -> Tensor:
     if weights is None:
         return per_sequence.mean()
     return (per_sequence * weights).sum() / weights.sum()
 
 
-def spo_loss(
-    logp: Tensor,
-    ref_logp: Tensor,
-    mask: Tensor,
-    reward: Tensor,
-    q0: Tensor,
-    *,
-    beta: float,
-    objective: str,
-    loss: str | Callable,
-    mc_positions: Tensor | None = None,
-    mc_success: Tensor | None = None,
-    mc_q: Tensor | None = None,
-    weights: Tensor | None = None,
-    per_token_mean: bool = False,
-    centre_groups: Tensor | None = None,
-    coefficient_baseline: Tensor | None = None,
-    token_normalised: bool = False,
-    trust_region: float | None = None,
-    behaviour_logp: Tensor | None = None,
-    pg_coef: float = 0.0,
-    eps: float = 1e-6,
-) -> tuple[Tensor, dict[str, float]]:
-    """SPO loss, mean over sequences, and metrics (floats).
+def spo_loss(inputs: SPOInputs, *, beta: float, objective: str, loss: str | Callable,
+             transforms: Sequence[Transform] = (), eps: float = 1e-6) -> tuple[Tensor, dict[str, float]]:
+    """SPO loss, mean over sequences (weighted by inputs.weights), and metrics (floats).
 
-    logp, ref_logp, mask: [B, T]; reward, q0: [B].
-    objective:
-      terminal   L(Q_T, r)
-      reverse_q  sum_t L(Q_t, R_t) over response tokens, R_t = detach(r - sum_{t' > t} A_t')
-      advantage  L(sum_t A_t, r - q0)
-      mc         sum_k L(Q_{t_k}, Q target_k) at annotated positions: mc_positions [B, K] (token index into
-                 T, -1 = padding) with either mc_success [B, K] (success probabilities, rewards in {0, -1})
-                 or mc_q [B, K] (Q targets in reward units).
-    loss: a REGRESSION_LOSSES name (squared | cross_entropy | sigmoid_bce) or a callable L(pred_q, target_q, beta, eps).
-    weights: optional [B] sequence weights (e.g. exact probabilities); default uniform.
-    per_token_mean: for reverse_q / mc, average instead of sum the per-position terms of a sequence.
-    centre_groups: optional [B] prompt-group ids (terminal / advantage only; a sequence alone in its group is
-      centred on all the others: algorithms/groups.py centred_on_others). The
-      gradient of a sequence's loss is c_i * grad Q_T with c_i = dL/dQ_T (2 (Q_T - r) for squared); centring
-      replaces c_i by c_i - mean_{j in group, j != i} c_j (computed without gradient). On samples of a stale or
-      tempered sampler mu the group mean of c drives KL(mu || pi) up (MATH.md section 7); centring removes that
-      push, keeps pi* a fixed point (there c is equal within a group) and, on-policy, the expected gradient.
-      The reported loss stays the uncentred regression loss.
-    coefficient_baseline: optional [B], the same centring with the baseline given: c_i is replaced by
-      c_i - coefficient_baseline_i (the trainer computes it over the whole step with terminal_coefficients, so
-      micro-batches may cut a prompt group). Not with centre_groups.
-    trust_region: with behaviour_logp [B, T] (log mu of the sampled tokens; rows of zeros = none), a PPO-style
-      clip against the sampler (terminal / advantage only): a token's gradient is dropped once log(pi / mu) has
-      moved past +-trust_region in the direction its sequence's coefficient pushes it, so one batch cannot carry
-      the policy far from the distribution that sampled it. The loss value is unchanged.
-    pg_coef: adds pg_coef * mean_i -stopgrad(r_i - b_i) log pi(y_i), a policy-gradient term with the leave-one-out
-      reward baseline b_i of its group (centre_groups; else the whole batch), the paper's suggestion. It MOVES the
-      fixed point from pi* towards higher reward (the PG term's gradient at pi* is not zero).
-    token_normalised: weigh each sequence's loss by (mean response length / its length), so a long response
-      no longer gets a larger gradient than a short one (every token's push is the same size); the batch's
-      scale is unchanged and pi* (every residual 0) stays the optimum.
+    objective: an OBJECTIVE_PAIRS name; loss: a REGRESSION_LOSSES name (squared | cross_entropy | sigmoid_bce) or a
+    callable L(pred_q, target_q, beta, eps). Each sequence's loss L_i sums L over its (prediction, target) pairs;
+    transforms (spo_transforms.py: centre_groups, coefficient_baseline, trust_region, token_normalise,
+    policy_gradient, or a user's own function SPOTerms -> SPOTerms) change its coefficient or add to it, in order.
+    The loss of sequence i is then (L_i, or the surrogate with gradient c_i * grad Q_T,i) * scale_i + added_i.
     """
     where = "spo_loss"
+    _check_choice(where, objective, loss)
+    _check_beta(where, beta)
+    i = inputs
+    valid = check_token_inputs(where, i.mask,
+                               {"logp": i.logp, "ref_logp": i.ref_logp, "behaviour_logp": i.behaviour_logp},
+                               {"reward": i.reward, "q0": i.q0, "weights": i.weights})
+    if objective != "mc" and any(x is not None for x in (i.mc_positions, i.mc_success, i.mc_q)):
+        raise ValueError(f"{where}: mc_positions / mc_success / mc_q are only used by objective 'mc'")
+    i = _prepared(i, valid)
+    q = cumulative_q(i.logp, i.ref_logp, i.mask, i.q0, beta)
+    pairs = OBJECTIVE_PAIRS[objective](q, i, beta, where)
+    per_pair = regression_loss(pairs.prediction, pairs.target, loss, beta, eps)
+    per_sequence = per_pair if pairs.valid is None else torch.where(
+        pairs.valid, per_pair, torch.zeros_like(per_pair)).sum(1)
+    coefficient = None if pairs.of_q_terminal is None else _coefficient(pairs, q[:, -1], loss, beta, eps)
+    terms = SPOTerms(i, beta, objective, q, per_sequence, coefficient)
+    for transform in transforms:
+        terms = transform(terms)
+    total = _weighted_mean(_assembled(terms), i.weights)
+    return total, _metrics(terms, total)
+
+
+def _check_choice(where: str, objective: str, loss: str | Callable) -> None:
     if objective not in OBJECTIVES:
         raise ValueError(f"{where}: unknown objective '{objective}' (choose from {', '.join(OBJECTIVES)})")
     if not callable(loss) and loss not in REGRESSION_LOSSES:
@@ -233,130 +339,71 @@ def spo_loss(
             f"{where}: objective '{objective}' with loss '{loss}' is not supported "
             f"({UNSUPPORTED[(objective, loss)]})"
         )
-    _check_beta(where, beta)
-    valid = check_token_inputs(
-        where, mask, {"logp": logp, "ref_logp": ref_logp, "behaviour_logp": behaviour_logp},
-        {"reward": reward, "q0": q0, "weights": weights}
-    )
-    logp, ref_logp = upcast(logp), upcast(ref_logp)
-    if objective == "mc":
-        mc_index, mc_targets, mc_valid = _mc_targets(where, mask, mc_positions, mc_success, mc_q, beta)
-    elif any(x is not None for x in (mc_positions, mc_success, mc_q)):
-        raise ValueError(f"{where}: mc_positions / mc_success / mc_q are only used by objective 'mc'")
 
-    reward = reward.to(logp.dtype)
-    q0 = q0.to(logp.dtype)
-    fvalid = valid.to(logp.dtype)
-    q = cumulative_q(logp, ref_logp, valid, q0, beta)
-    q_terminal = q[:, -1]
-    seq_log_ratio = q_terminal.detach() - q0  # = beta * sum_t log(pi / pi_0); divided by beta below
 
-    if centre_groups is not None and coefficient_baseline is not None:
-        raise ValueError(f"{where}: give centre_groups or coefficient_baseline, not both")
-    centred = centre_groups is not None or coefficient_baseline is not None
-    for name, given in (("centre_groups", centre_groups is not None),
-                        ("coefficient_baseline", coefficient_baseline is not None),
-                        ("trust_region", trust_region is not None)):
-        if given and objective not in CENTRABLE_OBJECTIVES:
-            raise ValueError(f"{where}: {name} needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, "
-                             f"not '{objective}' (its loss is not a function of Q_T alone)")
-    if trust_region is not None and (behaviour_logp is None or not trust_region > 0):
-        raise ValueError(f"{where}: trust_region needs a value > 0 and behaviour_logp (got {trust_region!r})")
-    if objective in CENTRABLE_OBJECTIVES:
-        of_q_terminal = _terminal_loss(objective, loss, reward, q0, beta, eps)
-        per_sequence = of_q_terminal(q_terminal)
-        coefficient = loss_coefficients(of_q_terminal, q_terminal)
-        if centre_groups is not None:
-            coefficient = centred_on_others(coefficient, centre_groups.to(q_terminal.device))
-        elif coefficient_baseline is not None:
-            if coefficient_baseline.shape != coefficient.shape:
-                raise ValueError(f"{where}: coefficient_baseline has shape {tuple(coefficient_baseline.shape)}, "
-                                 f"expected {tuple(coefficient.shape)}")
-            coefficient = coefficient - coefficient_baseline.to(coefficient).detach()
-        pushed_q = q_terminal
-        if trust_region is not None:
-            frozen = _outside_trust_region(logp, behaviour_logp, valid, coefficient, trust_region)
-            clipped_share = float(frozen.sum() / fvalid.sum())
-            pushed_q = cumulative_q(torch.where(frozen, logp.detach(), logp), ref_logp, valid, q0, beta)[:, -1]
-        if centred or trust_region is not None:
-            surrogate = coefficient * pushed_q  # gradient: coefficient * grad Q_T (frozen tokens: none); same value
-            per_sequence = per_sequence.detach() + (surrogate - surrogate.detach())
-    elif objective == "reverse_q":
-        targets = reverse_q_targets(logp, ref_logp, valid, reward, beta)
-        per_token = regression_loss(q, targets, loss, beta, eps)
-        per_sequence = torch.where(valid, per_token, torch.zeros_like(per_token)).sum(1)
-        if per_token_mean:
-            per_sequence = per_sequence / fvalid.sum(1)
-    else:
-        q_at = q.gather(1, mc_index)
-        per_target = regression_loss(q_at, mc_targets.to(q.dtype), loss, beta, eps)
-        per_target = torch.where(mc_valid, per_target, torch.zeros_like(per_target))
-        per_sequence = per_target.sum(1)
-        if per_token_mean:
-            per_sequence = per_sequence / mc_valid.sum(1).clamp(min=1).to(per_sequence.dtype)
+def _prepared(inputs: SPOInputs, valid: Tensor) -> SPOInputs:
+    """Log-probs upcast (bf16 -> float32), reward and q0 in their dtype, the mask bool."""
+    logp = upcast(inputs.logp)
+    return dataclasses.replace(inputs, logp=logp, ref_logp=upcast(inputs.ref_logp), mask=valid,
+                               reward=inputs.reward.to(logp.dtype), q0=inputs.q0.to(logp.dtype))
 
-    if token_normalised:
-        lengths = fvalid.sum(1)
-        per_sequence = per_sequence * (lengths.mean() / lengths)
-    if pg_coef:
-        groups = centre_groups if centre_groups is not None else torch.zeros_like(reward, dtype=torch.long)
-        advantage = centred_on_others(reward, groups.to(reward.device)).detach()
-        seq_logp = torch.where(valid, logp, torch.zeros((), dtype=logp.dtype, device=logp.device)).sum(1)
-        per_sequence = per_sequence - pg_coef * advantage * seq_logp
-    total = _weighted_mean(per_sequence, weights)
+
+def _coefficient(pairs: Pairs, q_terminal: Tensor, loss: str | Callable, beta: float, eps: float) -> Tensor:
+    """c_i = dL_i / dQ_T,i [B] of an objective of Q_T alone, detached."""
+    return loss_coefficients(lambda q_t: regression_loss(pairs.of_q_terminal(q_t), pairs.target, loss, beta, eps),
+                             q_terminal)
+
+
+def _assembled(terms: SPOTerms) -> Tensor:
+    """Each sequence's loss [B]: L_i (or, with a changed coefficient, the value L_i with gradient c_i * grad Q_T,i
+    over the tokens not frozen), times scale, plus added."""
+    per_sequence = terms.per_sequence
+    if terms.surrogate:
+        i, coefficient = terms.inputs, terms.coefficient
+        pushed_q = terms.q[:, -1]
+        if terms.frozen is not None:
+            pushed_q = cumulative_q(torch.where(terms.frozen, i.logp.detach(), i.logp), i.ref_logp, i.mask, i.q0,
+                                    terms.beta)[:, -1]
+        surrogate = coefficient * pushed_q  # gradient: coefficient * grad Q_T (frozen tokens: none); same value
+        per_sequence = per_sequence.detach() + (surrogate - surrogate.detach())
+    if terms.scale is not None:
+        per_sequence = per_sequence * terms.scale
+    if terms.added is not None:
+        per_sequence = per_sequence + terms.added
+    return per_sequence
+
+
+def _metrics(terms: SPOTerms, total: Tensor) -> dict[str, float]:
+    i, beta = terms.inputs, terms.beta
+    q_terminal = terms.q[:, -1].detach()
     with torch.no_grad():
-        n_tokens = fvalid.sum()
+        n_tokens = i.mask.to(i.logp.dtype).sum()
         stats = torch.stack(
             [
                 total.detach(),
-                (q_terminal.detach() - reward).abs().mean(),
-                (token_advantages(logp.detach(), ref_logp, valid, beta).sum() / n_tokens),
-                (seq_log_ratio / beta).mean(),
-                q_terminal.detach().mean(),
+                (q_terminal - i.reward).abs().mean(),
+                (token_advantages(i.logp.detach(), i.ref_logp, i.mask, beta).sum() / n_tokens),
+                ((q_terminal - i.q0) / beta).mean(),  # q_terminal - q0 = beta * sum_t log(pi / pi_0)
+                q_terminal.mean(),
             ]
         ).tolist()  # one sync for all metrics
     metrics = dict(zip(METRIC_NAMES, stats, strict=True))
-    if objective in CENTRABLE_OBJECTIVES:  # the size of each sequence's push, as used (centred or not)
-        metrics["coefficient_abs"] = float(coefficient.abs().mean())
-    if trust_region is not None:
-        metrics["trust_region_clipped"] = clipped_share
-    return total, metrics
-
-
-def _outside_trust_region(logp: Tensor, behaviour_logp: Tensor, valid: Tensor, coefficient: Tensor,
-                          limit: float) -> Tensor:
-    """[B, T] bool: response tokens of rows with behaviour log-probs whose log(pi / mu) is already past -limit
-    (coefficient > 0: descent lowers log pi) or +limit (coefficient < 0: descent raises it)."""
-    behaviour_logp = upcast(behaviour_logp).to(logp.dtype)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    has_behaviour = (torch.where(valid, behaviour_logp, zero) != 0).any(1, keepdim=True)
-    ratio = logp.detach() - behaviour_logp
-    sign = coefficient.unsqueeze(1)
-    past = ((sign > 0) & (ratio < -limit)) | ((sign < 0) & (ratio > limit))
-    return past & valid & has_behaviour
-
-
-def _terminal_loss(objective: str, loss: str | Callable, reward: Tensor, q0: Tensor, beta: float,
-                   eps: float) -> Callable[[Tensor], Tensor]:
-    """The per-sequence loss as a function of Q_T [B] -> [B] (terminal / advantage objectives)."""
-    if objective == "terminal":
-        return lambda q_t: regression_loss(q_t, reward, loss, beta, eps)
-    return lambda q_t: regression_loss(q_t - q0, reward - q0, loss, beta, eps)
+    if terms.coefficient is not None:  # the size of each sequence's push, as used (centred or not)
+        metrics["coefficient_abs"] = float(terms.coefficient.abs().mean())
+    return metrics | terms.metrics
 
 
 @torch.no_grad()
-def terminal_coefficients(logp: Tensor, ref_logp: Tensor, mask: Tensor, reward: Tensor, q0: Tensor, *, beta: float,
-                          objective: str, loss: str | Callable, eps: float = 1e-6) -> Tensor:
-    """c_i = dL_i / dQ_T,i [B] of a terminal / advantage objective (what spo_loss centres), detached; shapes as
-    spo_loss. The trainer takes prompt-group baselines of these over a whole step (coefficient_baseline)."""
+def terminal_coefficients(inputs: SPOInputs, *, beta: float, objective: str, loss: str | Callable,
+                          eps: float = 1e-6) -> Tensor:
+    """c_i = dL_i / dQ_T,i [B] of a terminal / advantage objective (what the coefficient transforms change),
+    detached. The trainer takes prompt-group baselines of these over a whole step (coefficient_baseline)."""
     if objective not in CENTRABLE_OBJECTIVES:
         raise ValueError(f"terminal_coefficients: objective '{objective}' is not a function of Q_T alone "
                          f"(choose from {', '.join(CENTRABLE_OBJECTIVES)})")
-    valid = mask if mask.dtype == torch.bool else mask != 0
-    logp = upcast(logp)
-    q0 = q0.to(logp.dtype)
-    q_terminal = cumulative_q(logp, upcast(ref_logp), valid, q0, beta)[:, -1]
-    return loss_coefficients(_terminal_loss(objective, loss, reward.to(logp.dtype), q0, beta, eps), q_terminal)
+    i = _prepared(inputs, inputs.mask if inputs.mask.dtype == torch.bool else inputs.mask != 0)
+    q = cumulative_q(i.logp, i.ref_logp, i.mask, i.q0, beta)
+    return _coefficient(OBJECTIVE_PAIRS[objective](q, i, beta, "terminal_coefficients"), q[:, -1], loss, beta, eps)
 
 
 def loss_coefficients(of_q_terminal: Callable[[Tensor], Tensor], q_terminal: Tensor) -> Tensor:

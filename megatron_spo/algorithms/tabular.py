@@ -19,7 +19,14 @@ from torch import Tensor
 
 from megatron_spo.algorithms.agro import agro_loss, kl_pg_loss
 from megatron_spo.algorithms.ppo import gae, kl_regularised_token_rewards, ppo_policy_loss, ppo_value_loss
-from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES, cumulative_q, spo_loss, supported_combinations
+from megatron_spo.algorithms.spo import (
+    CENTRABLE_OBJECTIVES,
+    SPOInputs,
+    cumulative_q,
+    spo_loss,
+    supported_combinations,
+)
+from megatron_spo.algorithms.spo_transforms import centre_groups, coefficient_transforms
 
 
 @dataclass
@@ -311,11 +318,10 @@ def method_loss(method: Method, task: TabularTask, logits: Tensor, ref_logits: T
                 mc["mc_success"] = batch.mc_success
             else:
                 mc["mc_q"] = batch.mc_q
-        return spo_loss(
-            logp, ref_logp, batch.mask, batch.reward, batch.q0,
-            beta=task.beta, objective=method.objective, loss=method.loss, weights=batch.weights,
-            centre_groups=batch.group if method.centre else None, **mc,
-        )  # fmt: skip
+        inputs = SPOInputs(logp, ref_logp, batch.mask, batch.reward, batch.q0, weights=batch.weights,
+                           group=batch.group if method.centre else None, **mc)
+        return spo_loss(inputs, beta=task.beta, objective=method.objective, loss=method.loss,
+                        transforms=[centre_groups] if method.centre else [])
     if method.family == "agro":
         return agro_loss(
             logp, ref_logp, batch.mask, batch.reward, batch.group, beta=task.beta, on_policy=method.on_policy
@@ -441,10 +447,11 @@ def train_from_stale_sampler(
         batch = make_batch(task, seqs, group_size=group_size, generator=gen)
         tables = torch.stack([torch.log_softmax(sampler / float(t), dim=-1) for t in temperatures])  # [G, S, V]
         behaviour = torch.where(batch.mask, tables[batch.group.unsqueeze(1), batch.states, batch.tokens], 0.0)
-        loss, _ = spo_loss(batch.token_logp(logits), batch.token_logp(task.ref_logits, padding_value=float("nan")),
-                           batch.mask, batch.reward, batch.q0 + q0_error, beta=task.beta, objective="terminal",
-                           loss="squared", centre_groups=batch.group if centre else None,
-                           trust_region=trust_region, behaviour_logp=behaviour if trust_region else None)
+        inputs = SPOInputs(batch.token_logp(logits), batch.token_logp(task.ref_logits, padding_value=float("nan")),
+                           batch.mask, batch.reward, batch.q0 + q0_error, group=batch.group if centre else None,
+                           behaviour_logp=behaviour if trust_region else None)
+        loss, _ = spo_loss(inputs, beta=task.beta, objective="terminal", loss="squared",
+                           transforms=coefficient_transforms(centre, trust_region))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([logits], 1.0)

@@ -50,7 +50,22 @@ def _algo_name(value: str) -> str:
     return value
 
 
+def _transform_name(value: str) -> str:
+    """An SPO coefficient transform of algorithms/spo_transforms.py TRANSFORMS, or a hook 'package.module:function'
+    (a function SPOTerms -> SPOTerms, imported when the trainer starts)."""
+    from megatron_spo.algorithms.spo_transforms import TRANSFORMS
+    from megatron_spo.hooks import is_hook
+
+    if value not in TRANSFORMS and not is_hook(value):
+        raise ValueError(f"unknown transform '{value}' (choose from {', '.join(TRANSFORMS)}, or a hook "
+                         "'package.module:function')")
+    return value
+
+
 Objective = Annotated[str, AfterValidator(_objective)]
+
+
+TransformName = Annotated[str, AfterValidator(_transform_name)]
 
 
 LossName = Annotated[str, AfterValidator(_loss_name)]
@@ -96,10 +111,18 @@ class SourceConfig(StrictModel):
     normalise: Literal["sequence", "token"] = Field(
         "sequence", description="SPO: each sequence's loss counts once (sequence) or divided by its response "
         "tokens (token: long responses no longer dominate the gradient); pi* stays the optimum either way")
+    transforms: list[TransformName] = Field(
+        default_factory=list, description="SPO: coefficient transforms in the order they apply, each a name of "
+        "algorithms/spo_transforms.py TRANSFORMS or a hook 'package.module:function' of your own "
+        "(docs/extending-spo.md). The fields above add theirs with their parameters (centre: centre_groups, "
+        "trust_region, normalise token: token_normalise, pg_coef: policy_gradient) where the list does not name "
+        "them: in TRANSFORMS order around the built-ins it names, before its hooks. coefficient_baseline instead of "
+        "centre_groups: baselines over the whole step, every step (one more no-grad forward)")
 
     @model_validator(mode="after")
     def _check_pair(self) -> SourceConfig:
         from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES, UNSUPPORTED
+        from megatron_spo.algorithms.spo_transforms import CENTRINGS, NEEDS_COEFFICIENT
 
         why = UNSUPPORTED.get((self.objective, self.loss))
         if why:
@@ -108,15 +131,57 @@ class SourceConfig(StrictModel):
             if given and self.objective not in CENTRABLE_OBJECTIVES:
                 raise ValueError(f"{name}: needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, not "
                                  f"'{self.objective}' (its loss is not a function of Q_T alone)")
+        listed = self.transforms
+        for name in listed:
+            if listed.count(name) > 1:
+                raise ValueError(f"transforms: '{name}' is listed twice")
+            if name in NEEDS_COEFFICIENT and self.objective not in CENTRABLE_OBJECTIVES:
+                raise ValueError(f"transforms: {name} needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, not "
+                                 f"'{self.objective}' (its loss is not a function of Q_T alone)")
+        # a listed built-in its own field turns off explicitly
+        off = {"centre_groups": ("centre", self.centre is False),
+               "coefficient_baseline": ("centre", self.centre is False),
+               "trust_region": ("trust_region", self.trust_region == 0),
+               "policy_gradient": ("pg_coef", not self.pg_coef),
+               "token_normalise": ("normalise", "normalise" in self.model_fields_set and self.normalise != "token")}
+        for name in listed:
+            field, is_off = off.get(name, ("", False))
+            if is_off:
+                raise ValueError(f"transforms: {name} is listed but {field} is {getattr(self, field)!r} (off)")
+        if len(set(CENTRINGS) & set(listed)) > 1:
+            raise ValueError(f"transforms: list one of {', '.join(CENTRINGS)} (each centres the coefficient)")
         return self
+
+    def transform_specs(self, name: str) -> list[tuple[str, dict]]:
+        """Source `name`'s SPO coefficient transforms in order, each (a TRANSFORMS name or a hook, its parameters):
+        the list, joined by the transforms the fields turn on that it does not name, in TRANSFORMS order: each
+        right after the last listed built-in that precedes it there (else first). So the trust region follows
+        whichever centring runs, and a hook runs after the fields' transforms unless the list places them."""
+        from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES
+        from megatron_spo.algorithms.spo_transforms import CENTRINGS, TRANSFORMS
+
+        names = list(self.transforms)
+        centrable = self.objective in CENTRABLE_OBJECTIVES
+        centre = self.centre if self.centre is not None else name == "online" and centrable
+        on = {"centre_groups": centre and not set(CENTRINGS) & set(names),
+              "trust_region": self.clip(name) is not None,
+              "token_normalise": self.normalise == "token",
+              "policy_gradient": self.pg_coef > 0}
+        order = {n: k for k, n in enumerate(TRANSFORMS)}
+        for n in sorted((n for n, is_on in on.items() if is_on and n not in names), key=order.get):
+            after = [j + 1 for j, m in enumerate(names) if order.get(m, len(order)) < order[n]]
+            names.insert(max(after, default=0), n)
+        if "trust_region" in names and self.clip(name) is None:
+            raise ValueError(f"sources.{name}.transforms: trust_region needs sources.{name}.trust_region > 0 "
+                             "(off by default for a source other than 'online')")
+        params = {"trust_region": {"limit": self.clip(name)}, "policy_gradient": {"coef": self.pg_coef}}
+        return [(n, params.get(n, {})) for n in names]
 
     def centred(self, name: str) -> bool:
         """Whether source `name` trains with the group-centred coefficient."""
-        from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES
+        from megatron_spo.algorithms.spo_transforms import CENTRINGS
 
-        if self.centre is not None:
-            return self.centre
-        return name == "online" and self.objective in CENTRABLE_OBJECTIVES
+        return any(n in CENTRINGS for n, _ in self.transform_specs(name))
 
     def clip(self, name: str) -> float | None:
         """Source `name`'s trust region (None: off)."""
@@ -363,6 +428,7 @@ class TrainConfig(StrictModel):
                 raise ValueError("sources.online.path: the online source reads the rollout buffer, not a path")
             if name != "online" and src.path is None:
                 raise ValueError(f"sources.{name}.path: an offline source needs a path")
+            src.transform_specs(name)  # refuses a listed transform its fields leave without a parameter
         from megatron_spo.training.algos import algorithm_class
 
         algo = algorithm_class(self.algo, load_hooks=False)  # a hook is loaded (and checked) by the trainer

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 
 from torch import Tensor
 
 from megatron_spo import algorithms
 from megatron_spo.algorithms.spo_diagnostics import spo_diagnostics
+from megatron_spo.algorithms.spo_transforms import CENTRINGS, TRANSFORMS, centre_groups, is_centring
+from megatron_spo.algorithms.spo_transforms import coefficient_baseline as coefficient_baseline_transform
 from megatron_spo.data.batching import TrainBatch
 from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
 
@@ -39,21 +42,17 @@ def seq_log_ratio_by_source(batch: TrainBatch, logp: Tensor, ref_logp: Tensor) -
 
 
 def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: float,
-                   objectives: dict[str, tuple[str, object]], centred: frozenset[str] = frozenset(),
-                   token_normalised: frozenset[str] = frozenset(),
-                   trust_regions: dict[str, float] | None = None,
-                   pg_coefs: dict[str, float] | None = None,
+                   objectives: dict[str, tuple[str, object]], transforms: dict[str, tuple] | None = None,
                    coefficient_baseline: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Mean over sequences of spo_loss, each source with its own (objective, loss), plus drift diagnostics.
+    """Mean over sequences of spo_loss, each source with its own (objective, loss) and transforms, plus drift
+    diagnostics.
 
     objectives: source name -> (objective, loss), e.g. {"online": ("terminal", "cross_entropy"),
     "mc": ("mc", "cross_entropy")}; a loss may be a callable (a config hook). A source in the batch with no
-    entry is an error naming it. centred: sources whose loss coefficient is centred in its prompt group;
-    token_normalised: sources whose sequences are weighed by mean length / length; trust_regions: source -> clip
-    of log(pi / mu) against the behaviour log-probs (spo_loss trust_region); pg_coefs: source -> weight of the
-    added policy-gradient term (its groups are the prompt groups when the source is centred); coefficient_baseline:
-    [B], the centred sources' baselines taken over the whole step (step_coefficient_baselines; without it a
-    centred source's groups must be whole in this batch). Diagnostics per source
+    entry is an error naming it. transforms: source name -> its coefficient transforms (algorithms/spo_transforms.py;
+    none without an entry). A centred source (centre_groups or coefficient_baseline) is centred on its prompt groups
+    in this batch, or, with coefficient_baseline [B] given (step_coefficient_baselines: taken over the whole step),
+    on those; the policy-gradient term takes the same groups (else the source's whole batch). Diagnostics per source
     (algorithms/spo_diagnostics.py): signed residual Q_T - r, its spread, KL(sampler || pi) from behaviour
     log-probs, log-ratio by position, response length.
     """
@@ -69,25 +68,25 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
         lp, rlp, mask, reward, q0, group, behaviour, mc_pos, mc_succ, baseline = _rows(
             batch, rows, logp, ref_logp, batch.loss_mask, batch.reward, batch.q0, batch.group,
             batch.behaviour_logp, batch.mc_positions, batch.mc_success, coefficient_baseline)
-        step_wide = source in centred and baseline is not None
-        kw = {}
-        if objective == "mc":
-            kw = dict(mc_positions=mc_pos, mc_success=mc_succ)
-        trust_region = (trust_regions or {}).get(source)
-        loss, m = algorithms.spo_loss(lp, rlp, mask, reward, q0, beta=beta, objective=objective, loss=loss_name,
-                                      centre_groups=group if source in centred and not step_wide else None,
+        steps = (transforms or {}).get(source, ())
+        centred = any(is_centring(t) for t in steps)
+        step_wide = centred and baseline is not None
+        if centred:  # the step's baselines where given, else this batch's groups
+            centring = coefficient_baseline_transform if step_wide else centre_groups
+            steps = tuple(centring if is_centring(t) else t for t in steps)
+        # only centred sources keep groups whole, and with step-wide baselines not even they (the step reports it)
+        whole_groups = group if centred and not step_wide else None
+        mc = dict(mc_positions=mc_pos, mc_success=mc_succ) if objective == "mc" else {}
+        inputs = algorithms.SPOInputs(lp, rlp, mask, reward, q0, group=whole_groups,
                                       coefficient_baseline=baseline if step_wide else None,
-                                      token_normalised=source in token_normalised, trust_region=trust_region,
-                                      behaviour_logp=behaviour if trust_region is not None else None,
-                                      pg_coef=(pg_coefs or {}).get(source, 0.0), **kw)
+                                      behaviour_logp=behaviour, **mc)
+        loss, m = algorithms.spo_loss(inputs, beta=beta, objective=objective, loss=loss_name, transforms=steps)
         total = total + loss * (len(rows) / n)
         weights = {k: len(rows) for k in m}
         for k in ("mean_token_advantage", "trust_region_clipped"):  # means over response tokens
             weights[k] = int(mask.sum())
         for k, v in m.items():
             metrics[f"{k}/{source}"] = (v, weights[k])
-        # only centred sources keep groups whole, and with step-wide baselines not even they (the step reports it)
-        whole_groups = group if source in centred and not step_wide else None
         for k, pair in spo_diagnostics(lp, rlp, mask, reward, q0, beta=beta, group=whole_groups,
                                        behaviour_logp=behaviour).items():
             metrics[f"{k}/{source}"] = pair
@@ -126,8 +125,8 @@ def step_coefficient_baselines(micro_batches: list[TrainBatch], logps: list[Tens
             if not rows:
                 continue
             lp, rlp, mask, reward, q0, group = _rows(mb, rows, logp, ref, mb.loss_mask, mb.reward, mb.q0, mb.group)
-            c = algorithms.spo.terminal_coefficients(lp, rlp, mask, reward, q0, beta=beta, objective=objective,
-                                                     loss=loss_name)
+            c = algorithms.spo.terminal_coefficients(algorithms.SPOInputs(lp, rlp, mask, reward, q0), beta=beta,
+                                                     objective=objective, loss=loss_name)
             parts.append((i, rows, c, residuals(lp, rlp, mask, reward, q0, beta), group))
         if not parts:
             continue
@@ -162,6 +161,15 @@ def resolve_loss(name: str, field: str):
     return load_hook(name, field=field) if is_hook(name) else name
 
 
+def resolve_transforms(specs: list[tuple[str, dict]], field: str) -> tuple:
+    """The transforms SourceConfig.transform_specs names: TRANSFORMS entries with their parameters bound, hooks
+    'package.module:function' loaded and checked."""
+    from megatron_spo.hooks import is_hook, load_hook
+
+    return tuple(load_hook(name, field=field) if is_hook(name) else
+                 partial(TRANSFORMS[name], **params) if params else TRANSFORMS[name] for name, params in specs)
+
+
 class SPO(Algorithm):
     name = "spo"
     uses_q0 = True
@@ -170,32 +178,32 @@ class SPO(Algorithm):
         super().__init__(cfg)
         self.objectives = {name: (s.objective, resolve_loss(s.loss, f"sources.{name}.loss"))
                            for name, s in cfg.sources.items()}
-        self.centred = frozenset(name for name, s in cfg.sources.items() if s.centred(name))
-        self.token_normalised = frozenset(name for name, s in cfg.sources.items() if s.normalise == "token")
-        self.trust_regions = {name: s.clip(name) for name, s in cfg.sources.items() if s.clip(name) is not None}
-        self.pg_coefs = {name: s.pg_coef for name, s in cfg.sources.items() if s.pg_coef}
+        specs = {name: s.transform_specs(name) for name, s in cfg.sources.items()}
+        self.transforms = {name: resolve_transforms(spec, f"sources.{name}.transforms") for name, spec in specs.items()}
+        self.centred = frozenset(name for name, spec in specs.items() if any(n in CENTRINGS for n, _ in spec))
+        # sources that list coefficient_baseline take their baselines over the whole step every step
+        step_wide = any(n == "coefficient_baseline" for spec in specs.values() for n, _ in spec)
         # only a centred source's policy-gradient term needs prompt groups whole; the centred coefficient prefers
         # them whole (each micro-batch then centres inside its own loss), and where a group does not fit the
         # budget its baselines come from one no-grad forward over the whole step (step_coefficient_baselines)
-        self.keeps_prompt_groups = any(name in self.pg_coefs for name in self.centred)
+        self.keeps_prompt_groups = any(n == "policy_gradient" for name in self.centred for n, _ in specs[name])
         self.prefers_prompt_groups = bool(self.centred)
+        self.always_step_wide = step_wide
 
     def update(self, step: StepInputs) -> Update:
         beta, objectives = self.cfg.beta, self.objectives
         baselines, group_var = [None] * len(step.micro_batches), {}
         # micro-batches that hold their centred groups whole (data-parallel shards do) centre inside the loss:
         # exactly the step-wide baselines, without the third pass over every token
-        if self.centred and cuts_a_group(step.micro_batches, self.centred):
+        if self.centred and (self.always_step_wide or cuts_a_group(step.micro_batches, self.centred)):
             logps = step.forward("policy", "logp")  # this step's weights: the loss's forward gives the same
             if step.is_last_stage:
                 baselines, group_var = step_coefficient_baselines(step.micro_batches, logps, step.ref, beta=beta,
                                                                   objectives=objectives, centred=self.centred)
 
         def loss_fn(i, mb, logp):
-            loss, metrics = spo_batch_loss(
-                mb, logp, step.ref[i], beta=beta, objectives=objectives, centred=self.centred,
-                token_normalised=self.token_normalised, trust_regions=self.trust_regions, pg_coefs=self.pg_coefs,
-                coefficient_baseline=baselines[i])
+            loss, metrics = spo_batch_loss(mb, logp, step.ref[i], beta=beta, objectives=objectives,
+                                           transforms=self.transforms, coefficient_baseline=baselines[i])
             if i == 0:  # step-wide statistics ride on the first micro-batch's report (weighted by their count)
                 metrics.update(group_var)
             return loss, metrics
