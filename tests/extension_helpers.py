@@ -1,4 +1,5 @@
-"""A user-defined algorithm for tests/test_extensions.py, loaded through the config hook 'algo: module:Class'."""
+"""User code for tests/test_extensions.py and tests/test_spo_transforms.py, loaded through config hooks: an algorithm
+('algo: module:Class') and an SPO coefficient transform ('sources.online.transforms: [module:function]')."""
 
 from megatron_spo.training.algos.spo import SPO
 
@@ -12,3 +13,9 @@ class LoudSPO(SPO):
         update = super().update(step)
         update.metrics["loud_spo"] = 1.0
         return update
+
+
+def doubled_coefficient(terms):
+    """An SPO coefficient transform of one's own (sources.NAME.transforms: [extension_helpers:doubled_coefficient]):
+    every sequence's coefficient dL/dQ_T doubled, so its gradient is exactly twice the built-in one."""
+    return terms.replace(coefficient=2 * terms.need_coefficient("doubled_coefficient"))
