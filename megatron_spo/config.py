@@ -10,6 +10,7 @@ nothing of the project, so any floor can build its config on it.
 
 from __future__ import annotations
 
+import json
 import re
 import reprlib
 import types
@@ -239,6 +240,32 @@ class _StrictYamlLoader(yaml.SafeLoader):
                     raise _Refused(problem=f"duplicate key {quote(key)} (first on line {first})",
                                    problem_mark=key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object holding a key twice (``json.loads`` would keep the last value silently); ``key`` names it."""
+
+    def __init__(self, key: str):
+        self.key = key
+        super().__init__(f"duplicate key {quote(key)}")
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):  # the rare case: find the key (the common one costs one length compare)
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(key)
+            seen.add(key)
+    return obj
+
+
+def loads_json(text: str | bytes) -> Any:
+    """``json.loads`` that refuses a key given twice in any object, at any depth (DuplicateKeyError, a ValueError
+    whose ``key`` the caller names with the file and line): the JSON counterpart of the configs' strict YAML
+    loader, for the JSONL a user hands in (trajectories, problems, Q0 files)."""
+    return json.loads(text, object_pairs_hook=_unique_pairs)
 
 
 # YAML 1.1 reads 2e-5 (no dot) as a string, anywhere: a file's `lr: 2e-5`, an override's `{"lr": 2e-5}`; YAML 1.2

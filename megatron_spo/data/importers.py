@@ -38,7 +38,6 @@ Row schemas:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter, deque
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_spo.config import loads_json
 from megatron_spo.data.tasks import codecontests_problem, taco_problem
 from megatron_spo.data.trajectory import (
     PROVENANCE_KINDS,
@@ -192,7 +192,7 @@ def taco_candidates(path: str | Path, *, max_per_problem: int | None = None, raw
             if not isinstance(raw_solutions, str):
                 raise RecordError(where, "solutions", "should be a JSON string of a list of programs")
             try:
-                solutions = json.loads(raw_solutions)
+                solutions = loads_json(raw_solutions)
             except (ValueError, RecursionError) as err:
                 raise RecordError(where, "solutions", f"is not valid JSON ({err})") from None
             if not isinstance(solutions, list) or not all(isinstance(s, str) for s in solutions):

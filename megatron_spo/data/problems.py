@@ -8,10 +8,11 @@ training prompt set a TaskConfig names.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from megatron_spo.config import DuplicateKeyError, loads_json, quote
 
 KNOWN_FIELDS = ("id", "prompt", "tests", "hidden_tests", "kind", "answer", "time_limit_s", "memory_mb", "source",
                 "metadata")
@@ -38,7 +39,9 @@ def _read_one_jsonl(path: str) -> list:
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
+                row = loads_json(line)
+            except DuplicateKeyError as err:  # json.loads would keep the last value silently
+                raise ValueError(f"{where}: duplicate key {quote(err.key)} (a problem holds each key once)") from None
             except ValueError as err:
                 raise ValueError(f"{where}: not valid JSON ({err})") from None
             if not isinstance(row, dict):

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from megatron_spo.config import DuplicateKeyError, loads_json, quote
 from megatron_spo.fsutil import write_lines_atomic
 
 
@@ -47,8 +48,11 @@ class ResultLog:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = loads_json(line)
                 records[key_of(record)] = record
+            except DuplicateKeyError as err:  # json.loads would keep the last value silently
+                raise ValueError(f"{path}:{lineno}: duplicate key {quote(err.key)} (a record holds each key once); "
+                                 "fix or remove the file") from None
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{path}:{lineno}: not a result record of this tool: {line[:80]!r}; "
                                  "fix or remove the file") from None

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from megatron_spo.config import DuplicateKeyError, loads_json
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,9 @@ def taco_problem(row: dict, index: int, where: str, *, n_reward_tests: int | Non
     question = _field(row, "question", where, str)
     raw = _field(row, "input_output", where, str)
     try:
-        io = json.loads(raw)
+        io = loads_json(raw)
+    except DuplicateKeyError as err:
+        raise TaskFormatError(f"{where}: field 'input_output' holds {err}") from None
     except ValueError as err:
         raise TaskFormatError(f"{where}: field 'input_output' is not valid JSON ({err})") from None
     if not isinstance(io, dict) or not {"inputs", "outputs"} <= set(io):

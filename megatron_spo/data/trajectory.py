@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_spo.config import DuplicateKeyError, loads_json, quote
 from megatron_spo.fsutil import write_lines_atomic
 
 logger = logging.getLogger(__name__)
@@ -269,7 +270,9 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                value = json.loads(line)
+                value = loads_json(line)
+            except DuplicateKeyError as err:  # json.loads would keep the last value silently
+                value = RecordError(where, None, f"duplicate key {quote(err.key)} (a record holds each key once)")
             except ValueError as err:
                 value = RecordError(where, None, f"not valid JSON ({err})")
             except RecursionError:
