@@ -106,6 +106,20 @@ def test_a_user_transform_that_doubles_the_coefficient_doubles_the_gradient_exac
         spo_loss(inputs, transforms=[doubled_coefficient], beta=0.5, objective="reverse_q", loss="squared")
 
 
+def test_a_coefficient_set_with_dataclasses_replace_takes_effect_too():
+    """A transform that bypasses SPOTerms.replace still changes the gradient: spo_loss compares the coefficient
+    it handed out with the one it gets back."""
+    import dataclasses
+
+    inputs = _case()
+    kw = dict(beta=0.5, objective="terminal", loss="squared")
+    plain, _ = spo_loss(inputs, **kw)
+    (g_plain,) = torch.autograd.grad(plain, inputs.logp)
+    halved, _ = spo_loss(inputs, transforms=[lambda t: dataclasses.replace(t, coefficient=t.coefficient / 2)], **kw)
+    (g_halved,) = torch.autograd.grad(halved, inputs.logp)
+    assert torch.allclose(g_halved, g_plain / 2, rtol=1e-12, atol=0) and halved.item() == plain.item()
+
+
 def _step_gradients(cfg, micro_rows):
     """Gradients of the policy log-probs [B, L] from one SPO.update over these micro-batches (a stand-in for
     the trainer's optimize / forward verbs), and the per-micro-batch reports."""

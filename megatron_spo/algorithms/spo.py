@@ -325,6 +325,8 @@ def spo_loss(inputs: SPOInputs, *, beta: float, objective: str, loss: str | Call
     terms = SPOTerms(i, beta, objective, q, per_sequence, coefficient)
     for transform in transforms:
         terms = transform(terms)
+    if terms.coefficient is not coefficient or terms.frozen is not None:  # also when set by dataclasses.replace
+        terms = dataclasses.replace(terms, surrogate=True)
     total = _weighted_mean(_assembled(terms), i.weights)
     return total, _metrics(terms, total)
 
