@@ -2,7 +2,8 @@
 
 Layout under a run's checkpoint root:
 
-    iter_0000020/            a complete checkpoint: its COMPLETE marker is written last
+    iter_0000020/            a complete checkpoint: digests.json (every file's size and CRC-32, checkpoint_digest.py)
+                             and then its COMPLETE marker are written last
     iter_0000030.partial/    being written (or left by a crash): never loaded, removed on the next save
     latest                   text "iter_0000030", replaced atomically after the directory is complete
 
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_spo.checkpoint_digest import write_manifest
 from megatron_spo.collectives import all_reduce_
 from megatron_spo.fsutil import fsync_path, fsync_tree, write_text_atomic
 
@@ -97,6 +99,7 @@ class CheckpointDir:
         write(partial)
         fsync_tree(partial)  # each rank flushes what it wrote (and the folders) before rank 0 marks it complete
         _barrier()
+        write_manifest(partial, collective=True)  # each rank digests its share of the files, rank 0 writes it
         if _rank() == 0:
             marker = {"step": step, "time": time.time(), **(meta or {})}
             write_text_atomic(partial / COMPLETE, json.dumps(marker, indent=1))

@@ -257,6 +257,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, as for megatron-spo train")
     add_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)  # `train --dry-run` comes here
+    parser.add_argument("--no-verify", action="store_true", help=argparse.SUPPRESS)  # train's flag: nothing to load
     args = parser.parse_intermixed_args(argv)
     report = validate_file(args.config, args.overrides, world_size=args.world_size, gpu_memory_gb=args.gpu_memory_gb)
     return print_report(report, args.config, "megatron-spo train --dry-run" if args.dry_run else "megatron-spo validate")

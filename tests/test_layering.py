@@ -70,8 +70,8 @@ def test_the_check_itself_sees_lazy_imports(tmp_path):
 # the pure math and kernels, and cli.py (it loads a subcommand's module by name only when it runs, so its
 # argparse types and signal handlers may be used anywhere; `train --dry-run` is routed there to validate.py).
 FLOORS = (
-    {"config", "cli", "extras", "fsutil", "net", "memory", "collectives", "algorithms", "ops", "eval",
-     "deferred_compile", "__init__"},  # the package's __init__ installs deferred_compile's hook
+    {"config", "cli", "extras", "fsutil", "checkpoint_digest", "net", "memory", "collectives", "algorithms", "ops",
+     "eval", "deferred_compile", "__init__"},  # the package's __init__ installs deferred_compile's hook
     {"hooks", "run_layout", "rewards"},
     {"data", "models"},
     {"rollout"},

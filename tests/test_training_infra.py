@@ -73,7 +73,7 @@ def test_checkpoint_commit_latest_and_prune(tmp_path):
     assert step == 30 and (path / "model.bin").read_text() == "payload"
     assert ck.metadata(path)["world_size"] == 1
     ck.save(30, _write("other.bin"))  # re-save of the same step (after a resume) replaces it whole
-    assert sorted(p.name for p in ck.latest()[1].iterdir()) == ["COMPLETE", "other.bin"]
+    assert sorted(p.name for p in ck.latest()[1].iterdir()) == ["COMPLETE", "digests.json", "other.bin"]
 
 
 def test_failed_write_leaves_previous_checkpoint_latest(tmp_path):

@@ -394,6 +394,7 @@ def _split(value: str | None) -> set[str] | None:
 
 
 def main(argv: list[str]) -> int:
+    from megatron_spo.checkpoint_digest import set_verify, verify_enabled
     from megatron_spo.data import importers
 
     parser = argparse.ArgumentParser(prog="megatron-spo offline",
@@ -432,10 +433,15 @@ def main(argv: list[str]) -> int:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     for p in (b, s):
         p.add_argument("--skip-invalid", action="store_true", help="skip bad records (counted and reported)")
+        p.add_argument("--no-verify", action="store_true",
+                       help="do not compare store files with their checksums (for a store you edited yourself); a "
+                       "mismatch is otherwise refused naming the file")
     args = parser.parse_args(argv)
 
     if args.op.startswith("import-"):
         return importers.run_import_command(args)
+    verify = verify_enabled()
+    set_verify(verify and not getattr(args, "no_verify", False))
     try:
         if args.op == "build":
             decode = None
@@ -472,6 +478,8 @@ def main(argv: list[str]) -> int:
     except (RecordError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"megatron-spo offline {args.op}: {err}", file=sys.stderr)
         return 1
+    finally:
+        set_verify(verify)
     report.print_skipped()
     return 0
 

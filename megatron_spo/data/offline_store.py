@@ -24,7 +24,9 @@ store writes version 2 shards and lists them in a version 2 index.
 Writes are atomic: a shard is written into a temporary folder, fsynced, renamed, and only then listed in a
 new index.json (itself written to a temporary file and renamed). A shard that is not in the index (an
 interrupted write) is ignored with a warning; a listed shard whose files do not match their checksums or
-shapes is an error naming the shard and file (``skip_invalid`` skips it, counted and reported).
+shapes is an error naming the shard and file (``skip_invalid`` skips it, counted and reported). The checksums are
+the store's digest manifest (checkpoint_digest.py): ``verify=False`` (`--no-verify`, checkpoint.verify=false) reads
+a user's own hand-edited shards without comparing them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_spo.checkpoint_digest import SKIP_HINT, digest_files, verify_enabled
+from megatron_spo.config import DuplicateKeyError, loads_json
 from megatron_spo.data.trajectory import (
     LOGPROB_SLACK,
     PROVENANCE_NUMBERS,
@@ -53,7 +57,7 @@ from megatron_spo.data.trajectory import (
     validate_provenance,
     validate_record,
 )
-from megatron_spo.fsutil import fsync_path, sha256_file, write_text_atomic
+from megatron_spo.fsutil import fsync_path, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +177,6 @@ class OfflineStoreWriter:
 
     def _write_shard(self, tmp: Path, columns: dict, provenance: list) -> dict[str, str]:
         """The shard's files in ``tmp``, fsync'd; returns {file: sha256}."""
-        files = {}
         for col, array in columns.items():
             with open(tmp / f"{col}.npy", "wb") as f:
                 np.save(f, array, allow_pickle=False)
@@ -184,8 +187,7 @@ class OfflineStoreWriter:
                        "provenance": provenance}, f)
             f.flush()
             os.fsync(f.fileno())
-        for file in sorted(os.listdir(tmp)):
-            files[file] = sha256_file(tmp / file)
+        files = {file: digest for file, (_, digest) in digest_files(tmp, os.listdir(tmp), "sha256").items()}
         fsync_path(tmp)
         return files
 
@@ -217,7 +219,9 @@ def _read_index(path: Path) -> dict:
     if path.exists() and not path.is_dir():
         raise StoreError(f"offline store: '{path}' is a file, not a store folder")
     try:
-        index = json.loads((path / INDEX).read_text())
+        index = loads_json((path / INDEX).read_text())
+    except DuplicateKeyError as err:
+        raise RecordError(where, None, f"not valid JSON ({err})") from None
     except RecursionError:
         raise RecordError(where, None, "not valid JSON (nested too deeply)") from None
     except FileNotFoundError:
@@ -240,7 +244,7 @@ SHARD_NAME = re.compile(r"shard-\d{5,}x*")  # what OfflineStoreWriter names them
 class _Shard:
     """One verified shard: memory-mapped columns, its strings and provenance table (version 1 shards: none)."""
 
-    def __init__(self, root: Path, entry: dict):
+    def __init__(self, root: Path, entry: dict, verify: bool = True):
         self.name = str(entry.get("name"))[:80] if isinstance(entry, dict) else "?"
         self.rows = entry.get("rows") if isinstance(entry, dict) else None
         where = f"{root / self.name}"
@@ -254,11 +258,14 @@ class _Shard:
             expected = SHARD_FILES[VERSION]
             missing = sorted(expected - set(files)) or sorted(set(files) - expected)
             raise RecordError(where, missing[0], "the index lists a different set of files")
-        for file, digest in sorted(files.items()):
+        for file in sorted(files):
             if not (root / self.name / file).is_file():
                 raise RecordError(where, file, "missing (half-written or deleted shard)")
-            if sha256_file(root / self.name / file) != digest:
-                raise RecordError(where, file, "checksum mismatch (half-written or corrupted shard)")
+        found = digest_files(root / self.name, files, "sha256") if verify else {}
+        for file, (_, digest) in sorted(found.items()):
+            if digest != files[file]:
+                raise RecordError(where, file, f"checksum mismatch (expected sha256 {str(files[file])[:16]}, found "
+                                  f"{digest[:16]}): the file is corrupt or was edited; {SKIP_HINT}")
         names = COLUMNS if self.version >= 2 else COLUMNS_V1
         self.cols = {}
         for c in names:
@@ -267,7 +274,7 @@ class _Shard:
             except (ValueError, OSError, EOFError) as err:  # not an .npy, or one of objects (pickles)
                 raise RecordError(where, f"{c}.npy", f"not a plain numpy array file ({str(err)[:80]})") from None
         try:
-            strings = json.loads((root / self.name / STRINGS).read_text(encoding="utf-8"))
+            strings = loads_json((root / self.name / STRINGS).read_text(encoding="utf-8"))
             self.prompt_ids, self.sources = strings["prompt_id"], strings["source"]
             table = strings["provenance"] if self.version >= 2 else []
         except (ValueError, KeyError, TypeError, RecursionError) as err:
@@ -402,9 +409,12 @@ class _Shard:
         return sorted(set(bad))
 
 
-def _open_shards(path: Path, skip_invalid: bool, report: ImportReport) -> Iterator[tuple[_Shard, np.ndarray]]:
+def _open_shards(path: Path, skip_invalid: bool, report: ImportReport,
+                 verify: bool | None = None) -> Iterator[tuple[_Shard, np.ndarray]]:
     """Each verified shard of a store with its valid rows, one at a time; bad shards and rows raise
-    RecordError, or with ``skip_invalid`` are counted and reported in ``report``."""
+    RecordError, or with ``skip_invalid`` are counted and reported in ``report``. ``verify``: compare each file
+    with its checksum (None: the process's checkpoint_digest switch, on unless --no-verify)."""
+    verify = verify_enabled() if verify is None else verify
     index = _read_index(path)
     listed = {str(e.get("name")) for e in index["shards"] if isinstance(e, dict)}
     for entry in sorted(p.name for p in path.iterdir() if p.is_dir()):
@@ -412,7 +422,7 @@ def _open_shards(path: Path, skip_invalid: bool, report: ImportReport) -> Iterat
             logger.warning("%s: ignoring folder '%s' not listed in %s (an interrupted write)", path, entry, INDEX)
     for entry in index["shards"]:
         try:
-            shard = _Shard(path, entry if isinstance(entry, dict) else {})
+            shard = _Shard(path, entry if isinstance(entry, dict) else {}, verify)
         except RecordError as err:
             if not skip_invalid:
                 raise
@@ -436,12 +446,12 @@ def _open_shards(path: Path, skip_invalid: bool, report: ImportReport) -> Iterat
 
 
 def iter_records(path: str | Path, *, skip_invalid: bool = False,
-                 report: ImportReport | None = None) -> Iterator[Trajectory]:
+                 report: ImportReport | None = None, verify: bool | None = None) -> Iterator[Trajectory]:
     """The records of a store, streamed one shard at a time (memory: one shard, whatever the store's size).
     Each shard is verified before any of its rows is yielded; ``report`` (when given) counts what was read."""
     path, report = Path(path), ImportReport() if report is None else report
     skipped, read, errors = report.skipped, report.read, len(report.errors)
-    for shard, rows in _open_shards(path, skip_invalid, report):
+    for shard, rows in _open_shards(path, skip_invalid, report, verify):
         yield from shard.records(rows.tolist())
     if report.skipped > skipped:
         logger.warning("%s: skipped %d invalid row(s), kept %d; first: %s", path, report.skipped - skipped,
@@ -451,12 +461,12 @@ def iter_records(path: str | Path, *, skip_invalid: bool = False,
 class OfflineStore:
     """A verified, read-only view of a store folder. Rows number 0..len-1 across shards (valid rows only)."""
 
-    def __init__(self, path: str | Path, *, skip_invalid: bool = False):
+    def __init__(self, path: str | Path, *, skip_invalid: bool = False, verify: bool | None = None):
         self.path = Path(path)
         self.report = ImportReport()
         self.shards: list[_Shard] = []
         rows = []
-        for k, (shard, valid) in enumerate(_open_shards(self.path, skip_invalid, self.report)):
+        for k, (shard, valid) in enumerate(_open_shards(self.path, skip_invalid, self.report, verify)):
             self.shards.append(shard)
             rows.append(np.stack([np.full(len(valid), k, dtype=np.int64), valid.astype(np.int64)], axis=1))
         self._rows = np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.int64)

@@ -344,6 +344,7 @@ def load_trajectories(path: str | Path, *, skip_invalid: bool = False) -> list[T
 def main(argv: list[str]) -> int:
     import argparse
 
+    from megatron_spo.checkpoint_digest import set_verify, verify_enabled
     from megatron_spo.cli import non_negative_float, positive_float, positive_int
     from megatron_spo.data.offline_store import OfflineStore, StoreError, write_store
 
@@ -371,9 +372,15 @@ def main(argv: list[str]) -> int:
     chk.add_argument("path", help="a JSONL file or an offline store folder")
     for p in (imp, exp, chk):
         p.add_argument("--skip-invalid", action="store_true", help="skip bad records (counted and reported)")
+    for p in (exp, chk):
+        p.add_argument("--no-verify", action="store_true",
+                       help="do not compare store files with their checksums (for a store you edited yourself); a "
+                       "mismatch is otherwise refused naming the file")
     args = parser.parse_args(argv)
 
     report = ImportReport()
+    verify = verify_enabled()
+    set_verify(verify and not getattr(args, "no_verify", False))
     try:
         if args.op == "import":
             stamp = None
@@ -414,5 +421,7 @@ def main(argv: list[str]) -> int:
     except (RecordError, FileNotFoundError, FileExistsError, StoreError) as err:
         print(f"megatron-spo trajectories: {err}", file=sys.stderr)
         return 1
+    finally:
+        set_verify(verify)
     report.print_skipped()
     return 0

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_spo.checkpoint_digest import write_manifest
 from megatron_spo.config import load_config
 from megatron_spo.data import toy_code, toy_math
 from megatron_spo.data.char_tokenizer import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
@@ -288,6 +289,7 @@ def build_reference(
         **summary,
     }
     (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    write_manifest(tmp)  # its digests: the quickstart's conversion checks them (checkpoint_digest.py)
     if final.exists():  # force, or another process finished first
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         os.rename(final, old)

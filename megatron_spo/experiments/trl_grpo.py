@@ -182,6 +182,7 @@ def train_trl_grpo(ref_dir: Path, prompts: Sequence[Prompt], reward_pool, out_di
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+    from megatron_spo.checkpoint_digest import write_manifest
     from megatron_spo.models.hf_checkpoint import copy_tokenizer_files
     from megatron_spo.rollout.local_engine import _eos_ids
     from megatron_spo.training.metrics import METRICS_FILE, MetricsLogger, progress_line
@@ -304,6 +305,7 @@ def train_trl_grpo(ref_dir: Path, prompts: Sequence[Prompt], reward_pool, out_di
     shutil.rmtree(hf, ignore_errors=True)
     model.to(ref_dtype).save_pretrained(hf, safe_serialization=True)
     copy_tokenizer_files(ref_dir, hf)  # the reference's tokenizer, byte for byte (TRL may have set a pad token)
+    write_manifest(hf)  # its digests, as every checkpoint written here carries (checkpoint_digest.py)
     saved, reference = (_config_json(d) for d in (hf, ref_dir))
     changed = sorted(k for k in saved.keys() | reference.keys()
                      if k != "transformers_version" and saved.get(k) != reference.get(k))

@@ -21,7 +21,8 @@ Errors are relative to the HF side's largest magnitude (max |a - b| / max |b|), 
 same for every layer and size; float32 from identical weights agrees to ~1e-6. The report names the first
 tensor and layer that disagree. Peak memory is about one layer per side in float32 plus one vocabulary
 chunk, never the model: ``memory_estimate`` gives the formula (printed), and the run refuses up front when
-it does not fit.
+it does not fit. Both checkpoints are checked against their digest manifests first (checkpoint_digest.py):
+a flipped byte is refused naming the file, not reported as a differing tensor (--no-verify compares them anyway).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ import argparse
 import json
 import math
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from megatron_spo.checkpoint_digest import CheckpointDigestError, verification, verify_checkpoint
 from megatron_spo.cli import non_negative_float, non_negative_int, positive_int
 from megatron_spo.config import ConfigError
 from megatron_spo.memory import BASELINE_BYTES, GB, MemoryPreflightError, preflight, release_large_frees
@@ -288,6 +291,8 @@ def run_check(hf_dir, megatron_path, *, batch: int = 2, seq_len: int = 64, seed:
     )
 
     hf_dir = Path(hf_dir)
+    if hf_dir.is_dir():
+        verify_checkpoint(hf_dir)  # before config.json or any shard is read (find_megatron_source: the other side)
     hf_cfg = read_hf_config(hf_dir)
     source = find_megatron_source(megatron_path)
     cfg = source.cfg
@@ -482,16 +487,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random tokens (default 0)")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="do not check either checkpoint's files against its digest manifest (digests.json): for "
+                             "checkpoint files you edited yourself; a mismatch is otherwise refused naming the file")
     args = parser.parse_args(argv)
     from megatron_spo.models.dcp_metadata import CheckpointFileError
     from megatron_spo.models.hf_checkpoint import HFCheckpointError
 
     try:
-        report = run_check(args.hf, args.megatron, batch=args.batch, seq_len=args.seq_len, seed=args.seed,
-                           vocab_chunk=args.vocab_chunk, tol=args.tol, logprob_tol=args.logprob_tol,
-                           progress=not args.no_progress)
-    except (CheckError, HFCheckpointError, CheckpointFileError, MemoryPreflightError, FileNotFoundError,
-            ConfigError) as err:
+        with verification(False) if args.no_verify else nullcontext():
+            report = run_check(args.hf, args.megatron, batch=args.batch, seq_len=args.seq_len, seed=args.seed,
+                               vocab_chunk=args.vocab_chunk, tol=args.tol, logprob_tol=args.logprob_tol,
+                               progress=not args.no_progress)
+    except (CheckError, HFCheckpointError, CheckpointFileError, CheckpointDigestError, MemoryPreflightError,
+            FileNotFoundError, ConfigError) as err:
         print(f"megatron-spo check-conversion: error: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -12,7 +12,9 @@ half-written looks valid; an existing OUT is never overwritten. The HF input is 
 config.json fields, safetensors headers and index, every tensor's presence, shape and float dtype, finite
 values) before anything is written. A Megatron input is data, never code (models/dcp_metadata.py), and must
 correspond to its model_config.json both ways: every implied tensor stored with its shape, every stored
-policy tensor used. NaN / inf weights are refused by name unless --allow-nonfinite (forensics).
+policy tensor used. NaN / inf weights are refused by name unless --allow-nonfinite (forensics). Every input is
+checked against its digest manifest before anything reads it (a flipped byte is one line naming the file;
+--no-verify for a user's own hand-edited files), and every output carries one (checkpoint_digest.py).
 
 Memory and passes: conversion never fills the model's own parameters (they only name and shape the
 checkpoint's tensors). hf-to-megatron hands the checkpoint writer zero-copy views of the
@@ -31,10 +33,16 @@ import json
 import os
 import shutil
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_spo.checkpoint_digest import (
+    CheckpointDigestError,
+    complete_manifest,
+    verification,
+    verify_checkpoint,
+)
 from megatron_spo.config import ConfigError
 from megatron_spo.fsutil import fsync_path, fsync_tree
 from megatron_spo.memory import MemoryPreflightError
@@ -67,7 +75,8 @@ def _progress():
 
 @contextmanager
 def _atomic_dir(out: Path):
-    """Yield OUT.tmp; make it durable and rename it to OUT on success, remove it on failure."""
+    """Yield OUT.tmp; list every file in its digest manifest, make it durable and rename it to OUT on success,
+    remove it on failure."""
     if out.exists():
         raise ConfigError(f"output directory '{out}' already exists (remove it or choose another --out)")
     tmp = out.with_name(out.name + ".tmp")
@@ -75,6 +84,7 @@ def _atomic_dir(out: Path):
     tmp.mkdir(parents=True)
     try:
         yield tmp
+        complete_manifest(tmp)  # the HF shards' digests were taken while writing; the rest are read here
         fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -147,6 +157,8 @@ def check_finite(tensor, name: str, where: Path) -> None:
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, allow_nonfinite: bool = False) -> None:
     hf_dir, out = Path(hf_dir), Path(out)
+    if hf_dir.is_dir():
+        verify_checkpoint(hf_dir)  # before config.json or any shard is read
     cfg = read_hf_config(hf_dir)
     reader = HFReader(hf_dir)
     reader.validate(cfg)
@@ -248,6 +260,7 @@ def find_megatron_source(path: str | Path) -> MegatronSource:
     if not path.is_dir():
         raise HFCheckpointError(f"{path}: no such directory")
     if _is_dist_checkpoint(path):
+        verify_checkpoint(path)  # every file against its digest, then
         validate_dist_checkpoint(path)  # data, never code: before anything reads it
         return MegatronSource(path, read_megatron_config(path), _source_hf_config(path), path)
     step = path
@@ -261,6 +274,7 @@ def find_megatron_source(path: str | Path) -> MegatronSource:
             f"{path}: not a Megatron checkpoint (expected a convert output with metadata.json, a trainer "
             f"step dir iter_NNNNNNN with COMPLETE and dist/, or a run/checkpoints dir with a complete step)"
         )
+    verify_checkpoint(step)  # the step's manifest lists dist/ and the model description beside it
     validate_dist_checkpoint(step / "dist")
     # The trainer writes the model config, the init model's config.json and tokenizer next to dist/.
     source = MegatronSource(step / "dist", read_megatron_config(step), _source_hf_config(step), step)
@@ -420,22 +434,30 @@ def main(argv: list[str]) -> int:
     for p in (a, b):
         p.add_argument("--allow-nonfinite", action="store_true",
                        help="convert NaN / inf weights instead of refusing them (forensics)")
+        p.add_argument("--no-verify", action="store_true",
+                       help="do not check the input's files against its digest manifest (digests.json): for "
+                            "checkpoint files you edited yourself; a mismatch is otherwise refused naming the file")
     args = parser.parse_args(argv)
     from megatron_spo.models.dcp_metadata import CheckpointFileError
 
     try:
-        if args.direction == "hf-to-megatron":
-            hf_to_megatron(args.hf, args.out, allow_nonfinite=args.allow_nonfinite)
-        else:
-            if not (args.max_shard_gb > 0 and args.max_shard_gb < 1e6):
-                raise HFCheckpointError(f"--max-shard-gb must be a positive number, got {args.max_shard_gb}")
-            megatron_to_hf(args.megatron, args.out, int(args.max_shard_gb * 2**30),
-                           allow_nonfinite=args.allow_nonfinite)
-    except (HFCheckpointError, CheckpointFileError, FileNotFoundError, MemoryPreflightError) as err:
+        with verification(False) if args.no_verify else nullcontext():
+            _convert(args)
+    except (HFCheckpointError, CheckpointFileError, CheckpointDigestError, FileNotFoundError,
+            MemoryPreflightError) as err:
         print(f"megatron-spo convert: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
     return 0
+
+
+def _convert(args) -> None:
+    if args.direction == "hf-to-megatron":
+        hf_to_megatron(args.hf, args.out, allow_nonfinite=args.allow_nonfinite)
+        return
+    if not (args.max_shard_gb > 0 and args.max_shard_gb < 1e6):
+        raise HFCheckpointError(f"--max-shard-gb must be a positive number, got {args.max_shard_gb}")
+    megatron_to_hf(args.megatron, args.out, int(args.max_shard_gb * 2**30), allow_nonfinite=args.allow_nonfinite)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
     with HFStreamWriter(out_dir, shapes, dtype) as w: w.add(name, tensor)  # planned: bytes go straight to disk
     write_hf_config(out_dir, cfg)
 
-Errors are one line naming the tensor or config.json field.
+Both writers leave a digest manifest (digests.json: checkpoint_digest.py) next to the shards, which HFReader checks
+before it reads; config.json and tokenizer files written afterwards by write_hf_config / copy_tokenizer_files are
+added to it. Errors are one line naming the tensor or config.json field.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_spo.checkpoint_digest import (
+    add_to_manifest,
+    file_digest,
+    new_hash,
+    verify_checkpoint,
+    write_manifest,
+)
 from megatron_spo.config import ConfigError
 from megatron_spo.fsutil import fsync_path
 from megatron_spo.models.arch import architecture, architecture_of_hf, supported_hf_classes
@@ -131,6 +140,7 @@ def write_hf_config(out_dir: str | Path, cfg: ModelConfig, extra: dict | None = 
     (Path(out_dir) / "config.json").write_text(
         json.dumps(model_config_to_hf_config(cfg, extra), indent=2) + "\n"
     )
+    add_to_manifest(out_dir, ["config.json"])  # an export's manifest (if the shards wrote one) lists it too
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
@@ -141,6 +151,7 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
             if path.is_file() and path.name not in copied:
                 shutil.copy2(path, Path(dst) / path.name)
                 copied.append(path.name)
+    add_to_manifest(dst, copied)
     return copied
 
 
@@ -223,12 +234,14 @@ class MappedSafetensors:
 
 
 class HFReader:
-    """Lazy access to the tensors of an HF checkpoint (single file or sharded with an index)."""
+    """Lazy access to the tensors of an HF checkpoint (single file or sharded with an index). Its files are checked
+    against its digest manifest first (``verify``: None follows the process switch, --no-verify)."""
 
-    def __init__(self, hf_dir: str | Path):
+    def __init__(self, hf_dir: str | Path, verify: bool | None = None):
         self.dir = Path(hf_dir)
         if not self.dir.is_dir():
             raise HFCheckpointError(f"{self.dir}: not a directory")
+        verify_checkpoint(self.dir, verify=verify)
         index = self.dir / INDEX_NAME
         self._headers: dict[str, dict] = {}
         if index.is_file():
@@ -351,6 +364,7 @@ class HFWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
+        self._digests: list[tuple[int, str]] = []
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -367,12 +381,13 @@ class HFWriter:
         path = _shard_tmp_path(self.dir, len(self._shards))
         save_file(self._pending, path, metadata={"format": "pt"})
         fsync_path(path)
+        self._digests.append(file_digest(path))  # just written: read from the page cache
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
     def close(self) -> None:
         self._flush()
-        _finalise_shards(self.dir, self._shards, self.total_bytes)
+        _finalise_shards(self.dir, self._shards, self.total_bytes, self._digests)
 
     def __enter__(self) -> HFWriter:
         return self
@@ -418,6 +433,9 @@ class HFStreamWriter:
         self._next = 0
         self._shard_of = {name: i for i, names in enumerate(self._shards) for name in names}
         self._file = None
+        self._hash = None  # the open shard's digest, updated with every byte written (no second read)
+        self._size = 0
+        self._digests: list[tuple[int, str]] = []
 
     def _tmp_path(self, shard: int) -> Path:
         return _shard_tmp_path(self.dir, shard)
@@ -433,8 +451,14 @@ class HFStreamWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         self._file = open(self._tmp_path(shard), "wb")
-        self._file.write(len(raw).to_bytes(8, "little"))
-        self._file.write(raw)
+        self._hash, self._size = new_hash(), 0
+        self._write(len(raw).to_bytes(8, "little"))
+        self._write(raw)
+
+    def _write(self, data) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self._size += memoryview(data).nbytes
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._order) or name != self._order[self._next]:
@@ -450,13 +474,14 @@ class HFStreamWriter:
         if self._file is None:
             self._open_shard(shard)
         for block in _contiguous_blocks(tensor.detach().cpu()):
-            self._file.write(block.reshape(-1).view(torch.uint8).numpy())
+            self._write(block.reshape(-1).view(torch.uint8).numpy())
         self._next += 1
         if name == self._shards[shard][-1]:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+            self._digests.append((self._size, self._hash.hexdigest()))
 
     def close(self) -> None:
         if self._next != len(self._order):
@@ -464,7 +489,7 @@ class HFStreamWriter:
                 f"HFStreamWriter: closed after {self._next} of {len(self._order)} tensors "
                 f"(next: '{self._order[self._next]}')"
             )
-        _finalise_shards(self.dir, self._shards, self.total_bytes)
+        _finalise_shards(self.dir, self._shards, self.total_bytes, self._digests)
 
     def __enter__(self) -> HFStreamWriter:
         return self
@@ -481,18 +506,22 @@ def _shard_tmp_path(out_dir: Path, shard: int) -> Path:
     return out_dir / f"shard-{shard:05d}.tmp"
 
 
-def _finalise_shards(out_dir: Path, shards: list[list[str]], total_bytes: int) -> None:
+def _finalise_shards(out_dir: Path, shards: list[list[str]], total_bytes: int,
+                     digests: list[tuple[int, str]]) -> None:
     """Both writers' last step: the fsync'd temporary shards renamed to model-0000i-of-0000n.safetensors, then
-    the index written (last, so a crash before it leaves no index pointing at missing files)."""
+    the index written (last, so a crash before it leaves no index pointing at missing files), then the digest
+    manifest of both (``digests``: each shard's (size, digest), computed by the writer)."""
     n = len(shards)
-    weight_map = {}
+    weight_map, known = {}, {}
     for i, names in enumerate(shards):
         final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         _shard_tmp_path(out_dir, i).rename(out_dir / final)
         weight_map.update({name: final for name in names})
+        known[final] = digests[i]
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     fsync_path(out_dir / INDEX_NAME)
+    write_manifest(out_dir, [*known, INDEX_NAME], known=known)
 
 
 def _contiguous_blocks(tensor: torch.Tensor):

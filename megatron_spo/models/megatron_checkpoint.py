@@ -14,7 +14,8 @@ Saving uses megatron's torch_dist format (torch.distributed.checkpoint files + m
 metadata.json) written by the calling process itself, one fsync'd file per rank: megatron's default
 writer forks worker processes and starts a spawn-based result queue, which on one process only costs
 time (and needs an ``if __name__ == "__main__":`` guard in scripts). The records are written without
-the zip CRC32 that torch.load never checks (it costs as much CPU as writing the bytes).
+the zip CRC32 that torch.load never checks (it costs as much CPU as writing the bytes); save_megatron lists every
+file in a digest manifest instead (checkpoint_digest.py), which load_megatron checks before reading.
 """
 
 from __future__ import annotations
@@ -127,6 +128,13 @@ def save_megatron(model_chunks, cfg: ModelConfig, ckpt_dir: str | Path) -> None:
     save_sharded_state_dict(_sharded_state_dict(model_chunks), ckpt_dir)
     if rank == 0:
         write_megatron_config(ckpt_dir, cfg)
+    if dist.is_initialized():
+        dist.barrier()
+    from megatron_spo.checkpoint_digest import write_manifest
+
+    write_manifest(ckpt_dir, collective=True)  # each rank digests its share of the files, rank 0 writes it
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def write_megatron_config(ckpt_dir: str | Path, cfg: ModelConfig) -> None:
@@ -142,14 +150,17 @@ def load_megatron(
     wrapping or optimizer exists (offline conversion). ``key_prefix``: the model's keys in the
     checkpoint start with it (a trainer checkpoint stores its policy under "policy.model0.").
     ``keep_own``: model keys starting with one of these are not read and keep the model's own
-    initialisation (the PPO value head, which a language-model checkpoint does not have)."""
+    initialisation (the PPO value head, which a language-model checkpoint does not have). The files are checked
+    against the checkpoint's digest manifest first, by rank 0 (the process switch: --no-verify)."""
     from megatron.core import dist_checkpointing
 
+    from megatron_spo.checkpoint_digest import verify_checkpoint
     from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}: not a megatron dist checkpoint (no metadata.json)")
+    verify_checkpoint(ckpt_dir, collective=True)
     validate_dist_checkpoint(ckpt_dir)  # before megatron unpickles anything in it
     own = tuple(key_prefix + k for k in keep_own)
     request = {name: {k: v for k, v in sd.items() if not (own and k.startswith(own))}

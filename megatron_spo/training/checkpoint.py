@@ -119,6 +119,11 @@ def resume(trainer) -> None:
         return
     step, path = payload[0]
     path = Path(path)
+    from megatron_spo.checkpoint_digest import verify_checkpoint
+
+    # every file of the step (dist/, RNG, trainer state, config) against its digest before any is read: rank 0
+    # reads them, every rank raises the same one-line error
+    verify_checkpoint(path, verify=trainer.cfg.checkpoint.verify, collective=True)
     trainer.config_changes = check_resume_config(trainer.cfg, path, trainer.run_dir)
     from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
 
@@ -169,7 +174,8 @@ def load_rng_file(path: Path) -> dict:
 
 # Fields a resume may change without checkpoint.allow_config_change: more steps, where the (re)started fleet
 # is, how the run logs, how many checkpoints it keeps, and the allowance itself.
-RESUME_FREE = ("steps", "fleet", "logging", "checkpoint.keep_last", "checkpoint.allow_config_change")
+RESUME_FREE = ("steps", "fleet", "logging", "checkpoint.keep_last", "checkpoint.allow_config_change",
+               "checkpoint.verify")
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -294,6 +294,9 @@ class CheckpointConfig(StrictModel):
     export_hf: bool = Field(True, description="write the final policy as an HF directory RUN_DIR/hf")
     allow_config_change: bool = Field(False, description="resume with a config that differs from the checkpoint's "
                                       "(the changes are logged and kept in RUN_DIR/config-history); else refused")
+    verify: bool = Field(True, description="check the files this run reads (the init checkpoint, the checkpoint it "
+                         "resumes, offline stores) against their digests, refusing a corrupt one by name; false "
+                         "(train --no-verify) for files you edited yourself")
 
 
 class LoggingConfig(StrictModel):

@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+from megatron_spo.checkpoint_digest import CheckpointDigestError, set_verify
 from megatron_spo.cli import STOP_SIGNALS, exit_while_starting
 from megatron_spo.config import ConfigError, load_config
 from megatron_spo.run_layout import Stopped
@@ -30,6 +31,7 @@ class RankExited(RuntimeError):
 def run(cfg_data: dict) -> int:
     """Train in this process (one rank of a torchrun / srun / spawn launch)."""
     cfg = TrainConfig.model_validate(cfg_data)
+    set_verify(cfg.checkpoint.verify)  # what this rank reads (init checkpoint, offline stores) follows the config
     for sig in STOP_SIGNALS:  # a spawned rank starts with the default (die silently) until the trainer's handler
         signal.signal(sig, exit_while_starting)
     try:
@@ -151,6 +153,8 @@ def launch(cfg: TrainConfig) -> None:
         name, reason = rank_failure(err)
         if name == "FleetUnavailable":
             raise FleetUnavailable(reason) from None
+        if name == "CheckpointDigestError":  # a corrupt init / resume checkpoint or store: the rank's one line
+            raise CheckpointDigestError(reason) from None
         if name == "ProcessExitedException":  # e.g. SIGTERM forwarded before the rank could handle it
             raise RankExited(f"rank {reason.removeprefix('process ')}") from None
         raise
@@ -169,9 +173,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--allow-config-change", action="store_true",
                         help="resume even though the config differs from the checkpoint's (checkpoint."
                         "allow_config_change=true): the changes are listed and kept in RUN_DIR/config-history")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="do not check the init checkpoint, the checkpoint resumed and offline stores against "
+                        "their digests (checkpoint.verify=false): for files you edited yourself; a corrupt file is "
+                        "otherwise refused naming it")
     args = parser.parse_intermixed_args(argv)
     if args.allow_config_change:
         args.overrides.append("checkpoint.allow_config_change=true")
+    if args.no_verify:
+        args.overrides.append("checkpoint.verify=false")
     from megatron_spo.memory import MemoryPreflightError
 
     # until the trainer's PreemptionHandler takes over (Trainer.__init__), SIGTERM exits at once in one line
@@ -184,6 +194,9 @@ def main(argv: list[str]) -> int:
     except (FleetUnavailable, RankExited) as err:
         print(f"megatron-spo train: error: {err}", file=sys.stderr)
         return 1
+    except CheckpointDigestError as err:
+        print(f"megatron-spo train: error: {err}", file=sys.stderr)
+        return 2
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
