@@ -31,6 +31,7 @@ from torch import Tensor
 from megatron_spo.config import ConfigError
 from megatron_spo.models.config import ModelConfig, ParallelConfig
 from megatron_spo.models.cpu_shims import apply_cpu_shims
+from megatron_spo.models.lora import LoraConfig
 from megatron_spo.models.spec import Backend, layer_spec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -208,6 +209,7 @@ def _build_chunks(
     cls,
     spec_backend: Backend | None,
     init_weights: bool = True,
+    lora: LoraConfig | None = None,
 ):
     apply_cpu_shims()
     from megatron.core import parallel_state
@@ -221,8 +223,10 @@ def _build_chunks(
             f"models: parallel config asks TP={parallel_cfg.tensor_model_parallel_size} "
             f"PP={parallel_cfg.pipeline_model_parallel_size} but the process groups are TP={tp} PP={pp}"
         )
+    if lora is not None and parallel_cfg.sequence_parallel:
+        raise ConfigError("lora: adapters do not support parallel.sequence_parallel yet")
     config = transformer_config(model_cfg, parallel_cfg, init_weights=init_weights)
-    spec, _ = layer_spec(model_cfg, spec_backend, parallel_cfg.attention_kernel)
+    spec, _ = layer_spec(model_cfg, spec_backend, parallel_cfg.attention_kernel, lora)
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -295,10 +299,21 @@ def build_policy(
     *,
     spec_backend: Backend | None = None,
     init_weights: bool = True,
+    lora: LoraConfig | None = None,
+    lora_seed: int = 0,
 ):
-    """Trainable Llama policy: list of model chunks for this rank (one per virtual pipeline stage)."""
+    """Trainable Llama policy: list of model chunks for this rank (one per virtual pipeline stage).
+
+    With ``lora`` (models/lora.py) the target linears carry adapters, A drawn from ``lora_seed`` alike in every
+    layout and B zero (the policy starts as the base), and only the adapters require grad."""
     llama_cls, _ = _classes()
-    return _build_chunks(model_cfg, parallel_cfg, llama_cls, spec_backend, init_weights)
+    chunks = _build_chunks(model_cfg, parallel_cfg, llama_cls, spec_backend, init_weights, lora)
+    if lora is not None:
+        from megatron_spo.models import lora as adapters
+
+        adapters.init_adapters(chunks, lora_seed)
+        adapters.freeze_base(chunks)
+    return chunks
 
 
 def build_reference(

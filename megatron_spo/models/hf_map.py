@@ -250,6 +250,10 @@ def iter_hf_tensors(
     tp_group = ps.get_tensor_model_parallel_group()
     is_sender_group = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     mine = {_item_key(rule, layer): param for rule, layer, param in local_entries(model_chunks)}
+    # linears with LoRA adapters (models/lora.py) hand out W + s * B A: pushes and exports carry the policy
+    from megatron_spo.models.lora import merged_weights
+
+    merged = {} if grads else merged_weights(model_chunks)
 
     # Who sends each item: the global rank of TP rank 0 in the owning stage's DP-rank-0 group.
     sender = {}
@@ -268,7 +272,7 @@ def iter_hf_tensors(
         hf: list[Tensor] | None = None
         if key in mine and is_sender_group:
             param = mine[key]
-            local = _param_value(param, grads)
+            local = merged[key]() if key in merged else _param_value(param, grads)
             if tp_size > 1 and rule.kind != "replicated":
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
                 dist.all_gather(shards, local.contiguous(), group=tp_group)

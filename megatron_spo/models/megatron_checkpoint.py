@@ -142,7 +142,8 @@ def write_megatron_config(ckpt_dir: str | Path, cfg: ModelConfig) -> None:
 
 
 def load_megatron(
-    model_chunks, ckpt_dir: str | Path, *, assign: bool = False, key_prefix: str = "", keep_own: tuple[str, ...] = ()
+    model_chunks, ckpt_dir: str | Path, *, assign: bool = False, key_prefix: str = "", keep_own: tuple[str, ...] = (),
+    keep_own_names: tuple[str, ...] = (),
 ) -> None:
     """Collective load into the chunks (any TP/PP layout).
 
@@ -150,7 +151,8 @@ def load_megatron(
     wrapping or optimizer exists (offline conversion). ``key_prefix``: the model's keys in the
     checkpoint start with it (a trainer checkpoint stores its policy under "policy.model0.").
     ``keep_own``: model keys starting with one of these are not read and keep the model's own
-    initialisation (the PPO value head, which a language-model checkpoint does not have). The files are checked
+    initialisation (the PPO value head, which a language-model checkpoint does not have); ``keep_own_names``: the
+    same for keys whose last part is one of these (LoRA's lora_A / lora_B in every layer). The files are checked
     against the checkpoint's digest manifest first, by rank 0 (the process switch: --no-verify)."""
     from megatron.core import dist_checkpointing
 
@@ -163,7 +165,11 @@ def load_megatron(
     verify_checkpoint(ckpt_dir, collective=True)
     validate_dist_checkpoint(ckpt_dir)  # before megatron unpickles anything in it
     own = tuple(key_prefix + k for k in keep_own)
-    request = {name: {k: v for k, v in sd.items() if not (own and k.startswith(own))}
+
+    def kept(key: str, prefixes: tuple[str, ...]) -> bool:
+        return bool(prefixes and key.startswith(prefixes)) or key.rsplit(".", 1)[-1] in keep_own_names
+
+    request = {name: {k: v for k, v in sd.items() if not kept(k, own)}
                for name, sd in _sharded_state_dict(model_chunks, key_prefix).items()}
     _check_keys_present(request, ckpt_dir)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -177,7 +183,7 @@ def load_megatron(
     for i, chunk in enumerate(model_chunks):
         state = {k[len(key_prefix):]: v for k, v in loaded[f"chunk{i}"].items() if not k.endswith("._extra_state")}
         missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False, assign=assign)
-        missing = [k for k in missing if not k.endswith("._extra_state") and not (keep_own and k.startswith(keep_own))]
+        missing = [k for k in missing if not k.endswith("._extra_state") and not kept(k, keep_own)]
         if missing or unexpected:
             raise ValueError(
                 f"{ckpt_dir}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"

@@ -15,6 +15,7 @@ from typing import Literal
 from megatron_spo import extras
 from megatron_spo.config import ConfigError
 from megatron_spo.models.config import ModelConfig
+from megatron_spo.models.lora import LoraConfig
 
 Backend = Literal["transformer_engine", "local"]
 AttentionKernel = Literal["sdpa", "dot_product"]
@@ -32,8 +33,18 @@ def spec_backend(prefer: Backend | None = None) -> Backend:
     return "transformer_engine" if te_usable else "local"
 
 
-def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None, attention_kernel: AttentionKernel = "sdpa"):
-    """(ModuleSpec for one decoder layer of the config's family, backend name). FP8 needs the TE spec."""
+def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None, attention_kernel: AttentionKernel = "sdpa",
+               lora: LoraConfig | None = None):
+    """(ModuleSpec for one decoder layer of the config's family, backend name). FP8 needs the TE spec.
+
+    With ``lora`` the local spec, its target linears carrying adapters (models/lora.py): TE's linear_qkv and
+    linear_fc1 fuse the input norm, so an adapter there needs the norm's output (not written yet)."""
+    if lora is not None:
+        if prefer == "transformer_engine":
+            raise ConfigError("lora: adapters are built on the local layer spec, not transformer_engine's")
+        if model_cfg.fp8:
+            raise ConfigError("lora: adapters are built on the local layer spec, which has no FP8 (model.fp8)")
+        prefer = "local"
     backend = spec_backend(prefer)
     if model_cfg.fp8 and backend != "transformer_engine":
         raise ConfigError("model.fp8 needs the transformer_engine layer spec (transformer-engine + a GPU)")
@@ -46,4 +57,8 @@ def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None, attention_
         from megatron_spo.models.attention import SDPAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if lora is not None:
+        from megatron_spo.models.lora import apply_to_spec
+
+        apply_to_spec(spec, lora)
     return spec, backend
