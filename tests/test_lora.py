@@ -3,11 +3,12 @@ off, training parity across layouts, checkpoints."""
 
 import pytest
 import torch
-from lora_helpers import LAYOUTS, layer_math_worker, random_adapters
+from lora_helpers import layer_math_worker, random_adapters
 from trainer_helpers import make_tiny_hf
 
 from megatron_spo.config import ConfigError, build_config
 from megatron_spo.models.lora import TARGETS, LoraConfig
+from megatron_spo.training.config import TrainConfig
 
 
 def test_lora_config_fields_and_scaling():
@@ -22,6 +23,25 @@ def test_lora_config_fields_and_scaling():
                        ({"bias": True}, "bias")):
         with pytest.raises(ConfigError, match=rf"^{field}: "):
             build_config(LoraConfig, bad)
+
+
+def _train_cfg(**kw):
+    return dict(init={"hf": "/nonexistent"}, **kw)
+
+
+def test_an_unknown_target_in_a_training_config_is_one_line_naming_the_field():
+    with pytest.raises(ConfigError) as err:
+        build_config(TrainConfig, _train_cfg(lora={"targets": ["linear_qkv", "q_proj"]}))
+    assert str(err.value).startswith("lora.targets: unknown target 'q_proj' (choose from linear_qkv, ")
+    assert "\n" not in str(err.value)
+
+
+def test_lora_refuses_a_reference_refresh_and_sequence_parallel_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        build_config(TrainConfig, _train_cfg(lora={}, reference_refresh_interval=5))
+    assert str(err.value).startswith("reference_refresh_interval: with lora the reference is the base model")
+    with pytest.raises(ConfigError, match=r"^lora: adapters do not support parallel.sequence_parallel yet"):
+        build_config(TrainConfig, _train_cfg(lora={}, parallel={"sequence_parallel": True}))
 
 
 @pytest.fixture(scope="module")
@@ -110,5 +130,116 @@ def test_adapter_math_matches_merged_weights_in_transformers_in_every_layout(lay
             assert torch.equal(t, base[name]), (layout, name)
 
 
-def test_layouts_cover_tp_and_pp():
-    assert set(LAYOUTS) == {(1, 1), (2, 1), (1, 2)}
+# ---------------------------------------------------------------------------------------------
+# The trainer with LoRA: parity across layouts, pi_0 without a reference model, checkpoints
+# ---------------------------------------------------------------------------------------------
+LORA = {"rank": 4, "alpha": 8}
+TRAINABLE = 3328  # the tiny Llama's adapters at rank 4 (test_adapters_keep_the_base_layers_tp_split_and_only_they_train)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, hf):
+    """SPO with LoRA, 2 steps each: TP 1 ("single"), the same without LoRA ("full"), 1 step + a resumed second
+    ("resumed"), a resume of that run onto another base model ("other-base", refused); TP 2 and PP 2 (2 ranks)."""
+    from lora_helpers import train_lora_and_dump
+    from test_trainer import _cfg
+
+    from megatron_spo.models.parallel import spawn_local
+
+    root = tmp_path_factory.mktemp("lora-runs")
+    other = make_tiny_hf(str(tmp_path_factory.mktemp("hf-other") / "tiny"), seed=1)
+
+    def run(name, tp=1, pp=1, steps=2, **kw):
+        return _cfg(root, hf, name, tp=tp, pp=pp, steps=steps, **{"lora": LORA, **kw}), str(root / f"{name}.pt")
+
+    other_base = run("resumed", steps=3, init={"hf": other}, checkpoint={"interval": 100, "allow_config_change": True})
+    spawn_local(train_lora_and_dump, 1, [run("single"), run("full", lora=None), run("resumed", steps=1),
+                                         run("resumed"), (other_base[0], str(root / "other-base.pt"))])
+    spawn_local(train_lora_and_dump, 2, [run("tp2", tp=2), run("pp2", pp=2)])
+    return root
+
+
+def _lora_record(root, name):
+    return torch.load(root / f"{name}.pt.lora.pt")
+
+
+@pytest.mark.multiproc
+@pytest.mark.megatron
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_lora_trains_alike_at_tp2_and_pp2(lora_runs, layout):
+    """Same losses, grad norms, entropies and merged weights as one process, and the same adapters."""
+    from test_trainer import _assert_trains_alike
+
+    _assert_trains_alike(lora_runs, "single", layout, "spo")
+    ref, got = _lora_record(lora_runs, "single")["adapters"], _lora_record(lora_runs, layout)["adapters"]
+    assert got.keys() == ref.keys() and len(ref) == 2 * 4 * 2
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=f"{layout}: {k}")
+    assert min(ref[k].abs().max().item() for k in ref if k.endswith("lora_B")) > 1e-4  # B left zero: trained
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["single", "tp2", "pp2"])
+def test_lora_reference_is_the_policy_with_adapters_off_bitwise_a_built_reference(lora_runs, name):
+    """After 2 steps moved the adapters, pi_0's log-probs (the policy with its adapters off) equal those of a
+    separately built reference model loaded from init, bitwise; no reference model exists in the trainer."""
+    ranks = _lora_record(lora_runs, name)["ranks"]
+    assert not any(r["reference_built"] for r in ranks)
+    last = [r["reference"] for r in ranks if r["reference"]["micro_batches"]]
+    assert last and all(r["bitwise"] for r in last)
+    assert all(r["policy_max_diff"] > 1e-4 for r in last)  # and the policy itself is not pi_0 any more
+
+
+@pytest.mark.multiproc
+def test_lora_optimizer_and_memory_hold_the_adapters_only(lora_runs):
+    lora, full = _lora_record(lora_runs, "single")["ranks"][0], _lora_record(lora_runs, "full")["ranks"][0]
+    assert lora["counts"]["trainable"] == lora["bytes"]["optimizer_params"] == TRAINABLE
+    assert lora["counts"]["frozen"] == full["counts"]["trainable"]  # the base: every parameter of the full policy
+    assert full["bytes"]["optimizer_params"] == full["counts"]["trainable"] and full["reference_built"]
+    # no reference copy: parameters are the policy's alone (the full run holds two models)
+    policy_bytes = 4 * (lora["counts"]["frozen"] + TRAINABLE)
+    assert lora["bytes"]["params"] == policy_bytes and full["bytes"]["params"] == 2 * 4 * full["counts"]["trainable"]
+    assert lora["bytes"]["grads"] == 4 * TRAINABLE  # DDP's fp32 gradient buffer: the adapters'
+    assert lora["bytes"]["optimizer_state"] < full["bytes"]["optimizer_state"] / 5
+
+
+@pytest.mark.multiproc
+def test_lora_checkpoint_holds_the_adapters_and_the_base_identity_and_resumes_exactly(lora_runs, hf):
+    import json
+
+    from megatron.core import dist_checkpointing
+
+    single = sorted((lora_runs / "single").glob("checkpoints/*/lora_base.json"))
+    assert len(single) == 1 and json.loads(single[0].read_text())["path"] == hf
+    keys = dist_checkpointing.load_tensors_metadata(str(single[0].parent / "dist"))
+    model_keys = [k for k in keys if k.startswith("policy.model0.")]
+    # megatron stacks a key's layers into one tensor: 4 targets x 2 factors
+    assert len(model_keys) == 4 * 2 and all(k.rsplit(".", 1)[-1] in ("lora_A", "lora_B") for k in model_keys)
+    assert not [k for k in keys if "word_embeddings" in k or k.endswith("linear_qkv.weight")]
+    straight, resumed = torch.load(lora_runs / "single.pt"), torch.load(lora_runs / "resumed.pt")
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=1e-7, msg=k)
+    a, b = _lora_record(lora_runs, "single")["adapters"], _lora_record(lora_runs, "resumed")["adapters"]
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-7, msg=k)
+
+
+@pytest.mark.multiproc
+def test_lora_resume_onto_another_base_model_is_refused_in_one_line(lora_runs):
+    error = (lora_runs / "other-base.pt.error").read_text()
+    assert error.startswith("init: the adapters in ") and "were trained on the base model " in error
+    assert "\n" not in error and not (lora_runs / "other-base.pt").exists()
+
+
+def test_lora_base_check_refuses_adapters_against_a_full_policy_and_back(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_spo.training.checkpoint import check_lora_base
+
+    full = SimpleNamespace(cfg=SimpleNamespace(lora=None))
+    lora = SimpleNamespace(cfg=SimpleNamespace(lora=LoraConfig()), _lora_base={"path": "/b", "digest": "d" * 64})
+    assert check_lora_base(full, tmp_path) is None
+    assert check_lora_base(lora, tmp_path).startswith(f"lora: {tmp_path} holds a full policy (written without lora)")
+    (tmp_path / "lora_base.json").write_text('{"path": "/b", "digest": "' + "d" * 64 + '"}')
+    assert check_lora_base(lora, tmp_path) is None
+    assert check_lora_base(full, tmp_path).startswith(f"lora: {tmp_path} holds LoRA adapters (written with lora set)")

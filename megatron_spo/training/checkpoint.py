@@ -31,14 +31,54 @@ def sharded_state_dict(trainer, is_loading: bool = False) -> dict:
     for name, chunks, opt in (("policy", trainer.policy, trainer.optimizer), ("value", trainer.value, trainer.value_optimizer)):
         if chunks is None:
             continue
-        model_sd = {f"model{i}": c.module.sharded_state_dict(prefix=_ckpt_prefix(name))
-                    for i, c in enumerate(chunks)}
+        model_sd = {f"model{i}": _model_state(trainer, name, c) for i, c in enumerate(chunks)}
         sd[f"{name}_model"] = model_sd
         sd[f"{name}_optimizer"] = opt.sharded_state_dict(model_sd, is_loading=is_loading)
     if trainer.cfg.reference_refresh_interval:  # the reference is a past policy, not the init weights
         sd["reference_model"] = {f"model{i}": c.sharded_state_dict(prefix=_ckpt_prefix("reference"))
                                  for i, c in enumerate(trainer.reference)}
     return sd
+
+
+def _model_state(trainer, name: str, chunk) -> dict:
+    """A model chunk's sharded state; a LoRA policy's is its adapters only (the frozen base is the init model's,
+    named by the checkpoint's lora_base.json)."""
+    sd = chunk.module.sharded_state_dict(prefix=_ckpt_prefix(name))
+    if name == "policy" and trainer.cfg.lora is not None:
+        from megatron_spo.models.lora import is_adapter_param
+
+        sd = {k: v for k, v in sd.items() if is_adapter_param(k)}
+    return sd
+
+
+def lora_base(trainer) -> dict:
+    """The init model's identity (models/lora.py base_identity), computed once per trainer."""
+    from megatron_spo.models.lora import base_identity
+
+    if getattr(trainer, "_lora_base", None) is None:
+        trainer._lora_base = base_identity(trainer.cfg.init.hf, trainer.cfg.init.megatron)
+    return trainer._lora_base
+
+
+def check_lora_base(trainer, step_dir: Path) -> str | None:
+    """Why the checkpoint's policy does not fit this run's (None: it does): adapters against a full model, or
+    adapters trained on another base model than this run's init."""
+    from megatron_spo.models.lora import BASE_IDENTITY_FILE
+
+    saved_file = step_dir / BASE_IDENTITY_FILE
+    if trainer.cfg.lora is None:
+        return None if not saved_file.is_file() else (
+            f"lora: {step_dir} holds LoRA adapters (written with lora set); resume with the lora it was written with, "
+            "or train into another run_dir")
+    if not saved_file.is_file():
+        return (f"lora: {step_dir} holds a full policy (written without lora); resume without lora, or train into "
+                "another run_dir")
+    saved, current = json.loads(saved_file.read_text()), lora_base(trainer)
+    if saved.get("digest") != current["digest"]:
+        return (f"init: the adapters in {step_dir} were trained on the base model {saved.get('path')} (digest "
+                f"{str(saved.get('digest'))[:12]}), not on this run's init {current['path']} (digest "
+                f"{current['digest'][:12]}); resume with that base model, or train into another run_dir")
+    return None
 
 
 def save(trainer) -> Path:
@@ -59,6 +99,10 @@ def save(trainer) -> Path:
             (d / "trainer_state.json").write_text(json.dumps(state))
             (d / CONFIG_NAME).write_text(dump_config(trainer.cfg))  # what a resume compares its config with
             write_model_description(trainer, d)
+            if trainer.cfg.lora is not None:  # the base model the adapters belong to
+                from megatron_spo.models.lora import BASE_IDENTITY_FILE
+
+                (d / BASE_IDENTITY_FILE).write_text(json.dumps(lora_base(trainer)) + "\n")
 
     return trainer.ckpt.save(trainer.step, write, {"world_size": trainer.world, "algo": trainer.cfg.algo})
 
@@ -125,6 +169,12 @@ def resume(trainer) -> None:
     # reads them, every rank raises the same one-line error
     verify_checkpoint(path, verify=trainer.cfg.checkpoint.verify, collective=True)
     trainer.config_changes = check_resume_config(trainer.cfg, path, trainer.run_dir)
+    problem = [check_lora_base(trainer, path) if trainer.rank == 0 else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        from megatron_spo.config import ConfigError
+
+        raise ConfigError(problem[0])
     from megatron_spo.models.dcp_metadata import validate_dist_checkpoint
 
     # checked as data, never code, before megatron unpickles anything
@@ -136,8 +186,16 @@ def resume(trainer) -> None:
     for name, chunks, opt in (("policy", trainer.policy, trainer.optimizer), ("value", trainer.value, trainer.value_optimizer)):
         if chunks is None:
             continue
+        adapters_only = name == "policy" and trainer.cfg.lora is not None
         for i, c in enumerate(chunks):
-            c.module.load_state_dict(_strip_prefix(state[f"{name}_model"][f"model{i}"], _ckpt_prefix(name)))
+            loaded = _strip_prefix(state[f"{name}_model"][f"model{i}"], _ckpt_prefix(name))
+            missing, unexpected = c.module.load_state_dict(loaded, strict=not adapters_only)
+            from megatron_spo.models.lora import is_adapter_param
+
+            missing = [k for k in missing if is_adapter_param(k)]
+            if missing or unexpected:  # (a LoRA policy's checkpoint holds its adapters only)
+                raise ValueError(f"{path}: the checkpoint's policy does not fit the model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
         opt.load_state_dict(_with_current_lr_bounds(state[f"{name}_optimizer"], opt))
     if "reference_model" in sharded:
         for i, c in enumerate(trainer.reference):

@@ -16,6 +16,7 @@ from megatron_spo.config import StrictModel
 from megatron_spo.data.config import ProvenanceSelect, TaskConfig
 from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.models.config import InitConfig, ModelConfig, ParallelConfig
+from megatron_spo.models.lora import LoraConfig
 from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rollout.config import FleetEndpoints, RolloutConfig
 
@@ -401,6 +402,10 @@ class TrainConfig(StrictModel):
         "with the squared loss (where Q0 cancels from the gradient): offline data's Q0 is of the first reference. "
         "The reference is checkpointed with the policy")
     init: InitConfig = Field(default_factory=InitConfig)
+    lora: LoraConfig | None = Field(
+        None, description="train LoRA adapters on the policy's linears instead of the whole model (models/lora.py): "
+        "the base is frozen, the optimizer holds the adapters only, and pi_0 is the policy with its adapters off "
+        "(no reference model is built). Weight pushes and the HF export carry the merged weights W + s * B A")
     model: ModelConfig | None = Field(None, description="default: read from init.hf/config.json")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -444,6 +449,11 @@ class TrainConfig(StrictModel):
         if self.batch.pack_sequences and self.parallel.attention_kernel == "dot_product":
             raise ValueError("batch.pack_sequences: megatron-core's DotProductAttention (parallel.attention_kernel "
                              "dot_product) refuses packed sequences; use attention_kernel sdpa, or pack_sequences false")
+        if self.lora is not None and self.reference_refresh_interval:
+            raise ValueError("reference_refresh_interval: with lora the reference is the base model (the adapters "
+                             "off); refreshing it would fold the adapters into the base, which is not implemented")
+        if self.lora is not None and self.parallel.sequence_parallel:
+            raise ValueError("lora: adapters do not support parallel.sequence_parallel yet")
         if self.init.hf is None and self.init.megatron is None:
             raise ValueError("init: give init.hf (an HF model directory) or init.megatron (a converted checkpoint)")
         return self

@@ -114,8 +114,11 @@ class Trainer:
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
-        self.policy = self._schedule_ready(builders.build_policy(self.model_cfg, cfg.parallel))
-        self.reference = self._schedule_ready(builders.build_reference(self.model_cfg, cfg.parallel))
+        self.policy = self._schedule_ready(builders.build_policy(self.model_cfg, cfg.parallel, lora=cfg.lora,
+                                                                 lora_seed=cfg.seed))
+        # with LoRA pi_0 is the policy with its adapters off (forward): no second model
+        self.reference = None if cfg.lora else self._schedule_ready(builders.build_reference(self.model_cfg,
+                                                                                             cfg.parallel))
         self._load_initial_weights()
         self.policy, self.optimizer = self._wrap_and_optimizer(self.policy, cfg.optimizer.lr)
         self.value = self.value_optimizer = None
@@ -154,6 +157,12 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             checkpoint.record_config(self)  # config.yaml stays the first; config-history/ gets this start's
             print(start_banner(cfg, self.model_cfg, self.world, self.step), flush=True)
+            if cfg.lora is not None:
+                from megatron_spo.models.lora import count_parameters
+
+                n = count_parameters(self.policy)
+                print(f"[megatron-spo] lora: {n['trainable']:,} trainable parameters of {n['trainable'] + n['frozen']:,} "
+                      "on rank 0; pi_0 is the policy with its adapters off (no reference model)", flush=True)
             self._print_library_warnings()
 
     # -- setup ---------------------------------------------------------------------------------
@@ -162,12 +171,14 @@ class Trainer:
         keep_own: key prefixes the init checkpoint lacks, left as the model initialised them."""
         from megatron_spo.models import hf_checkpoint, hf_map
 
-        targets = [chunks] if chunks is not None else [self.policy, self.reference]
+        targets = [chunks] if chunks is not None else [m for m in (self.policy, self.reference) if m is not None]
         if self.cfg.init.megatron:
+            from megatron_spo.models.lora import ADAPTER_PARAMS
             from megatron_spo.models.megatron_checkpoint import load_megatron
 
             for target in targets:
-                load_megatron(target, self.cfg.init.megatron, keep_own=keep_own)
+                load_megatron(target, self.cfg.init.megatron, keep_own=keep_own,
+                              keep_own_names=ADAPTER_PARAMS if self.cfg.lora else ())
         elif self.cfg.init.hf:
             reader = hf_checkpoint.HFReader(self.cfg.init.hf)
             reader.validate(self.model_cfg)
@@ -290,8 +301,9 @@ class Trainer:
         return 1.0 - real / computed
 
     def _run(self, chunks, mbs: list[TrainBatch], *, forward_only: bool, output: str,
-             loss_fn: Callable | None) -> list:
-        """One pass of megatron's schedule over the micro-batches. output: 'logp' | 'values'.
+             loss_fn: Callable | None, measure_gap: bool = True) -> list:
+        """One pass of megatron's schedule over the micro-batches. output: 'logp' | 'values'. measure_gap False: not
+        the policy's own log-probs (its adapters are off), so not the pass that measures the engines' gap.
 
         Returns, on the last pipeline stage, what loss_fn reported per micro-batch (else [])."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -300,7 +312,7 @@ class Trainer:
 
         fb = get_forward_backward_func()
         gap = None  # the first policy log-prob pass of a step measures the engines' log-prob gap
-        if output == "logp" and chunks is self.policy and self._gap_pass is not None:
+        if output == "logp" and chunks is self.policy and measure_gap and self._gap_pass is not None:
             gap, self._gap_pass = self._gap_pass, None
         layouts = self._layouts(mbs)
         packed = self.cfg.batch.pack_sequences
@@ -496,6 +508,12 @@ class Trainer:
     def forward(self, model: str, mbs: list[TrainBatch], output: str) -> list:
         """No-grad outputs of "reference" / "policy" / "value" per micro-batch (output 'logp' | 'values'), on
         the last pipeline stage (Nones elsewhere: the loss runs on the last stage only)."""
+        if model == "reference" and self.reference is None:  # LoRA: pi_0 is the frozen base, the adapters off
+            from megatron_spo.models.lora import adapters_off
+
+            with adapters_off(self.policy):
+                store = self._run(self.policy, mbs, forward_only=True, output=output, loss_fn=None, measure_gap=False)
+            return self._collect(store, len(mbs))
         chunks = {"reference": self.reference, "policy": self.policy, "value": self.value}[model]
         return self._collect(self._run(chunks, mbs, forward_only=True, output=output, loss_fn=None), len(mbs))
 
