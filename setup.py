@@ -49,6 +49,7 @@ setup(
             "liger-kernel",
             "msgspec",
             "wandb",
+            "peft",  # tests/test_lora.py: PeftModel loads the exported LoRA adapter
             # SGLang source loaded on CPU by tests/sglang_source.py: imports of the sglang modules it loads
             # (sglang itself is installed --no-deps by tools/bootstrap.sh), and httpx for FastAPI's TestClient.
             "pybase64",

@@ -35,6 +35,7 @@ def layer_math_worker(hf_dir: str, lora_data: dict, result_path: str) -> None:
         count_parameters,
         gather_adapters,
         load_adapters,
+        write_peft_adapter,
     )
     from megatron_spo.models.parallel import init_parallel
     from megatron_spo.models.pipeline import gather_logits_to_rank0
@@ -62,6 +63,8 @@ def layer_math_worker(hf_dir: str, lora_data: dict, result_path: str) -> None:
         load_adapters(chunks, full[0])
         rec["lora"] = gather_logits_to_rank0(chunks, ids, cfg.vocab_size)
         rec["set"] = gather_adapters(chunks)
+        if (tp, pp) == (2, 1) and rank == 0:  # the HF PEFT export of what TP 2 holds
+            write_peft_adapter(Path(result_path).with_name("peft-tp2"), rec["set"], lora, cfg, hf_dir)
         rec["merged"] = {n: t.clone() for n, t in iter_hf_tensors(chunks, cfg)}
         with adapters_off(chunks):
             rec["off_after"] = gather_logits_to_rank0(chunks, ids, cfg.vocab_size)

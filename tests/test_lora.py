@@ -130,6 +130,39 @@ def test_adapter_math_matches_merged_weights_in_transformers_in_every_layout(lay
             assert torch.equal(t, base[name]), (layout, name)
 
 
+def _peft_logits(hf, adapter_dir, ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.multiproc
+def test_peft_loads_the_exported_adapter_onto_the_hf_base_and_its_logits_are_ours(layer_math, hf, tmp_path_factory):
+    """The adapters TP 2 holds, exported in HF PEFT names (fused qkv split into q / k / v, fc1 into gate / up):
+    peft.PeftModel on transformers' base model gives our logits (1e-5, fp32)."""
+    import json
+
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    peft_dir = next(tmp_path_factory.getbasetemp().glob("lora*/peft-tp2"))
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    tensors = load_file(peft_dir / "adapter_model.safetensors")
+    assert len(tensors) == 2 * 7 * 2  # layers x HF modules x factors
+    q = "base_model.model.model.layers.0.self_attn.q_proj."
+    assert tensors[q + "lora_A.weight"].shape == (4, 32) and tensors[q + "lora_B.weight"].shape == (32, 4)
+    assert tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (16, 4)
+    assert tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"].shape == (64, 4)
+    logits = _peft_logits(hf, peft_dir, layer_math["ids"])
+    torch.testing.assert_close(logits, layer_math["results"]["tp2_pp1"]["lora"], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer with LoRA: parity across layouts, pi_0 without a reference model, checkpoints
 # ---------------------------------------------------------------------------------------------
@@ -243,3 +276,17 @@ def test_lora_base_check_refuses_adapters_against_a_full_policy_and_back(tmp_pat
     (tmp_path / "lora_base.json").write_text('{"path": "/b", "digest": "' + "d" * 64 + '"}')
     assert check_lora_base(lora, tmp_path) is None
     assert check_lora_base(full, tmp_path).startswith(f"lora: {tmp_path} holds LoRA adapters (written with lora set)")
+
+
+@pytest.mark.multiproc
+def test_a_lora_run_exports_its_adapters_for_peft_and_its_merged_policy(lora_runs, hf):
+    """RUN_DIR/adapter (PEFT) on the base gives the logits of RUN_DIR/hf (the merged weights W + s B A)."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(1, 61, (2, 10), generator=torch.Generator().manual_seed(0))
+    merged = AutoModelForCausalLM.from_pretrained(lora_runs / "single" / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = merged(ids).logits
+    torch.testing.assert_close(_peft_logits(hf, lora_runs / "single" / "adapter", ids), expected, rtol=1e-5, atol=1e-5)
+    assert (lora_runs / "single" / "adapter" / "digests.json").is_file()

@@ -623,6 +623,18 @@ class Trainer:
         dist.barrier()
         return out
 
+    def export_peft(self, out_dir: str | Path) -> Path:
+        """Collective (LoRA): the adapters as an HF PEFT directory (adapter_config.json + adapter_model.safetensors,
+        the policy's dtype) that peft.PeftModel.from_pretrained loads onto init.hf's model."""
+        from megatron_spo.models.lora import gather_adapters, write_peft_adapter
+
+        adapters = gather_adapters(self.policy)
+        if self.rank == 0:
+            write_peft_adapter(out_dir, adapters, self.cfg.lora, self.model_cfg, self.cfg.init.hf,
+                               dtype=next(self.policy[0].parameters()).dtype)
+        dist.barrier()
+        return Path(out_dir)
+
     # -- checkpoints (training/checkpoint.py) -------------------------------------------------
     def save_checkpoint(self) -> Path:
         if self.archive is not None:  # what a checkpoint has trained on is archived for good
@@ -659,6 +671,10 @@ class Trainer:
                 path = self.export_hf(self.run_dir / "hf")
                 if self.rank == 0:
                     print(f"[megatron-spo] final policy written to {path}", flush=True)
+                if cfg.lora is not None:
+                    path = self.export_peft(self.run_dir / "adapter")
+                    if self.rank == 0:
+                        print(f"[megatron-spo] final adapters written to {path} (HF PEFT)", flush=True)
         except Stopped as stop:  # a preemption signal while waiting (rollouts, engines): exit in seconds
             saved = self._checkpoint_finished_step()
             if self.rank == 0:
