@@ -44,6 +44,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout",
+            "pytest-xdist",  # tools/bootstrap.sh runs the suite on every core
             "ruff",
             "triton",
             "liger-kernel",

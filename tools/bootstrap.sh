@@ -67,17 +67,29 @@ fi
 if [ "$job" = quickstart ]; then
   exec "$PY" -m megatron_spo.cli quickstart "$@"
 else
-  # megatron-core 0.17+ ships only for Python 3.12: from another Python, the tests marked `megatron` run again on
-  # the newest megatron-core we accept, in a Python 3.12 venv (NEWEST_MEGATRON=0 skips this leg). Its venv (a
-  # ~5 GB torch download) builds after this Python's tests, not beside them: both are CPU-bound, so only less test
-  # work shortens CI. Measured here (2026-11-27, 2 cores, per-test CPU incl. children): the 3.11 suite 1724 CPU s
-  # (2055 before one import per launch, docs/engineering-notes.md); the leg 1578 CPU s, 26 min alone, for its 198
-  # tests: on 3.12 the torch is PyPI's CUDA build, and a process pays ~22 CPU s to import megatron-core (~6 on 3.11).
+  # megatron-core 0.17+ ships only for Python 3.12: from another Python, the leg tests (tests/conftest.py
+  # NEWEST_MEGATRON) run again on the newest megatron-core we accept, in a Python 3.12 venv (NEWEST_MEGATRON=0
+  # skips the leg). Its venv (~3 GB of CUDA torch wheels: mostly download) builds beside this Python's tests.
+  # Measured here (2026-11-28, 2 cores): the 3.11 suite 40 min in one process, 26 min on two xdist workers beside
+  # other work; the leg 26 min for all 198 megatron-marked tests, 7.5 min for its 26 representatives
+  # (docs/engineering-notes.md, "CI's time").
+  leg=0
+  if [ "${NEWEST_MEGATRON:-1}" != 0 ] && ! "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
+    leg=1; mkdir -p .cache
+    bash tools/ci_newest_megatron.sh --build-only > .cache/ci-newest-build.log 2>&1 &
+    leg_build=$!
+  fi
   log "ruff, then the tests on $("$PY" -c 'import sys; print("Python", sys.version.split()[0])')"
   "$PY" -m ruff check megatron_spo tests tools
-  "$PY" -m pytest -q "$@"
+  # pytest-xdist: one worker per core (TEST_WORKERS=0 runs in this process), each file on one worker so module
+  # fixtures are built once (tests/conftest.py groups them, the dearest first)
+  rc=0; "$PY" -m pytest -q -n "${TEST_WORKERS:-$(nproc)}" --dist loadgroup "$@" || rc=$?
   log "tests done"
-  if [ "${NEWEST_MEGATRON:-1}" != 0 ] && ! "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
+  if [ "$leg" = 1 ]; then
+    wait "$leg_build" || { cat .cache/ci-newest-build.log >&2; echo "bootstrap: the 3.12 venv did not build" >&2; exit 1; }
+    cat .cache/ci-newest-build.log
+    [ "$rc" = 0 ] || exit "$rc"
     exec bash tools/ci_newest_megatron.sh "$@"
   fi
+  exit "$rc"
 fi

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# CI's second leg: the tests marked `megatron` (those whose subject is megatron-core itself: model builds, parallel
-# layouts, conversion, checkpoints; see pyproject.toml) on the newest megatron-core the package accepts (0.19.x).
+# CI's second leg: the tests marked `newest_megatron` (one representative per megatron-core interface that changed
+# between versions: tests/conftest.py NEWEST_MEGATRON) on the newest megatron-core the package accepts (0.19.x);
+# with --all every test marked `megatron` (model builds, parallel layouts, conversion, checkpoints; see
+# pyproject.toml): run that when changing models/ or the megatron-core range.
 # megatron-core 0.17 and later ship only for Python >= 3.12, so the leg runs in a venv of Python 3.12 (pyenv's,
 # or PYTHON312=...) holding PyPI's torch 2.13.0 (on 3.12 that is the CUDA build: it runs on the CPU) and this
 # checkout installed editable.
 #   bash tools/ci_newest_megatron.sh [pytest args...]
-#   bash tools/ci_newest_megatron.sh --build-only       # the venv only
+#   bash tools/ci_newest_megatron.sh --all [pytest args...]   # every megatron-marked test (~26 min on 2 cores)
+#   bash tools/ci_newest_megatron.sh --build-only             # the venv only
 # The venv is kept under .cache/ and reused while setup.py and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +33,7 @@ if [ ! -f "$stamp" ]; then
   source tools/pkg_install.sh  # uv, else pip: ~5 GB of torch and CUDA wheels, 48 s with uv here, 301 s with pip
   pkg_install "$venv/bin/python" "torch==2.13.0"
   c312="$(mktemp)"; "$venv/bin/python" tools/torch_constraint.py > "$c312"  # a file: pip may read it after uv
-  pkg_install "$venv/bin/python" -c "$c312" "megatron-core>=0.19,<0.20" -e . pytest pytest-timeout
+  pkg_install "$venv/bin/python" -c "$c312" "megatron-core>=0.19,<0.20" -e . pytest pytest-timeout pytest-xdist
   rm -f "$c312"
   touch "$stamp"
 fi
@@ -41,7 +44,14 @@ v = md.version("megatron-core")
 assert v.startswith("0.19."), f"ci-newest: expected megatron-core 0.19.x in the venv, found {v}"
 print(f"[ci-newest] Python {sys.version.split()[0]}, megatron-core {v}, torch {md.version('torch')}")
 EOF
-log "venv ready; the tests marked megatron"
-rc=0; "$venv/bin/python" -m pytest -q -m megatron -p no:cacheprovider "$@" || rc=$?
-[ "$rc" = 5 ] && { log "no test marked megatron among the ones asked for"; rc=0; }  # pytest: nothing collected
+marker=newest_megatron; [ "${1:-}" = --all ] && { marker=megatron; shift; }
+# only the files that hold the leg's tests are collected (collection imports every test module in every worker)
+files=(); if [ "$marker" = newest_megatron ] && [ "$#" = 0 ]; then
+  mapfile -t files < <("$venv/bin/python" -c "import runpy
+for f in sorted({k.split('::')[0] for k in runpy.run_path('tests/conftest.py')['NEWEST_MEGATRON']}): print(f)")
+fi
+log "venv ready; the tests marked $marker"
+rc=0; "$venv/bin/python" -m pytest -q -m "$marker" -p no:cacheprovider -n "${TEST_WORKERS:-$(nproc)}" --dist loadgroup \
+  "${files[@]}" "$@" || rc=$?
+[ "$rc" = 5 ] && { log "no test marked $marker among the ones asked for"; rc=0; }  # pytest: nothing collected
 exit "$rc"
