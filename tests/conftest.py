@@ -41,12 +41,15 @@ NEWEST_MEGATRON = {
     "tests/test_deferred_compile.py": "the torch.compile sites megatron-core applies at import",
 }
 
-# Test files by measured cost, the dearest first: pytest-xdist (--dist loadgroup, one group per file) hands groups
-# to its workers in collection order, so the long ones start first and the short ones fill in (tools/bootstrap.sh).
+# Test files by measured cost (wall seconds on 2 cores), the dearest first: pytest-xdist (--dist loadgroup, one group
+# per file, --no-loadscope-reorder: else it orders groups by their number of tests) hands groups to its workers in
+# collection order, so the long ones start first and the short ones fill in (tools/bootstrap.sh).
 DEAREST_FIRST = (
-    "test_slurm_trainer.py", "test_trainer.py", "test_check_conversion.py", "test_slurm_flow.py",
-    "test_arch_families.py", "test_quickstart.py", "test_spo_drift.py", "test_slurm.py", "test_models.py",
-    "test_checkpoint_digest.py", "test_rollout_fleet.py", "test_algorithms_tabular.py",
+    "test_slurm_trainer.py", "test_trainer.py", "test_check_conversion.py", "test_spo_drift.py",
+    "test_arch_families.py", "test_quickstart.py", "test_algorithms_tabular.py", "test_models.py",
+    "test_rollout_fleet.py", "test_trainer_resume.py", "test_q0_pts_eval.py", "test_lora.py",
+    "test_convert_trainer_ckpt.py", "test_faults.py", "test_checkpoint_digest.py", "test_async_baselines.py",
+    "test_resume_config.py", "test_gpu_check.py", "test_archive.py", "test_extensions.py",
 )
 # Files that share one worker: their SLURM test clusters all number jobs from 1, and spo.sbatch derives its ports
 # from the job id (PORT_BASE), so two clusters at once would start ranks and routers on the same ports.

@@ -51,7 +51,7 @@ files=(); if [ "$marker" = newest_megatron ] && [ "$#" = 0 ]; then
 for f in sorted({k.split('::')[0] for k in runpy.run_path('tests/conftest.py')['NEWEST_MEGATRON']}): print(f)")
 fi
 log "venv ready; the tests marked $marker"
-rc=0; "$venv/bin/python" -m pytest -q -m "$marker" -p no:cacheprovider -n "${TEST_WORKERS:-$(nproc)}" --dist loadgroup \
+rc=0; "$venv/bin/python" -m pytest -q -m "$marker" -p no:cacheprovider -n "${TEST_WORKERS:-$(nproc)}" --dist loadgroup --no-loadscope-reorder \
   "${files[@]}" "$@" || rc=$?
 [ "$rc" = 5 ] && { log "no test marked $marker among the ones asked for"; rc=0; }  # pytest: nothing collected
 exit "$rc"
