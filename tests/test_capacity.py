@@ -110,6 +110,7 @@ def test_saved_activations_match_a_transformers_llama_exactly():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its peak RSS read 0.61x the model beside another xdist worker, 0.9-1.1x alone
 def test_memory_model_within_30_percent_of_measured_cpu_peak():
     """A real fp32 forward + backward + Adam step of a 3.5M-param Llama (batch 4 x 512) in a subprocess."""
     result = capacity.validate_on_cpu()
