@@ -26,9 +26,12 @@ NEWEST_MEGATRON = {
     "tests/test_models.py::test_hidden_states_with_fused_logprobs_give_transformers_gradients[tp1_pp2_vpp2]":
         "the interleaved schedule's backward with the fused log-prob op",
     "tests/test_models.py::test_ddp_and_distributed_optimizer_step_on_cpu": "DDP and the distributed optimizer",
-    "tests/test_trainer.py::test_virtual_pipeline_": "the trainer at PP 2 x VPP 2: schedules, p2p, its "
-                                                     "dist checkpoint and resume (0.19's optimizer groups), "
-                                                     "conversion of its checkpoint",
+    "tests/test_trainer.py::test_virtual_pipeline_trains_like_one_process[spo]": "the trainer at PP 2 x VPP 2: "
+                                                                                   "schedules and p2p",
+    "tests/test_trainer.py::test_virtual_pipeline_trains_like_one_process[ppo-3mb]": "the same with PPO's value model"
+                                                                                     " over 3 micro-batches",
+    "tests/test_trainer.py::test_virtual_pipeline_checkpoint_": "its dist checkpoint and resume (0.19's optimizer "
+                                                               "groups), conversion of its checkpoint",
     "tests/test_trainer.py::test_activation_recompute": "recompute fields of TransformerConfig",
     "tests/test_attention.py::test_attention_memory": "SDPA in megatron's core_attention slot",
     "tests/test_hostile_files.py::test_damaged_dist_checkpoint_is_one_line_naming_the_file[truncated-distcp]":

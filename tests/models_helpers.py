@@ -104,9 +104,9 @@ FAMILY_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP) on a world of 4
 PACKED_LENGTHS = torch.tensor([SEQ - 7, SEQ, 5, SEQ - 20])  # per row of tokens(): the micro-batches' packed streams
 
 
-def family_worker(hf_dirs: dict[str, str], result_path: str) -> None:
-    """For each family checkpoint and layout: logits and gradients vs transformers, and the streaming
-    export (the live weight-sync names) bit-exact against the checkpoint."""
+def family_worker(hf_dirs: dict[str, str], result_path: str, wanted: list[str]) -> None:
+    """For each family checkpoint and layout in ``wanted`` ("case/tpT_ppP"): logits and gradients vs transformers,
+    and the streaming export (the live weight-sync names) bit-exact against the checkpoint."""
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -124,6 +124,9 @@ def family_worker(hf_dirs: dict[str, str], result_path: str) -> None:
     mb_ids = [ids[0:2], ids[2:4]]
     results: dict = {}
     for case, hf_dir in hf_dirs.items():
+        layouts = [(tp, pp) for tp, pp in FAMILY_LAYOUTS if f"{case}/tp{tp}_pp{pp}" in wanted]
+        if not layouts:
+            continue
         cfg = read_hf_config(hf_dir)
         reader = HFReader(hf_dir)
         reader.validate(cfg)
@@ -133,7 +136,7 @@ def family_worker(hf_dirs: dict[str, str], result_path: str) -> None:
         def loss_fn(logits_local, index):
             return vocab_parallel_cross_entropy(logits_local[:, :-1].float().contiguous(), mb_ids[index][:, 1:]).mean()
 
-        for tp, pp in FAMILY_LAYOUTS:
+        for tp, pp in layouts:
             pcfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
             init_parallel(pcfg, cfg, seed=123)
             chunks = build_policy(cfg, pcfg)
@@ -207,6 +210,10 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Multi-process worker (runs in every spawned rank)
 # ---------------------------------------------------------------------------------------------
+def layout_name(tp: int, pp: int, vpp: int | None) -> str:
+    return f"tp{tp}_pp{pp}" + (f"_vpp{vpp}" if vpp else "")
+
+
 LAYOUTS = [  # (TP, PP, VPP); world size 4, so DP = 4 / (TP * PP)
     (1, 1, None),
     (2, 1, None),
@@ -216,7 +223,9 @@ LAYOUTS = [  # (TP, PP, VPP); world size 4, so DP = 4 / (TP * PP)
 ]
 
 
-def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
+def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str, wanted: list[str], after: bool) -> None:
+    """Each layout named in ``wanted`` (LAYOUTS' names) against transformers; with ``after``, also the TP=2 x PP=2
+    checkpoint loaded at TP=1, the reference and value models, and a DDP + distributed-optimizer step."""
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -246,7 +255,9 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
 
     mb_ids = [ids[0:2], ids[2:4]]
     for tp, pp, vpp in LAYOUTS:
-        name = f"tp{tp}_pp{pp}" + (f"_vpp{vpp}" if vpp else "")
+        name = layout_name(tp, pp, vpp)
+        if name not in wanted:
+            continue
         pcfg = ParallelConfig(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
@@ -342,6 +353,11 @@ def parallel_worker(hf_dir: str, result_path: str, ckpt_dir: str) -> None:
         del chunks
         ps.destroy_model_parallel()
 
+    if not after:
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(results, indent=2))
+        dist.destroy_process_group()
+        return
     # TP=2 x PP=2 checkpoint -> TP=1 (DP=4) model: same logits as transformers
     pcfg = ParallelConfig()
     init_parallel(pcfg, cfg, seed=7)

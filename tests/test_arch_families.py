@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import models_helpers as mh  # noqa: E402
+from selection import selected_params  # noqa: E402
 
 from megatron_spo.models import arch  # noqa: E402
 from megatron_spo.models import hf_checkpoint as hfc  # noqa: E402
@@ -37,11 +38,14 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def family_results(family_dirs, tmp_path_factory) -> dict:
+def family_results(request, family_dirs, tmp_path_factory) -> dict:
+    """Logits, gradients and export of each selected (family, layout) case, keyed "case/tpT_ppP"."""
     from megatron_spo.models.parallel import spawn_local
 
+    wanted = sorted(f"{case}/{layout}" for case, layout in
+                    selected_params(request, "test_family_matches_transformers", "case", "layout"))
     out = tmp_path_factory.mktemp("family-results") / "results.json"
-    spawn_local(mh.family_worker, 4, {k: str(v) for k, v in family_dirs.items()}, str(out))
+    spawn_local(mh.family_worker, 4, {k: str(v) for k, v in family_dirs.items()}, str(out), wanted)
     return json.loads(out.read_text())
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import models_helpers as mh  # noqa: E402
+from selection import is_selected, selected_params  # noqa: E402
 
 from megatron_spo.config import ConfigError  # noqa: E402
 from megatron_spo.models import hf_checkpoint as hfc  # noqa: E402
@@ -33,18 +34,32 @@ def hf_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def parallel_results(hf_dir, tmp_path_factory) -> dict:
+def parallel_results(request, hf_dir, tmp_path_factory) -> dict:
+    """Each selected layout's parity with transformers by name; the TP=2 x PP=2 checkpoint and what reads it when a
+    test of it is selected."""
     from megatron_spo.models.parallel import spawn_local
 
+    wanted = selected_params(request, "test_layout_matches_transformers", "layout") | selected_params(
+        request, "test_hidden_states_with_fused_logprobs_give_transformers_gradients", "layout")
+    if is_selected(request, "test_padded_vocab_columns_are_masked"):
+        wanted |= {"tp1_pp1", "tp2_pp1"}
+    after = is_selected(request, *READ_THE_TP2_PP2_CHECKPOINT)
+    if after:
+        wanted.add("tp2_pp2")
     work = tmp_path_factory.mktemp("parallel")
-    spawn_local(mh.parallel_worker, 4, str(hf_dir), str(work / "results.json"), str(work / "ckpt"))
+    spawn_local(mh.parallel_worker, 4, str(hf_dir), str(work / "results.json"), str(work / "ckpt"), sorted(wanted),
+                after)
     return {**json.loads((work / "results.json").read_text()), "ckpt_tp2pp2_dir": str(work / "ckpt")}
 
 
 # ---------------------------------------------------------------------------------------------
 # Multi-process: parity, gradients, export, checkpoint resharding
 # ---------------------------------------------------------------------------------------------
-LAYOUT_NAMES = ["tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2", "tp1_pp2_vpp2"]
+LAYOUT_NAMES = [mh.layout_name(*layout) for layout in mh.LAYOUTS]
+READ_THE_TP2_PP2_CHECKPOINT = (
+    "test_tp2_pp2_checkpoint_loads_at_tp1", "test_tp2_pp2_checkpoint_converts_to_hf_bit_exactly",
+    "test_reference_and_value_models", "test_ddp_and_distributed_optimizer_step_on_cpu",
+    "test_check_conversion_of_the_tp2_pp2_checkpoint")
 
 
 @pytest.mark.multiproc

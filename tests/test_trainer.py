@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from selection import is_selected, selected_params
 from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned, train_with_failing_pushes
 
 from megatron_spo.config import ConfigError, build_config
@@ -277,15 +278,22 @@ def hf4(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained_vpp(tmp_path_factory, hf4):
-    """2 steps of each VPP_RUNS entry at PP=2 x VPP=2 (2 ranks) and of each algorithm in one process; plus
-    the 'spo' run again as 1 step, a checkpoint, and a resumed second step."""
+def trained_vpp(request, tmp_path_factory, hf4):
+    """2 steps of each selected VPP_RUNS entry at PP=2 x VPP=2 (2 ranks) and of its algorithm in one process; plus
+    the 'spo' run again as 1 step, a checkpoint, and a resumed second step; 'ppo' for the conversion."""
+    names = selected_params(request, "test_virtual_pipeline_trains_like_one_process", "name")
+    if is_selected(request, "test_virtual_pipeline_checkpoint_resumes_exactly"):
+        names.add("spo")
+    if is_selected(request, "test_virtual_pipeline_checkpoint_converts_to_the_final_policy"):
+        names.add("ppo")
+    algos = sorted({VPP_RUNS[name][0] for name in names})
     root = tmp_path_factory.mktemp("vpp")
-    run_spawned([(_cfg(root, hf4, f"single-{algo}", algo), str(root / f"single-{algo}.pt")) for algo in ALGOS], 1)
+    run_spawned([(_cfg(root, hf4, f"single-{algo}", algo), str(root / f"single-{algo}.pt")) for algo in algos], 1)
     runs = [(_vpp_cfg(root, hf4, f"vpp-{name}", algo, budget), str(root / f"vpp-{name}.pt"))
-            for name, (algo, budget) in VPP_RUNS.items()]
-    runs += [(_vpp_cfg(root, hf4, "vpp-resumed", "spo", 48, steps=steps), str(root / "vpp-resumed.pt"))
-             for steps in (1, 2)]
+            for name, (algo, budget) in VPP_RUNS.items() if name in names]
+    if is_selected(request, "test_virtual_pipeline_checkpoint_resumes_exactly"):
+        runs += [(_vpp_cfg(root, hf4, "vpp-resumed", "spo", 48, steps=steps), str(root / "vpp-resumed.pt"))
+                 for steps in (1, 2)]
     run_spawned(runs, 2)
     return root
 
