@@ -50,9 +50,9 @@ def family_results(request, family_dirs, tmp_path_factory) -> dict:
 
 
 def test_registry_covers_the_families_and_derives_the_supported_list():
-    assert arch.names() == ["llama", "mistral", "qwen2", "qwen3"]
+    assert arch.names() == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]  # qwen3_moe: tests/test_moe.py
     assert hfc.SUPPORTED_ARCHITECTURES == (
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     assert ModelConfig.model_fields["architecture"].default == "llama"
 
 
@@ -141,7 +141,7 @@ def _raw(family_dirs, case: str, **changes) -> dict:
     [
         ("qwen2.5", {"architectures": ["Qwen2MoeForCausalLM"]},
          "unsupported architecture ['Qwen2MoeForCausalLM'] (field 'architectures'; supported: LlamaForCausalLM, "
-         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"),
+         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"),
         ("qwen2.5", {"use_sliding_window": True},
          "unsupported use_sliding_window=True (supported: False; sliding-window attention is not supported)"),
         ("qwen3", {"layer_types": ["full_attention", "sliding_attention"] * 2},

@@ -248,12 +248,12 @@ def _convert_error(hf: Path, out: Path) -> str:
 def test_unsupported_architecture(hf_dir, tmp_path):
     bad = _copy_hf(hf_dir, tmp_path / "hf")
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
     msg = _convert_error(bad, tmp_path / "out")
     assert msg == (
-        f"{bad}/config.json: unsupported architecture ['Qwen3MoeForCausalLM'] (field 'architectures'; "
-        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+        f"{bad}/config.json: unsupported architecture ['DeepseekV3ForCausalLM'] (field 'architectures'; "
+        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
     )
 
 

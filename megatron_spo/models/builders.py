@@ -30,7 +30,7 @@ from torch import Tensor
 
 from megatron_spo.config import ConfigError
 from megatron_spo.models.config import ModelConfig, ParallelConfig
-from megatron_spo.models.cpu_shims import apply_cpu_shims
+from megatron_spo.models.cpu_shims import apply_cpu_shims, apply_no_te_shims
 from megatron_spo.models.lora import LoraConfig
 from megatron_spo.models.spec import Backend, layer_spec
 
@@ -89,6 +89,28 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, 
         # (docs/engineering-notes.md, "Interleaved pipeline and batched p2p on gloo").
         batch_p2p_comm=not on_cpu,
         batch_p2p_sync=not on_cpu,
+        expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
+        **moe_config(model_cfg),
+    )
+
+
+def moe_config(model_cfg: ModelConfig) -> dict:
+    """megatron's MoE fields for the config's experts ({} for a dense model). Routing replay is always built (one
+    RouterReplay per router, idle until models/routing_replay.py gives it routes): it costs nothing unused."""
+    moe = model_cfg.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.router_topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob,  # softmax over all experts, then top-k: weights not renormalised
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_token_dispatcher_type=moe.token_dispatcher,
+        moe_grouped_gemm=False,  # SequentialMLP: one expert after another (grouped GEMMs need TE or grouped_gemm)
+        moe_enable_routing_replay=True,
     )
 
 
@@ -212,6 +234,8 @@ def _build_chunks(
     lora: LoraConfig | None = None,
 ):
     apply_cpu_shims()
+    if model_cfg.moe is not None:
+        apply_no_te_shims()
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

@@ -259,6 +259,8 @@ def _hf_skeleton(hf_dir: Path):
 
     config = AutoConfig.from_pretrained(hf_dir)
     config._attn_implementation = "sdpa"
+    if hasattr(config, "_experts_implementation"):  # transformers 5: its grouped_mm refuses odd shapes on CPU
+        config._experts_implementation = "eager"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     rotary = type(model.model.rotary_emb)(config=config)
@@ -268,9 +270,26 @@ def _hf_skeleton(hf_dir: Path):
 def _materialise(module, tensors: dict) -> None:
     """Give a meta-device module float32 CPU storage holding ``tensors`` (names relative to the module)."""
     module.to_empty(device="cpu")
-    missing, unexpected = module.load_state_dict(tensors, strict=False)
+    missing, unexpected = module.load_state_dict(_fused_experts(module, tensors), strict=False)
     if missing or unexpected:
         raise CheckError(f"transformers module {type(module).__name__}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def _fused_experts(module, tensors: dict) -> dict:
+    """transformers 5 holds a layer's experts as mlp.experts.gate_up_proj [E, 2F, H] (gate rows, then up) and
+    down_proj [E, H, F]; checkpoints (and transformers 4) name them per expert, mlp.experts.{e}.gate_proj.weight."""
+    import torch
+
+    expected = module.state_dict(keep_vars=True)
+    if "mlp.experts.gate_up_proj" not in expected or "mlp.experts.0.gate_proj.weight" not in tensors:
+        return tensors
+    out = {k: v for k, v in tensors.items() if not k.startswith("mlp.experts.")}
+    n = expected["mlp.experts.gate_up_proj"].shape[0]
+    e = [f"mlp.experts.{i}." for i in range(n)]
+    out["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([tensors[x + "gate_proj.weight"], tensors[x + "up_proj.weight"]]) for x in e])
+    out["mlp.experts.down_proj"] = torch.stack([tensors[x + "down_proj.weight"] for x in e])
+    return out
 
 
 def run_check(hf_dir, megatron_path, *, batch: int = 2, seq_len: int = 64, seed: int = 0, vocab_chunk: int = 8192,

@@ -21,6 +21,30 @@ class RopeScaling(StrictModel):
     original_max_position_embeddings: int = Field(8192, gt=0)
 
 
+class MoEConfig(StrictModel):
+    """Mixture-of-experts MLP in every decoder layer (megatron-core's MoELayer): a linear router [E, H]
+    scores the experts, each token goes to its ``router_topk`` best, whose SwiGLU outputs
+    ([H] -> [ffn_hidden_size] -> [H]) are summed with the router's probabilities as weights."""
+
+    num_experts: int = Field(gt=1, description="routed experts per layer (HF num_experts)")
+    router_topk: int = Field(gt=0, description="experts per token (HF num_experts_per_tok)")
+    ffn_hidden_size: int = Field(gt=0, description="one expert's intermediate size (HF moe_intermediate_size)")
+    norm_topk_prob: bool = Field(
+        True, description="true: softmax over the top-k logits (the k weights sum to 1); false: softmax over all "
+        "experts, then top-k (HF norm_topk_prob; megatron moe_router_pre_softmax = not this)")
+    aux_loss_coeff: float = Field(
+        0.0, ge=0, description="load-balancing loss coefficient added to the training loss's gradient (megatron "
+        "moe_aux_loss_coeff, HF router_aux_loss_coef); 0 = no load-balancing loss")
+    token_dispatcher: Literal["allgather", "alltoall"] = Field(
+        "allgather", description="megatron moe_token_dispatcher_type: how tokens reach experts on other EP ranks")
+
+    @model_validator(mode="after")
+    def _check_topk(self) -> MoEConfig:
+        if self.router_topk > self.num_experts:
+            raise ValueError(f"moe.router_topk {self.router_topk} is larger than moe.num_experts {self.num_experts}")
+        return self
+
+
 class ModelConfig(StrictModel):
     """A pre-norm RoPE decoder (RMSNorm, SwiGLU, GQA) of one registered family (models/arch/).
 
@@ -46,6 +70,7 @@ class ModelConfig(StrictModel):
     make_vocab_size_divisible_by: int = Field(128, gt=0)
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     fp8: bool = False
+    moe: MoEConfig | None = Field(None, description="mixture-of-experts MLPs (Qwen3-MoE); null = dense SwiGLU")
 
     @model_validator(mode="before")
     @classmethod
@@ -73,12 +98,16 @@ class ModelConfig(StrictModel):
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {self.num_query_groups}"
             )
-        from megatron_spo.models.arch import architecture  # the registry (imports nothing heavy)
+        from megatron_spo.models.arch import architecture, registry  # (imports nothing heavy)
 
         try:
-            problem = architecture(self.architecture).check(self)
+            family = architecture(self.architecture)
         except ValueError as err:  # unknown family: the registry's message lists the known ones
             raise ValueError(f"architecture: {err}") from None
+        if self.moe is not None and not family.experts:
+            raise ValueError(f"moe: architecture {self.architecture!r} has no experts (a mixture-of-experts family: "
+                             f"{', '.join(n for n, a in registry().items() if a.experts)})")
+        problem = family.check(self)
         if problem:
             raise ValueError(f"architecture {self.architecture!r}: {problem}")
         return self
@@ -97,7 +126,7 @@ class ModelConfig(StrictModel):
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * d if self.qk_layernorm else 0)
-        mlp = 3 * h * f
+        mlp = 3 * h * f if self.moe is None else self.moe.num_experts * (3 * h * self.moe.ffn_hidden_size + h)
         layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
@@ -110,7 +139,11 @@ class ModelConfig(StrictModel):
         vocab = self.padded_vocab_size(tp)
         bias = q + 2 * kv if self.qkv_bias else 0
         qk_norms = 2 * d if self.qk_layernorm else 0
-        layer = (2 * h * q + 2 * h * kv + 3 * h * f + bias) // tp + 2 * h + qk_norms  # norms are replicated over TP
+        if self.moe is None:
+            layer = (2 * h * q + 2 * h * kv + 3 * h * f + bias) // tp + 2 * h + qk_norms  # norms are replicated over TP
+        else:  # experts split over EP (here 1) and expert-TP (= tp); the router is replicated
+            experts = self.moe.num_experts * 3 * h * self.moe.ffn_hidden_size
+            layer = (2 * h * q + 2 * h * kv + bias + experts) // tp + self.moe.num_experts * h + 2 * h + qk_norms
         layers = math.ceil(self.num_layers / pp) * layer
         embedding = vocab * h // tp
         head = 0 if self.tie_word_embeddings else vocab * h // tp
@@ -130,6 +163,9 @@ class ParallelConfig(StrictModel):
     tensor_model_parallel_size: int = Field(1, gt=0)
     pipeline_model_parallel_size: int = Field(1, gt=0)
     virtual_pipeline_model_parallel_size: int | None = Field(None, gt=0)
+    expert_model_parallel_size: int = Field(
+        1, gt=0, description="EP: a mixture-of-experts layer's experts split over this many ranks (each expert "
+        "further split over TP, megatron's expert-tensor-parallel default)")
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     attention_kernel: Literal["sdpa", "dot_product"] = Field(
@@ -182,11 +218,12 @@ class ParallelConfig(StrictModel):
                 f"parallel.tensor_model_parallel_size {tp} does not divide model.num_query_groups "
                 f"{model.num_query_groups}"
             )
-        if model.ffn_hidden_size % tp:
+        if model.moe is None and model.ffn_hidden_size % tp:  # a MoE model's layers have experts, no dense MLP
             raise ConfigError(
                 f"parallel.tensor_model_parallel_size {tp} does not divide model.ffn_hidden_size "
                 f"{model.ffn_hidden_size}"
             )
+        self._check_experts(model, world_size)
         stages = pp * (self.virtual_pipeline_model_parallel_size or 1)
         if model.num_layers % stages:
             raise ConfigError(
@@ -198,3 +235,23 @@ class ParallelConfig(StrictModel):
             raise ConfigError("parallel.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
         if world_size is not None:
             self.data_parallel_size(world_size)
+
+    def _check_experts(self, model: ModelConfig, world_size: int | None) -> None:
+        tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
+        if model.moe is None:
+            if ep > 1:
+                raise ConfigError(f"parallel.expert_model_parallel_size {ep} needs a mixture-of-experts model "
+                                  f"(model.moe is null)")
+            return
+        if model.moe.num_experts % ep:
+            raise ConfigError(f"parallel.expert_model_parallel_size {ep} does not divide model.moe.num_experts "
+                              f"{model.moe.num_experts}")
+        if model.moe.ffn_hidden_size % tp:
+            raise ConfigError(f"parallel.tensor_model_parallel_size {tp} does not divide model.moe.ffn_hidden_size "
+                              f"{model.moe.ffn_hidden_size}")
+        expert_ranks = tp * ep * self.pipeline_model_parallel_size
+        if world_size is not None and world_size % expert_ranks:
+            raise ConfigError(
+                f"parallel: world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
+                f"expert_model_parallel_size {ep} x pipeline_model_parallel_size "
+                f"{self.pipeline_model_parallel_size} = {expert_ranks}")

@@ -78,6 +78,16 @@ def cpu_shims_needed() -> bool:
     return not torch.cuda.is_available()
 
 
+def apply_no_te_shims() -> None:
+    """What megatron-core needs without transformer-engine, CPU or GPU; idempotent. 0.16.1: the MoE router's
+    gating GEMM (moe_utils.RouterGatingLinearFunction) tests ``te_general_gemm is not None``, a name bound only
+    when TE imports (NameError otherwise); None selects its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_shims() -> bool:
     """Install the shims when no CUDA device is present. Returns True when shims are active."""
     global _APPLIED, _MODE

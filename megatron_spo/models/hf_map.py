@@ -152,27 +152,45 @@ def _unwrap(model):
     return model
 
 
-def _param(module, rule: Rule):
-    """The parameter a rule names inside ``module`` (local spec name, else the TE spec alias)."""
+def _param(module, rule: Rule, local_expert: int | None = None):
+    """The parameter a rule names inside ``module`` (local spec name, else the TE spec alias); an expert's rule
+    as local expert ``local_expert`` of this EP rank (default: its global index, as at EP 1)."""
     params = dict(module.named_parameters())
-    if rule.megatron in params:
-        return params[rule.megatron]
+    name = rule.megatron_name(local_expert)
+    if name in params:
+        return params[name]
     if rule.te_alias and rule.te_alias in params:
         return params[rule.te_alias]
-    raise KeyError(f"hf_map: parameter '{rule.megatron}' not found in {type(module).__name__}")
+    raise KeyError(f"hf_map: parameter '{name}' not found in {type(module).__name__}")
+
+
+def experts_here(cfg: ModelConfig) -> range:
+    """The global indices of the experts this EP rank holds (all of them for a dense model's empty range)."""
+    if cfg.moe is None:
+        return range(0)
+    from megatron.core import parallel_state as ps
+
+    n_local = cfg.moe.num_experts // ps.get_expert_model_parallel_world_size()
+    start = ps.get_expert_model_parallel_rank() * n_local
+    return range(start, start + n_local)
 
 
 def local_entries(model_chunks) -> Iterator[tuple[Rule, int | None, torch.nn.Parameter]]:
-    """(rule, global layer index or None, this rank's parameter) for every mapped parameter here.
-    The rules are those of the family each chunk was built for (``builders`` records its ModelConfig)."""
+    """(rule, global layer index or None, this rank's parameter) for every mapped parameter here (an expert's
+    only on the EP rank that holds it). The rules are those of the family each chunk was built for
+    (``builders`` records its ModelConfig)."""
     for chunk in model_chunks:
         model = _unwrap(chunk)
         rules = layer_rules(model.model_cfg)
+        experts = experts_here(model.model_cfg)
         if model.pre_process:
             yield EMBED_RULE, None, _param(model, EMBED_RULE)
         for layer in model.decoder.layers:
             for rule in rules:
-                yield rule, layer.layer_number - 1, _param(layer, rule)
+                if rule.expert is None:
+                    yield rule, layer.layer_number - 1, _param(layer, rule)
+                elif rule.expert in experts:
+                    yield rule, layer.layer_number - 1, _param(layer, rule, rule.expert - experts.start)
         if model.post_process:
             yield FINAL_NORM_RULE, None, _param(model, FINAL_NORM_RULE)
             head = getattr(model, "output_layer", None)
@@ -196,16 +214,18 @@ def load_hf_into_model(
     """
     from megatron.core import parallel_state
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    dense = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
+    expert = dense if cfg.moe is None else (parallel_state.get_expert_tensor_parallel_rank(),
+                                            parallel_state.get_expert_tensor_parallel_world_size())
     for rule, layer, param in local_entries(model_chunks):
+        tp_rank, tp_size = dense if rule.expert is None else expert
         hf = [get_tensor(n) for n in hf_names(rule, layer)]
         padded = param.shape[0] * tp_size if rule.kind == "vocab" else None
         shard = tp_shard(rule, to_megatron(rule, hf, cfg, padded), tp_rank, tp_size)
         if shard.shape != param.shape:
             raise ValueError(
                 f"hf_map: {hf_names(rule, layer)[0]} maps to shape {tuple(shard.shape)} but "
-                f"{rule.megatron} is {tuple(param.shape)} on this rank"
+                f"{rule.key()} is {tuple(param.shape)} on this rank"
             )
         if assign and tp_size == 1 and shard.dtype == param.dtype:
             param.data = shard.contiguous()
@@ -226,7 +246,7 @@ def _global_items(cfg: ModelConfig) -> list[tuple[Rule, int | None]]:
 
 
 def _item_key(rule: Rule, layer: int | None) -> str:
-    return rule.megatron if layer is None else f"{layer}.{rule.megatron}"
+    return rule.key() if layer is None else f"{layer}.{rule.key()}"
 
 
 def iter_hf_tensors(
@@ -246,10 +266,16 @@ def iter_hf_tensors(
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    tp_group = ps.get_tensor_model_parallel_group()
-    is_sender_group = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    mine = {_item_key(rule, layer): param for rule, layer, param in local_entries(model_chunks)}
+    # an expert's parameter is split over expert-TP and replicated over expert-DP (EP: other ranks hold other
+    # experts); every other parameter over TP and DP
+    dense = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group(),
+             ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+    expert = dense if cfg.moe is None else (
+        ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group(),
+        ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank() == 0)
+    entries = list(local_entries(model_chunks))
+    mine = {_item_key(rule, layer): param for rule, layer, param in entries}
+    groups = {_item_key(rule, layer): expert if rule.expert is not None else dense for rule, layer, _ in entries}
     # linears with LoRA adapters (models/lora.py) hand out W + s * B A: pushes and exports carry the policy
     from megatron_spo.models.lora import merged_weights
 
@@ -258,7 +284,7 @@ def iter_hf_tensors(
     # Who sends each item: the global rank of TP rank 0 in the owning stage's DP-rank-0 group.
     sender = {}
     if world > 1:
-        keys = list(mine) if is_sender_group and ps.get_tensor_model_parallel_rank() == 0 else []
+        keys = [k for k in mine if groups[k][3] and groups[k][2] == 0]
         gathered: list = [None] * world
         dist.all_gather_object(gathered, keys)
         for r, ks in enumerate(gathered):
@@ -270,7 +296,8 @@ def iter_hf_tensors(
         names = hf_names(rule, layer)
         src = sender.get(key, rank)
         hf: list[Tensor] | None = None
-        if key in mine and is_sender_group:
+        if key in mine and groups[key][3]:
+            tp_size, tp_group = groups[key][:2]
             param = mine[key]
             local = merged[key]() if key in merged else _param_value(param, grads)
             if tp_size > 1 and rule.kind != "replicated":

@@ -235,7 +235,10 @@ def adapter_layers(chunks) -> Iterator[tuple[int, str, _Adapter]]:
     for chunk in chunks:
         for layer in _unwrap(chunk).decoder.layers:
             for target, path in TARGET_PATHS.items():
-                module = layer.get_submodule(path)
+                try:
+                    module = layer.get_submodule(path)
+                except AttributeError:  # a mixture-of-experts layer has no mlp.linear_fc1 (and no adapters)
+                    continue
                 if isinstance(module, _Adapter):
                     yield layer.layer_number - 1, target, module
 

@@ -99,6 +99,7 @@ def init_parallel(
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel_cfg.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
     )
     torch.manual_seed(seed)

@@ -39,6 +39,8 @@ def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None, attention_
 
     With ``lora`` the local spec, its target linears carrying adapters (models/lora.py): TE's linear_qkv and
     linear_fc1 fuse the input norm, so an adapter there needs the norm's output (not written yet)."""
+    if lora is not None and model_cfg.moe is not None:
+        raise ConfigError("lora: adapters on mixture-of-experts layers are not built (model.moe is set)")
     if lora is not None:
         if prefer == "transformer_engine":
             raise ConfigError("lora: adapters are built on the local layer spec, not transformer_engine's")
@@ -50,9 +52,12 @@ def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None, attention_
         raise ConfigError("model.fp8 needs the transformer_engine layer spec (transformer-engine + a GPU)")
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = model_cfg.moe.num_experts if model_cfg.moe is not None else None  # MoE: SequentialMLP (TE: of TE linears)
     if backend == "transformer_engine":  # GPU path: not exercised on the CPU test machine
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.qk_layernorm), backend
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model_cfg.qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=model_cfg.qk_layernorm), backend
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    normalization="RMSNorm", qk_layernorm=model_cfg.qk_layernorm)
     if attention_kernel == "sdpa":
         from megatron_spo.models.attention import SDPAttention
 

@@ -6,6 +6,8 @@ The project's own ``ModelConfig`` describes every family with a few feature fiel
 config.json fields map onto them, which HF fields it refuses by name (sliding windows, MoE, rope types
 it cannot honour), and the HF <-> Megatron name rules of one decoder layer.
 
+Mixture-of-experts families add the router (replicated) and one fc1 + row rule per expert (``Rule.expert``).
+
 Rule kinds (TP split rules live in ``hf_map``):
   replicated  norms, the same tensor on every TP rank
   qkv         q/k/v (weights [rows, H] or biases [rows]) interleaved per KV group, TP dim 0
@@ -48,6 +50,16 @@ class Rule:
     kind: str  # "replicated" | "qkv" | "fc1" | "row" | "vocab"
     shapes: Callable[[ModelConfig], tuple[Shape, ...]]  # the HF tensors' shapes, one per name in ``hf``
     te_alias: str | None = None  # name in the Transformer Engine spec (norms fused into linears)
+    expert: int | None = None  # an expert's rule: its global index; megatron holds '{j}', the expert's index
+    #                            among the experts of the EP rank holding it (= expert at EP 1)
+
+    def megatron_name(self, local: int | None = None) -> str:
+        """The parameter's name inside its module (an expert's: as local expert ``local``, default its own index)."""
+        return self.megatron if self.expert is None else self.megatron.format(j=self.expert if local is None else local)
+
+    def key(self) -> str:
+        """A unique name of the rule within a layer (an expert's carries its global index)."""
+        return self.megatron_name()
 
 
 # --- shapes -----------------------------------------------------------------------------------
@@ -233,6 +245,7 @@ class Architecture:
     check: Callable[[ModelConfig], str | None] = lambda cfg: None  # what the family cannot express, or None
     features: dict = field(default_factory=dict)  # ModelConfig feature fields the family implies
     layer_rules: Callable[[ModelConfig], tuple[Rule, ...]] = decoder_layer_rules
+    experts: bool = False  # a mixture-of-experts family: ModelConfig.moe is set (and only here)
 
     def hf_config(self, cfg: ModelConfig, extra: dict | None = None) -> dict:
         raw = {"architectures": [self.hf_class], "model_type": self.name, **common_hf_fields(cfg),
