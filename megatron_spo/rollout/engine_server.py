@@ -6,7 +6,8 @@ Endpoints: /generate, /health, /health_generate, /model_info, /server_info (and 
 /get_model_info, /get_server_info), /get_weight_version, /flush_cache, /abort_request, /pause_generation,
 /continue_generation, /begin_weight_update, /end_weight_update, /update_weights_from_disk,
 /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
-/update_weight_version. Request and response shapes are SGLang's (protocol.py).
+/update_weight_version, and with --enable-lora /load_lora_adapter_from_tensors and /unload_lora_adapter
+(engine_lora.py; /generate's lora_path picks an adapter). Request and response shapes are SGLang's (protocol.py).
 
 What the front enforces, as SGLang's tokenizer manager does (sglang 0.5.23, managers/tokenizer_manager.py and
 tokenizer_control_mixin.py): every /generate waits while the engine is paused and then holds a reader lock
@@ -33,7 +34,9 @@ from megatron_spo.rollout.protocol import (
     PAUSE_MODES,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoraAdapterFromTensorsRequest,
     ProtocolError,
+    UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     parse_body,
@@ -62,11 +65,14 @@ class EngineServer:
         self.pause_cond: asyncio.Condition | None = None
         self.model_update_lock: RWLock | None = None
         self.live_rids: set[str] = set()
+        self.unloading: set[str] = set()  # adapters being unloaded: new requests can no longer select them
+        self.lora_lock: asyncio.Lock | None = None
         self.startup_time = time.time()
 
     async def on_startup(self, app) -> None:
         self.pause_cond = asyncio.Condition()
         self.model_update_lock = RWLock()
+        self.lora_lock = asyncio.Lock()
         self.scheduler.start()
 
     async def on_cleanup(self, app) -> None:
@@ -98,6 +104,8 @@ class EngineServer:
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     async def on_scheduler(self, fn, *args):
@@ -141,12 +149,14 @@ class EngineServer:
     async def server_info(self, request):
         from aiohttp import web
 
-        s = self.scheduler
+        s, lora = self.scheduler, self.engine.lora
         return web.json_response({
             "model_path": self.engine.model_path, "tokenizer_path": self.engine.model_path,
             "served_model_name": self.served_model_name, "max_context_length": self.engine.max_context_length,
             "version": "megatron-spo-local", "host": self.host, "port": self.port, "tp_size": self.engine.tp_size,
             "dp_size": 1, "enable_deterministic_inference": self.engine.deterministic,
+            "enable_lora": lora is not None, "max_lora_rank": None if lora is None else lora.max_rank,
+            "lora_target_modules": None if lora is None else list(lora.target_modules),
             "startup_time": self.startup_time,
             "internal_states": [{"weight_version": s.weight_version, "paused": s.paused or self.is_pause,
                                  "weight_update_session_open": s.session_open, **dict(s.stats)}],
@@ -176,12 +186,13 @@ class EngineServer:
         except ValueError as err:
             return _error(400, f"invalid JSON body: {err}")
         params, n = req.sampling_params, req.sampling_params.n
-        reqs = [Req(prompt, params, rid) for prompt, rid in zip(
+        reqs = [Req(prompt, params, rid, lora=req.lora_path) for prompt, rid in zip(
             [p for p in req.prompts for _ in range(n)], _sample_rids(req.rid, len(req.prompts), n))]
         try:
             for r in reqs:
                 self.engine.check(r)
-        except ProtocolError as err:
+            self._check_lora(req.lora_path)
+        except (ProtocolError, ValueError) as err:
             return _error(400, str(err))
         duplicate = next((r.rid for r in reqs if r.rid in self.live_rids), None)
         if duplicate is not None or len({r.rid for r in reqs}) < len(reqs):
@@ -216,6 +227,19 @@ class EngineServer:
             items.append({"text": self.engine.decode(r.output_ids, params.skip_special_tokens),
                           "output_ids": r.output_ids, "meta_info": meta})
         return web.json_response(items if (req.is_batch or n > 1) else items[0])
+
+    def _check_lora(self, name: str | None) -> None:
+        """SGLang's tokenizer manager: an adapter must be loaded (and not being unloaded) to be selected."""
+        if name is None:
+            return
+        if self.engine.lora is None:
+            raise ValueError(f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server "
+                             "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter "
+                             "endpoint.")
+        if name in self.unloading:
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {name}\n"
+                             f"Loaded adapters: {[a for a in self.engine.lora.adapters if a not in self.unloading]}.")
+        self.engine.lora.check_request(name)
 
     async def _run(self, reqs: list[Req]) -> None:
         loop = asyncio.get_running_loop()
@@ -347,6 +371,63 @@ class EngineServer:
                                   "new_version": version})
 
 
+    # --- LoRA adapters ---------------------------------------------------------------------------
+    def _lora_reply(self, success: bool, error: str = ""):
+        from aiohttp import web
+
+        loaded = {} if self.engine.lora is None else {n: "__tensor__" for n in self.engine.lora.adapters}
+        (log.info if success else log.error)("lora adapters: %s", error or f"loaded {sorted(loaded)}")
+        return web.json_response({"success": success, "error_message": error, "loaded_adapters": loaded},
+                                 status=200 if success else 400)
+
+    async def load_lora_adapter_from_tensors(self, request):
+        """SGLang's: each TP rank reads its own payload (index tp_rank) and slices the full adapter; here rank 0's is
+        loaded after checking every rank has one. Loaded between two decode steps, no pause."""
+        from megatron_spo.rollout.adapter_push import deserialize_adapter
+
+        try:
+            body = parse_body(LoadLoraAdapterFromTensorsRequest, await _json(request),
+                              "/load_lora_adapter_from_tensors")
+        except ProtocolError as err:
+            return self._lora_reply(False, str(err))
+        if self.engine.lora is None:
+            return self._lora_reply(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        payloads = body.serialized_named_tensors
+        if not isinstance(payloads, list) or len(payloads) < self.engine.tp_size:
+            return self._lora_reply(False, f"serialized_named_tensors holds {len(payloads or [])} payloads, one per TP "
+                                    f"rank is needed (tp_size {self.engine.tp_size})")
+        async with self.lora_lock:
+            try:
+                tensors = deserialize_adapter(payloads[0], body.load_format)
+                await self.on_scheduler(self.engine.lora.load, body.lora_name, body.config_dict, tensors)
+            except Exception as err:  # a refused adapter leaves the loaded ones as they were
+                return self._lora_reply(False, str(err))
+        return self._lora_reply(True)
+
+    async def unload_lora_adapter(self, request):
+        """New requests can no longer select it at once; it goes when the requests using it have finished."""
+        try:
+            body = parse_body(UnloadLoraAdapterRequest, await _json(request), "/unload_lora_adapter")
+        except ProtocolError as err:
+            return self._lora_reply(False, str(err))
+        lora = self.engine.lora
+        if lora is None:
+            return self._lora_reply(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        name = body.lora_name
+        async with self.lora_lock:
+            if name not in lora.adapters or name in self.unloading:
+                return self._lora_reply(False, f"LoRA with name {name} does not exist. Loaded LoRAs: "
+                                        f"{[a for a in lora.adapters if a not in self.unloading]}")
+            self.unloading.add(name)
+            try:
+                while any(r.lora == name for r in await self.on_scheduler(self.scheduler.live_reqs)):
+                    await asyncio.sleep(0.02)
+                await self.on_scheduler(lora.unload, name)
+            finally:
+                self.unloading.discard(name)
+        return self._lora_reply(True)
+
+
 def _sample_rids(rid: str | list[str] | None, num_prompts: int, n: int) -> list[str]:
     """One id per sample, prompt-major, as SGLang assigns them: the given rid for one prompt and n = 1,
     rid_i for a batch of one string rid, the listed rids for n = 1, and fresh ids for every sample of n > 1
@@ -390,9 +471,8 @@ class _DropGrpcProbes(logging.Filter):
         return not (record.exc_info and "PRI/Upgrade" in str(record.exc_info[1]))
 
 
-def main(argv: list[str]) -> int:
-    import torch
-
+def build_parser() -> argparse.ArgumentParser:
+    """megatron-spo serve's flags (SGLang's names where SGLang has the flag)."""
     parser = argparse.ArgumentParser(prog="megatron-spo serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="HF model directory (config + safetensors + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -406,11 +486,24 @@ def main(argv: list[str]) -> int:
                         help="ranks this engine takes in a weight-update group (stands in for SGLang's TP size)")
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="sampling_seed takes effect (SGLang's flag; the n samples of a request share it)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters loaded at run time (SGLang's flag; needs the two below)")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank it takes")
+    parser.add_argument("--lora-target-modules", nargs="*", default=None,
+                        help="HF module names adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj "
+                             "down_proj, or all)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--health-timeout", type=float, default=None,
                         help="seconds /health waits while generation is paused before it answers 503, as SGLang's "
                              "one-token health generation does (default: SGLANG_HEALTH_CHECK_TIMEOUT or 20)")
     parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine:%(port)s %(levelname)s %(message)s"
                         .replace("%(port)s", str(args.port)))
@@ -419,6 +512,14 @@ def main(argv: list[str]) -> int:
         parser.error(f"--model '{args.model}' is not a directory")
     if args.tp_size < 1:
         parser.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    lora = None
+    if args.enable_lora:
+        if not args.max_lora_rank or not args.lora_target_modules:
+            parser.error("--enable-lora needs --max-lora-rank and --lora-target-modules (there are no --lora-paths "
+                         "to infer them from)")
+        lora = {"max_rank": args.max_lora_rank, "target_modules": args.lora_target_modules}
+    elif args.max_lora_rank or args.lora_target_modules:
+        parser.error("--max-lora-rank / --lora-target-modules need --enable-lora")
     if args.threads:
         torch.set_num_threads(args.threads)
     from aiohttp import web
@@ -427,8 +528,8 @@ def main(argv: list[str]) -> int:
 
     try:
         engine = LocalEngine(args.model, dtype=args.dtype, device=args.device, seed=args.seed, tp_size=args.tp_size,
-                             deterministic=args.enable_deterministic_inference)
-    except MemoryPreflightError as err:
+                             deterministic=args.enable_deterministic_inference, lora=lora)
+    except (MemoryPreflightError, ValueError) as err:  # ValueError: a LoRA flag the engine cannot serve
         print(f"megatron-spo serve: error: {err}", file=sys.stderr)
         return 2
     server = EngineServer(engine, host=args.host, port=args.port, max_batch_size=args.max_batch_size,

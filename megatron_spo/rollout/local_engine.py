@@ -15,13 +15,16 @@ between two steps, carries out control operations with SGLang's rules:
 - a weight version change is recorded in every live request that already has output, so each response
   says which version produced which of its tokens (meta_info.weight_versions);
 - ``sampling_seed`` acts only with deterministic inference on, and then every sample of a request shares it
-  (unseeded requests use seed 42): n samples of one seeded request are identical, as on SGLang.
+  (unseeded requests use seed 42): n samples of one seeded request are identical, as on SGLang;
+- with LoRA enabled (``lora=``), a request samples from the adapter it names (``lora_path``; engine_lora.py); a
+  batch holds the requests of one adapter, the next waiting adapter's requests form the next batch.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import glob
 import inspect
 import logging
@@ -67,6 +70,7 @@ class Req:
     finish: dict[str, Any] | None = None
     version_events: list[tuple[str, int]] = field(default_factory=list)  # (version replaced, output tokens then)
     retractions: int = 0
+    lora: str | None = None  # the adapter it samples from (None: the base model)
     spans: list[dict[str, Any]] | None = None  # weight_version_spans, taken when it finished
     error: BaseException | None = None
     on_finish: Callable[[Req], None] | None = field(default=None, repr=False)
@@ -115,7 +119,7 @@ class LocalEngine:
     sender that counts the group wrong fails here as it would against a real TP engine."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
-                 tp_size: int = 1, deterministic: bool = False):
+                 tp_size: int = 1, deterministic: bool = False, lora: dict | None = None):
         from transformers import AutoModelForCausalLM
 
         if tp_size < 1:
@@ -137,6 +141,11 @@ class LocalEngine:
         self.tp_size, self.deterministic = tp_size, deterministic
         self.rng = torch.Generator().manual_seed(seed)
         self.update_groups: dict[str, list] = {}  # group name -> one process group per TP rank
+        self.lora = None  # engine_lora.EngineLora with --enable-lora: {"max_rank": R, "target_modules": [...]}
+        if lora is not None:
+            from megatron_spo.rollout.engine_lora import EngineLora
+
+            self.lora = EngineLora(self.model, **lora)
 
     # ---------------------------------------------------------------------------------------------
     # generation
@@ -242,6 +251,11 @@ class LocalEngine:
             destroy_custom_process_group(group)
 
 
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
 def _on_tp_ranks(tp_size: int, fn: Callable[[int], Any]) -> list:
     if tp_size == 1:
         return [fn(0)]
@@ -258,6 +272,9 @@ class Batch:
         from transformers import DynamicCache
 
         self.engine, self.reqs = engine, reqs
+        self.lora = reqs[0].lora  # the scheduler batches the requests of one adapter
+        if any(r.lora != self.lora for r in reqs):
+            raise ValueError("a batch holds the requests of one LoRA adapter")
         self.active = [not r.finished for r in reqs]
         for i, r in enumerate(reqs):
             if self.active[i] and len(r.output_ids) >= r.params.max_new_tokens:
@@ -303,8 +320,9 @@ class Batch:
         """Sample one token for every active request; returns the requests that finished (this step or by a
         ``finish`` since the last step)."""
         engine = self.engine
-        out = engine.model(input_ids=self.next_ids, attention_mask=self.mask, position_ids=self.next_positions,
-                           use_cache=True, **self.cache)
+        with engine.lora.active(self.lora) if engine.lora is not None else _nothing():
+            out = engine.model(input_ids=self.next_ids, attention_mask=self.mask, position_ids=self.next_positions,
+                               use_cache=True, **self.cache)
         logits = out.logits[:, -1, :].float().cpu()  # sampling on CPU: per-row CPU generators
         generators = [engine.generator(r) for r in self.reqs]
         tokens, logprobs = _sample(logits, self.temperature, self.top_p, self.top_k, self.min_p, self.greedy,
@@ -434,7 +452,11 @@ class Scheduler:
         """Next batch from the waiting queue (called with the lock held)."""
         if not self.waiting:
             return None
-        reqs = [self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))]
+        lora, reqs, others = self.waiting[0].lora, [], collections.deque()
+        while self.waiting and len(reqs) < self.max_batch_size:  # the first waiting request's adapter, in order
+            req = self.waiting.popleft()
+            (reqs if req.lora == lora else others).append(req)
+        self.waiting.extendleft(reversed(others))
         batch = Batch(self.engine, reqs)
         self._deliver(batch.finished_now)  # max_new_tokens 0, or a retracted request that had reached it
         batch.finished_now = []

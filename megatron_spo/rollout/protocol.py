@@ -114,6 +114,7 @@ class GenerateRequest:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     rid: str | list[str] | None = None
+    lora_path: str | None = None  # the name of a loaded LoRA adapter; None: the base model
 
     @property
     def is_batch(self) -> bool:
@@ -131,6 +132,8 @@ class GenerateRequest:
         }
         if self.rid is not None:
             body["rid"] = self.rid
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
         return body
 
     @classmethod
@@ -158,7 +161,11 @@ class GenerateRequest:
             raise ProtocolError("/generate: rid must be a string or a list of strings")
         if isinstance(rid, list) and len(rid) != len(prompts):
             raise ProtocolError(f"/generate: {len(rid)} rids for a batch of {len(prompts)} prompts")
-        return cls(input_ids=ids, sampling_params=SamplingParams.from_json(sp), return_logprob=rlp, rid=rid)
+        lora = body.get("lora_path")
+        if lora is not None and not isinstance(lora, str):
+            raise ProtocolError("/generate: lora_path must be one adapter name (a string) for the whole request")
+        return cls(input_ids=ids, sampling_params=SamplingParams.from_json(sp), return_logprob=rlp, rid=rid,
+                   lora_path=lora)
 
 
 @dataclass
@@ -295,6 +302,48 @@ class UpdateWeightsFromDistributedRequest:
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class UpdateWeightVersionRequest:
+    """POST /update_weight_version: the engine's weight_version becomes new_version (an adapter push sets it
+    after loading the adapter, with abort_all_requests False: requests on the old adapter finish on it)."""
+
+    new_version: str
+    abort_all_requests: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA adapter bodies (sglang io_struct: LoadLoRAAdapterFromTensorsReqInput, UnloadLoRAAdapterReqInput)
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class LoadLoraAdapterFromTensorsRequest:
+    """POST /load_lora_adapter_from_tensors. ``serialized_named_tensors``: one base64 payload per engine TP rank,
+    each the whole unsharded adapter in HF PEFT names (the engine slices it); ``config_dict``: the PEFT
+    adapter_config.json; ``load_format`` "flattened_bucket": a payload is {"flattened_tensor", "metadata"}
+    (SGLang's FlattenedTensorBucket), None: a {name: tensor} dict. A loaded name cannot be loaded again."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    load_format: str | None = "flattened_bucket"
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class UnloadLoraAdapterRequest:
+    """POST /unload_lora_adapter: new requests can no longer select it; it goes once its requests finished."""
+
+    lora_name: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def parse_body(cls: type, body: Any, endpoint: str):

@@ -1,0 +1,273 @@
+"""LoRA adapter pushes (rollout/adapter_push.py, engine_lora.py; issue 46): the engine flags and request bodies held to
+SGLang's own parsers, the payload read by SGLang's own deserializer, the local engine serving an adapter as the merged
+weights would, versioned names without a window, and bad input refused in one line naming the field."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from lora_helpers import random_adapters
+from rollout_helpers import ServerThread
+from trainer_helpers import VOCAB, make_tiny_hf
+
+from megatron_spo.config import ConfigError
+from megatron_spo.models.lora import TARGETS, LoraConfig, adapter_key, peft_tensors
+from megatron_spo.rollout import adapter_push as ap
+from megatron_spo.rollout.client import get_json, post_json
+from megatron_spo.rollout.protocol import (
+    GenerateRequest,
+    LoadLoraAdapterFromTensorsRequest,
+    SamplingParams,
+    UnloadLoraAdapterRequest,
+    UpdateWeightVersionRequest,
+)
+
+LORA = LoraConfig(rank=4, alpha=8, rslora=True)  # scaling alpha / sqrt(r) = 4: SGLang is told lora_alpha 16
+MODULES = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def megatron_adapters(cfg, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """Full adapters keyed as gather_adapters gives them (every layer, every target), random both factors."""
+    d = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    dims = {"linear_qkv": (h, (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d),
+            "linear_proj": (cfg.num_attention_heads * d, h), "linear_fc1": (h, 2 * f), "linear_fc2": (f, h)}
+    shapes = {}
+    for layer in range(cfg.num_layers):
+        for target in TARGETS:
+            fan_in, fan_out = dims[target]
+            shapes[adapter_key(layer, target, "lora_A")] = (rank, fan_in)
+            shapes[adapter_key(layer, target, "lora_B")] = (fan_out, rank)
+    return random_adapters(shapes, seed)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return make_tiny_hf(str(tmp_path_factory.mktemp("hf") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def model_cfg(hf):
+    from megatron_spo.models.hf_checkpoint import read_hf_config
+
+    return read_hf_config(hf)
+
+
+@pytest.fixture(scope="module")
+def peft(model_cfg):
+    """Two versions' adapters in HF PEFT names, as the trainer pushes them."""
+    return [peft_tensors(megatron_adapters(model_cfg, LORA.rank, seed), model_cfg) for seed in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def engine(hf, model_cfg):
+    """A local engine started with LoRA as engine_lora_args says, over HTTP."""
+    from megatron_spo.net import free_port
+    from megatron_spo.rollout.engine_server import build_parser
+    from megatron_spo.rollout.local_engine import LocalEngine
+
+    args = build_parser().parse_args(["--model", hf, *ap.engine_lora_args(LORA, model_cfg)])
+    lora = {"max_rank": args.max_lora_rank, "target_modules": args.lora_target_modules}
+    with ServerThread(LocalEngine(hf, lora=lora), free_port()) as server:
+        yield server
+
+
+def test_engine_flags_are_sglangs_own(hf, model_cfg):
+    """SGLang's launcher parses the flags to the LoRA shape the trainer's config has (`serve` takes the same: the
+    engine fixture), and the pusher reads that shape back under SGLang's server-arg names."""
+    from sglang_source import parse_sglang_server_argv, sglang_available
+
+    flags = ap.engine_lora_args(LORA, model_cfg)
+    assert flags == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", *MODULES]
+    if not sglang_available():
+        pytest.skip("sglang source not installed")
+    args = parse_sglang_server_argv(["--model-path", hf, "--tp-size", "2", *flags])
+    assert (args.enable_lora, args.max_lora_rank, sorted(args.lora_target_modules)) == (True, 4, MODULES)
+    # SGLang's /server_info is its server args by field name: what the pusher reads from it
+    info = {k: getattr(args, k) for k in ("enable_lora", "max_lora_rank", "lora_target_modules", "tp_size",
+                                          "model_path")}
+    assert ap.EngineLora.from_server_info("u", info) == ap.EngineLora("u", True, 4, MODULES, 2, hf)
+
+
+def test_push_bodies_pass_sglangs_io_struct_and_its_deserializer(peft, model_cfg):
+    """/load_lora_adapter_from_tensors (TP 2: two payloads), /unload_lora_adapter, /update_weight_version and a
+    /generate with lora_path, through SGLang's FastAPI body parse; each rank's payload through the TP worker's own
+    path (MultiprocessingSerializer.deserialize -> FlattenedTensorBucket.reconstruct_tensors): the tensors exactly;
+    the config through SGLang's target-module normalisation and scaling rule."""
+    sglang_source = pytest.importorskip("sglang_source")
+    if not sglang_source.sglang_available():
+        pytest.skip("sglang source not installed")
+    io = sglang_source.io_struct()
+    config = ap.push_config_dict(LORA, model_cfg, "/models/base")
+    payload = __import__("base64").b64encode(ap.serialize_adapter(peft[0])).decode()
+    body = LoadLoraAdapterFromTensorsRequest(lora_name="policy-v1-ab", config_dict=config,
+                                             serialized_named_tensors=[payload, payload]).to_json()
+    req = sglang_source.parse_http_body(io.LoadLoRAAdapterFromTensorsReqInput, body)
+    assert (req.lora_name, req.load_format, req.pinned, req.config_dict) == ("policy-v1-ab", "flattened_bucket",
+                                                                            False, config)
+    with sglang_source.sglang_imports():
+        common = sglang_source.load_module("sglang.srt.utils.common")
+        bucket_cls = sglang_source.load_module("sglang.srt.weight_sync.tensor_bucket").FlattenedTensorBucket
+        for rank_payload in req.serialized_named_tensors:  # bytes after the body parse (Base64Bytes)
+            data = common.MultiprocessingSerializer.deserialize(rank_payload)
+            tensors = dict(bucket_cls(flattened_tensor=data["flattened_tensor"],
+                                      metadata=data["metadata"]).reconstruct_tensors())
+            assert list(tensors) == list(peft[0])
+            assert all(torch.equal(tensors[k], peft[0][k]) for k in peft[0])
+    assert len(peft[0]) == 2 * 7 * model_cfg.num_layers
+    # SGLang's LoRAConfig reads r / lora_alpha / target_modules; its adapter scales by lora_alpha / r
+    assert config["lora_alpha"] / config["r"] == LORA.scaling == 4.0 and config["use_rslora"] is False
+    namespace = {"Union": __import__("typing").Union, "Iterable": __import__("typing").Iterable}
+    utils = sglang_source.sglang_root() + "/srt/lora/utils.py"
+    normalize = sglang_source.compile_definitions(utils, ["get_normalized_target_modules"],
+                                                  namespace)["get_normalized_target_modules"]
+    assert normalize(config["target_modules"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert normalize(config["target_modules"]) <= normalize(MODULES)  # the memory pool's can_support
+    unload = sglang_source.parse_http_body(io.UnloadLoRAAdapterReqInput, UnloadLoraAdapterRequest("policy-v1-ab")
+                                           .to_json())
+    assert unload.lora_name == "policy-v1-ab"
+    version = sglang_source.parse_http_body(io.UpdateWeightVersionReqInput,
+                                            UpdateWeightVersionRequest("1", abort_all_requests=False).to_json())
+    assert (version.new_version, version.abort_all_requests) == ("1", False)
+    gen = GenerateRequest(input_ids=[1, 2], sampling_params=SamplingParams(max_new_tokens=2), lora_path="policy-v1-ab")
+    assert sglang_source.parse_http_body(io.GenerateReqInput, gen.to_json()).lora_path == "policy-v1-ab"
+
+
+def _merged_logits(hf, tensors, scaling, ids):
+    """transformers' model with W + scaling * B A folded in from the PEFT tensors (independent of engine_lora)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if key.endswith("lora_A.weight"):
+                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = tensors[key.replace("lora_A", "lora_B")]
+                params[f"{module}.weight"] += scaling * b @ a
+        return model(torch.tensor([ids])).logits[0]
+
+
+def test_an_adapter_push_serves_the_merged_policy_with_an_exact_version(engine, hf, peft, model_cfg):
+    """Pushed over HTTP (no pause), the local engine's logits under the adapter are the merged weights' (1e-5), the
+    base's without it; the engine reports the pushed version; /generate with its name samples from it."""
+    pusher = ap.AdapterPusher([engine.url], ap.push_config_dict(LORA, model_cfg, hf), base_dir=hf)
+    report = pusher.push(peft[0], version=1)
+    assert report.engines_updated == [engine.url] and not report.failed
+    assert report.adapter_bytes == sum(t.numel() * 4 for t in peft[0].values())
+    assert ap.adapter_version(report.lora_name) == 1
+    ids = [3, 7, 11, 5, 2]
+    with torch.no_grad(), engine.engine.lora.active(report.lora_name):
+        served = engine.engine.model(torch.tensor([ids])).logits[0]
+    with torch.no_grad():
+        base = engine.engine.model(torch.tensor([ids])).logits[0]
+    merged = _merged_logits(hf, peft[0], LORA.scaling, ids)
+    assert (served - merged).abs().max().item() < 1e-5
+    assert (served - base).abs().max().item() > 1e-2
+    assert get_json(f"{engine.url}/get_weight_version", 10)[1] == {"weight_version": "1"}
+    body = GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=1, temperature=0),
+                           return_logprob=True, lora_path=report.lora_name).to_json()
+    status, out = post_json(f"{engine.url}/generate", body, 30)
+    assert status == 200 and out["output_ids"] == [int(merged[-1].argmax())]
+    pusher.retire()
+    pusher.close()
+
+
+def test_versioned_names_leave_no_window_and_retire_after_their_requests(engine, hf, peft, model_cfg):
+    """v2 loads beside v1; after the switch v1 is unloaded, but only once the request running on it has finished
+    (all its tokens, not aborted); a request naming v1 afterwards is refused with SGLang's text."""
+    from megatron_spo.rollout.client import EngineClient
+
+    pusher = ap.AdapterPusher([engine.url], ap.push_config_dict(LORA, model_cfg, hf), base_dir=hf)
+    first = pusher.push(peft[0], version=1)
+    second = pusher.push(peft[1], version=2)
+    assert {first.lora_name, second.lora_name} <= set(engine.engine.lora.adapters)
+
+    async def run_while_retiring():
+        client = EngineClient(engine.url)
+        params = SamplingParams(max_new_tokens=48, temperature=1.0, ignore_eos=True)
+        running = asyncio.create_task(client.generate([[1, 2, 3]], params, lora_path=first.lora_name))
+        await asyncio.sleep(0.05)
+        retired = await asyncio.get_running_loop().run_in_executor(None, pusher.retire)
+        completions = await running
+        await client.close()
+        return completions[0][0], retired
+
+    completion, retired = asyncio.run(run_while_retiring())
+    assert completion.finish_reason == "length" and len(completion.output_ids) == 48
+    assert first.lora_name in retired[engine.url]
+    assert list(engine.engine.lora.adapters) == [second.lora_name]
+    body = GenerateRequest(input_ids=[1, 2], sampling_params=SamplingParams(max_new_tokens=2),
+                           lora_path=first.lora_name).to_json()
+    status, out = post_json(f"{engine.url}/generate", body, 30)
+    assert status == 400 and out["error"]["message"].startswith(
+        f"The following requested LoRA adapters are not loaded: {first.lora_name}")
+    assert get_json(f"{engine.url}/get_weight_version", 10)[1] == {"weight_version": "2"}
+    pusher.close()
+
+
+def test_bad_input_is_one_line_naming_the_field(engine, hf, tmp_path, model_cfg, peft, monkeypatch):
+    """A rank above the engines' --max-lora-rank, a target they were not started with, an adapter of another base,
+    engines without LoRA under lora.push=adapter, a target the family's layers lack; and the engine's own refusals
+    (SGLang's text) of a rank it cannot hold and of tensors that do not fit its base."""
+    info = get_json(f"{engine.url}/server_info", 10)[1]
+    served = ap.EngineLora.from_server_info(engine.url, info)
+    assert (served.enabled, served.max_rank, served.target_modules) == (True, 4, MODULES)
+    errors = {}
+    for key, lora, eng, base in (
+            ("rank", LoraConfig(rank=8), served, None),
+            ("targets", LORA, ap.EngineLora(engine.url, True, 4, ["q_proj", "v_proj"], 1, hf), None),
+            ("base", LORA, served, ap.hf_dims(make_tiny_hf(str(tmp_path / "other"), num_layers=3))),
+            ("off", LORA, ap.EngineLora(engine.url, False, None, None, 1, hf), None)):
+        with pytest.raises(ap.AdapterPushError) as err:
+            ap.check_engine(eng, ap.push_config_dict(lora, model_cfg), base)
+        errors[key] = str(err.value)
+    assert errors["rank"] == (f"lora.rank: 8 is larger than --max-lora-rank 4 of {engine.url}; start the engines with "
+                              "--max-lora-rank 8 or lower lora.rank")
+    # SGLang serves q/k/v as one qkv_proj (and gate/up as gate_up_proj): q_proj there covers k_proj
+    assert errors["targets"].startswith("lora.targets: down_proj, gate_proj, o_proj, up_proj not among "
+                                        "--lora-target-modules q_proj v_proj of ")
+    assert errors["base"] == (f"init.hf: the adapters are of another base than {engine.url} serves ({hf}): "
+                              "num_hidden_layers 3 vs 2")
+    assert errors["off"].startswith(f"lora.push: {engine.url} was not started with --enable-lora")
+    assert all("\n" not in e for e in errors.values())
+
+    from megatron_spo.models import hf_map
+
+    rules = hf_map.layer_rules(model_cfg)
+    monkeypatch.setattr(hf_map, "layer_rules", lambda cfg: tuple(r for r in rules if "linear_fc1" not in r.megatron))
+    with pytest.raises(ConfigError) as err:
+        ap.engine_lora_args(LORA, model_cfg)
+    assert str(err.value).startswith("lora.targets: linear_fc1 is not a linear of this model's layers (family ")
+    monkeypatch.undo()
+
+    config = ap.push_config_dict(LORA, model_cfg)
+    payload = __import__("base64").b64encode(ap.serialize_adapter(peft[0])).decode()
+    refusals = {}
+    for key, cfg, tensors in (("rank", {**config, "r": 8}, peft[0]),
+                              ("shape", config, {k: torch.zeros(4, 7) if "lora_A" in k else v
+                                                 for k, v in peft[0].items()})):
+        body = LoadLoraAdapterFromTensorsRequest(
+            lora_name=f"bad-{key}", config_dict=cfg,
+            serialized_named_tensors=[payload if tensors is peft[0] else
+                                      __import__("base64").b64encode(ap.serialize_adapter(tensors)).decode()]).to_json()
+        status, reply = post_json(f"{engine.url}/load_lora_adapter_from_tensors", body, 30)
+        assert status == 400 and reply["success"] is False
+        refusals[key] = reply["error_message"]
+    assert refusals["rank"].startswith("LoRA adapter bad-rank with rank 8 is incompatible with the current LoRA memory "
+                                       "pool configuration.")
+    assert refusals["shape"] == ("LoRA adapter bad-shape: model.layers.0.mlp.down_proj.lora_A has shape [4, 7], this "
+                                 "model's model.layers.0.mlp.down_proj takes [4, 64] (an adapter of another base, or a "
+                                 "rank that is not config_dict's r)")
+    assert not any(n.startswith("bad-") for n in engine.engine.lora.adapters)
+
+
+def test_the_local_engine_payload_reader_refuses_other_globals():
+    """deserialize_adapter reads only tensor data: a payload naming any other callable is refused."""
+    import pickle
+
+    with pytest.raises(pickle.UnpicklingError, match=r"^blocked global posix\.system in an adapter payload$"):
+        ap.deserialize_adapter(pickle.dumps({"x": __import__("os").system}), None)
+    assert json.dumps(ap.adapter_name(3, "ab")) == '"policy-v3-ab"' and ap.adapter_version("policy-v3-ab") == 3
+    assert VOCAB > 11  # the ids the tests above send
