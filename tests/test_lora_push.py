@@ -271,3 +271,45 @@ def test_the_local_engine_payload_reader_refuses_other_globals():
         ap.deserialize_adapter(pickle.dumps({"x": __import__("os").system}), None)
     assert json.dumps(ap.adapter_name(3, "ab")) == '"policy-v3-ab"' and ap.adapter_version("policy-v3-ab") == 3
     assert VOCAB > 11  # the ids the tests above send
+
+
+def test_rollouts_select_the_adapter_and_carry_its_version_exactly(engine, hf, peft, model_cfg):
+    """The manager sends lora_path = the adapter it was switched to; each sample's policy_version is that adapter's
+    (one version, not mixed) although the engine's weight_version has moved on to a newer push; the behaviour
+    log-probs are the adapter's, not the base's."""
+    from megatron_spo.rollout.config import RolloutConfig
+    from megatron_spo.rollout.manager import Prompt, RolloutManager
+
+    pusher = ap.AdapterPusher([engine.url], ap.push_config_dict(LORA, model_cfg, hf), base_dir=hf)
+    five = pusher.push(peft[0], version=5)
+    pusher.push(peft[1], version=6)  # loaded and the engine at weight_version 6; rollouts not switched to it
+    cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=4, max_inflight_requests=1, max_staleness=8)
+
+    async def go():
+        manager = RolloutManager(cfg, [Prompt("p", [3, 4, 5], problem=0)], lambda problem, text: 0.0,
+                                 endpoints=[engine.url])
+        manager.set_policy_version(5, lora_path=five.lora_name)
+        await manager.start(max_requests=1)
+        await manager.join()
+        group = manager.buffer.get_nowait()
+        await manager.stop()
+        return group
+
+    group = asyncio.run(go())
+    assert [(t.policy_version, t.mixed_versions, t.weight_versions) for t in group] == [
+        (5, False, [("5", 0, len(t.response_tokens))]) for t in group]
+    t = group[0]
+    ids = torch.tensor([t.prompt_tokens + t.response_tokens])
+    with torch.no_grad():
+        with engine.engine.lora.active(five.lora_name):
+            adapter = engine.engine.model(ids).logits[0].float()
+        base = engine.engine.model(ids).logits[0].float()
+    positions = range(len(t.prompt_tokens) - 1, ids.shape[1] - 1)
+
+    def logprobs(logits):
+        return [torch.log_softmax(logits[p] / t.temperature, -1)[ids[0, p + 1]].item() for p in positions]
+
+    assert max(abs(a - b) for a, b in zip(logprobs(adapter), t.behaviour_logprobs)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(logprobs(base), t.behaviour_logprobs)) > 1e-3
+    pusher.retire()
+    pusher.close()

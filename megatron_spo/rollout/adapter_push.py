@@ -381,7 +381,7 @@ class AdapterPusher:
                     status, reply = post_json(f"{url}/unload_lora_adapter", body, self.timeout_s)
                 except OSError as err:
                     status, reply = 0, str(err)
-                if status == 200 or "not" in str(reply) and "loaded" in str(reply):  # gone already: a restart
+                if status == 200 or "does not exist" in str(reply):  # gone already (a restarted engine)
                     names.discard(old)
                     done.setdefault(url, []).append(old)
                 else:
