@@ -42,8 +42,11 @@ def _read(f: HFConfigFields) -> dict:
     experts = f.raw.get("num_experts", f.raw.get("num_local_experts"))  # transformers 5 writes num_local_experts
     if experts is None:
         f.need("num_experts")
+    topk = f.need("num_experts_per_tok")
+    if isinstance(topk, int) and isinstance(experts, int) and topk > experts:
+        raise UnsupportedHFConfig(f"{f.source}: num_experts_per_tok {topk} is larger than num_experts {experts}")
     aux = float(f.get("router_aux_loss_coef", 0.0)) if f.get("output_router_logits", False) else 0.0
-    moe = MoEConfig(num_experts=experts, router_topk=f.need("num_experts_per_tok"),
+    moe = MoEConfig(num_experts=experts, router_topk=topk,
                     ffn_hidden_size=f.need("moe_intermediate_size"),
                     norm_topk_prob=bool(f.get("norm_topk_prob", False)),  # transformers' default
                     aux_loss_coeff=aux)

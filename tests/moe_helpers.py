@@ -1,0 +1,145 @@
+"""Helpers for tests/test_moe.py: a tiny random Qwen3-MoE checkpoint in odd sizes, transformers' reference with
+per-expert gradients, and the multi-process worker (one spawn, every layout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+VOCAB, SEQ = 203, 24
+# 6 experts, top-2, hidden 37, head_dim 12, expert intermediate 22, dense intermediate 45 (not used by any layer)
+SHAPE = dict(vocab_size=VOCAB, hidden_size=37, intermediate_size=45, moe_intermediate_size=22, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=6, num_experts_per_tok=2,
+             max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]  # (TP, PP, EP) on a world of 4
+
+
+def make_tiny_moe(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random fp32 Qwen3MoeForCausalLM: norms 1 + noise; router weights N(0, 1), so each token's top-2 are
+    clear (a near tie would make routing, hence parity, depend on the last bit)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**{**SHAPE, "norm_topk_prob": True, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, max_shard_size="40KB")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}) + "\n")
+    return out_dir
+
+
+def hf_model(hf_dir):
+    """transformers' model, experts one by one (its grouped_mm refuses odd shapes on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, experts_implementation="eager").eval()
+
+
+def tokens(batch: int = 4, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def per_expert(name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers 5's fused expert tensors -> the checkpoint's per-expert names (gate rows before up rows)."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        base = name[: -len("gate_up_proj")]
+        out = {}
+        for e, g in enumerate(grad):
+            gate, up = g.chunk(2, dim=0)
+            out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        return out
+    if name.endswith("mlp.experts.down_proj"):
+        base = name[: -len("down_proj")]
+        return {f"{base}{e}.down_proj.weight": g for e, g in enumerate(grad)}
+    return {name: grad}
+
+
+def hf_reference(hf_dir, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits [B, S, V] and the mean next-token cross-entropy's gradients by checkpoint name."""
+    model = hf_model(hf_dir)
+    logits = model(ids).logits
+    v = logits.shape[-1]
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1)).backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        grads.update(per_expert(n, p.grad.detach().clone()))
+    return logits.detach(), grads
+
+
+def moe_worker(hf_dir: str, result_path: str) -> None:
+    """For each LAYOUTS entry: logits and gradients against transformers, the export (what a weight push sends)
+    bit-exact against the checkpoint, and routing replay (models/routing_replay.py)."""
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_spo.models.builders import build_policy
+    from megatron_spo.models.config import ParallelConfig
+    from megatron_spo.models.hf_checkpoint import HFReader, read_hf_config
+    from megatron_spo.models.hf_map import iter_hf_tensors, load_hf_into_model
+    from megatron_spo.models.parallel import init_parallel
+    from megatron_spo.models.pipeline import gather_logits_to_rank0, run_pipeline
+
+    rank = int(os.environ["RANK"])
+    ids = tokens()
+    mb_ids = [ids[0:2], ids[2:4]]
+    cfg = read_hf_config(hf_dir)
+    reader = HFReader(hf_dir, verify=False)
+    if rank == 0:
+        ref_logits, ref_grads = hf_reference(hf_dir, ids)
+
+    def loss_fn(logits_local, index):
+        return vocab_parallel_cross_entropy(logits_local[:, :-1].float().contiguous(), mb_ids[index][:, 1:]).mean()
+
+    results: dict = {}
+    for tp, pp, ep in LAYOUTS:
+        pcfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
+        init_parallel(pcfg, cfg, seed=123)
+        chunks = build_policy(cfg, pcfg)
+        load_hf_into_model(chunks, cfg, reader.get)
+        rec: dict = {}
+        logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=2)
+        if rank == 0:
+            rec["logit_max_abs_diff"] = (logits - ref_logits).abs().max().item()
+            rec["logit_scale"] = ref_logits.abs().max().item()
+        worst, worst_name, names = None, "", []
+        if tp == 1:  # megatron-core trains MoE under TP > 1 only with sequence parallelism, which needs a GPU
+            for c in chunks:
+                c.train()
+                c.zero_grad(set_to_none=True)
+            run_pipeline(chunks, ids, micro_batch_size=2, loss_fn=loss_fn)
+            worst = 0.0
+            for hf_name, g in iter_hf_tensors(chunks, cfg, grads=True):
+                # every rank holds the same batch, so an expert sees it once from each EP rank; megatron's DDP
+                # scales expert grads by expert-DP / DP = 1 / EP (dense ones are averaged over identical copies)
+                g = g / ep if ".mlp.experts." in hf_name else g
+                ref = ref_grads[hf_name]
+                d = (g - ref).abs().max().item() / (ref.abs().max().item() + 1e-12)
+                names.append(hf_name)
+                if d > worst:
+                    worst, worst_name = d, hf_name
+        exact, exported = True, []
+        for hf_name, t in iter_hf_tensors(chunks, cfg):
+            exact &= torch.equal(t, reader.get(hf_name))
+            exported.append(hf_name)
+        if rank == 0:
+            rec.update(grad_max_rel_diff=worst, grad_worst_tensor=worst_name, export_bit_exact=bool(exact),
+                       exported=exported, grad_names=names, checkpoint_names=reader.names())
+        results[f"tp{tp}_pp{pp}_ep{ep}"] = rec
+        del chunks
+        ps.destroy_model_parallel()
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(results, indent=2))
+    dist.destroy_process_group()

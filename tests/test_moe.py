@@ -1,0 +1,139 @@
+"""Qwen3-MoE (models/arch/qwen3_moe.py) against transformers' Qwen3MoeForCausalLM, in odd sizes (6 experts, top-2,
+hidden 37, expert intermediate 22): config.json round trip, what is refused by name, HF -> Megatron -> HF bit-exact
+with check-conversion, and one 4-process gloo spawn for TP 1, TP 2, EP 2, TP 2 x EP 2 and PP 2 x EP 2 (logits,
+gradients where megatron-core can train, the streaming export a weight push sends)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import models_helpers  # noqa: E402
+import moe_helpers as moe  # noqa: E402
+
+from megatron_spo.config import ConfigError  # noqa: E402
+from megatron_spo.models import hf_checkpoint as hfc  # noqa: E402
+from megatron_spo.models.config import ModelConfig, ParallelConfig  # noqa: E402
+from megatron_spo.models.hf_map import hf_shapes  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return moe.make_tiny_moe(tmp_path_factory.mktemp("moe") / "hf")
+
+
+@pytest.fixture(scope="module")
+def results(hf_dir, tmp_path_factory) -> dict:
+    from megatron_spo.models.parallel import spawn_local
+
+    out = tmp_path_factory.mktemp("moe-results") / "results.json"
+    spawn_local(moe.moe_worker, 4, str(hf_dir), str(out))
+    return json.loads(out.read_text())
+
+
+def test_config_json_reads_the_experts_and_round_trips(hf_dir):
+    cfg = hfc.read_hf_config(hf_dir)
+    assert cfg.architecture == "qwen3_moe" and cfg.qk_layernorm and cfg.head_dim == 12
+    assert (cfg.moe.num_experts, cfg.moe.router_topk, cfg.moe.ffn_hidden_size) == (6, 2, 22)
+    assert cfg.moe.norm_topk_prob and cfg.moe.aux_loss_coeff == 0.0  # output_router_logits false: no aux loss
+    written = hfc.model_config_to_hf_config(cfg)
+    assert written["architectures"] == ["Qwen3MoeForCausalLM"] and written["num_experts"] == 6
+    assert hfc.hf_config_to_model_config(written) == cfg
+    reader = hfc.HFReader(hf_dir, verify=False)
+    # router + 3 tensors per expert per layer, and nothing else the checkpoint holds is left unmapped
+    assert {n: reader.shape(n) for n in reader.names()} == hf_shapes(cfg)
+    assert sum(".mlp.experts." in n for n in hf_shapes(cfg)) == 2 * 6 * 3
+    import transformers
+
+    built = transformers.AutoConfig.for_model(**{k: v for k, v in written.items() if k != "architectures"})
+    assert type(built).__name__ == "Qwen3MoeConfig"
+    assert (built.num_experts, built.num_experts_per_tok, built.moe_intermediate_size) == (6, 2, 22)
+    # the parameter count is the checkpoint's
+    assert cfg.num_parameters() == sum(torch.Size(s).numel() for s in hf_shapes(cfg).values())
+
+
+def _raw(hf_dir, **changes) -> dict:
+    return {**json.loads((hf_dir / "config.json").read_text()), **changes}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"mlp_only_layers": [1]},
+     "unsupported mlp_only_layers=[1] (supported: []; dense MLP layers between MoE layers are not built here)"),
+    ({"decoder_sparse_step": 2},
+     "unsupported decoder_sparse_step=2 (supported: 1; dense MLP layers between MoE layers are not built here)"),
+    ({"num_nextn_predict_layers": 1},
+     "unsupported num_nextn_predict_layers=1 (supported: 0; multi-token prediction layers are not built here)"),
+    ({"shared_expert_intermediate_size": 16},
+     "unsupported shared_expert_intermediate_size=16 (supported: 0; shared experts are not built here)"),
+    ({"num_experts_per_tok": 7},
+     "num_experts_per_tok 7 is larger than num_experts 6"),
+])
+def test_what_qwen3_moe_cannot_build_is_refused_by_name(hf_dir, changes, message):
+    with pytest.raises(hfc.HFCheckpointError) as info:
+        hfc.hf_config_to_model_config(_raw(hf_dir, **changes), "x/config.json")
+    assert str(info.value).startswith("x/config.json: "), str(info.value)
+    assert message in str(info.value)
+
+
+def test_experts_on_a_dense_family_and_bad_expert_layouts_are_refused(hf_dir):
+    cfg = hfc.read_hf_config(hf_dir)
+    dense = cfg.model_dump(exclude={"moe"})
+    with pytest.raises(ValueError, match=r"architecture 'qwen3_moe': .* moe set"):
+        ModelConfig(**dense)
+    with pytest.raises(ValueError, match=r"moe: architecture 'qwen3' has no experts \(a mixture-of-experts family: "
+                                         r"qwen3_moe\)"):
+        ModelConfig(**{**dense, "architecture": "qwen3", "moe": cfg.moe.model_dump()})
+    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size 4 does not divide model.moe.num_experts 6"):
+        ParallelConfig(expert_model_parallel_size=4).check(cfg, 4)
+    with pytest.raises(ConfigError, match="world size 2 is not divisible by tensor_model_parallel_size 1 x "
+                                          "expert_model_parallel_size 3"):
+        ParallelConfig(expert_model_parallel_size=3).check(cfg, 2)
+    dense_cfg = hfc.read_hf_config(models_helpers.make_tiny_family(hf_dir.parent / "qwen3", "qwen3", num_layers=1))
+    with pytest.raises(ConfigError, match="expert_model_parallel_size 2 needs a mixture-of-experts model"):
+        ParallelConfig(expert_model_parallel_size=2).check(dense_cfg, 2)
+
+
+@pytest.mark.multiproc
+def test_converts_hf_megatron_hf_bit_exactly_and_check_conversion_passes(hf_dir, tmp_path):
+    code = (
+        "import sys, json, warnings; warnings.filterwarnings('ignore')\n"
+        "from megatron_spo.models.convert import hf_to_megatron, megatron_to_hf\n"
+        "from megatron_spo.models.check_conversion import run_check\n"
+        "src, meg, back = sys.argv[1:4]\n"
+        "hf_to_megatron(src, meg); megatron_to_hf(meg, back)\n"
+        "r = run_check(src, meg, progress=False)\n"
+        "print(json.dumps({'ok': r.ok, 'summary': r.summary()}))\n"
+    )
+    meg, back = tmp_path / "meg", tmp_path / "back"
+    proc = models_helpers.run_cli(str(hf_dir), str(meg), str(back), code=code)
+    check = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert check["ok"], check["summary"]
+    assert check["summary"].startswith("OK: 57 tensors identical; 2 layers"), check["summary"]
+    a, b = models_helpers.all_tensors(hf_dir), models_helpers.all_tensors(back)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "round trip is not bit-exact"
+    assert hfc.read_hf_config(back) == hfc.read_hf_config(hf_dir)
+    ids = moe.tokens(batch=2)
+    with torch.no_grad():
+        assert torch.equal(moe.hf_model(hf_dir)(ids).logits, moe.hf_model(back)(ids).logits)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [f"tp{tp}_pp{pp}_ep{ep}" for tp, pp, ep in moe.LAYOUTS])
+def test_matches_transformers_in_every_layout(results, layout):
+    rec = results[layout]
+    # fp32: 1e-4 of the largest logit (measured ~2.6e-7 of it)
+    assert rec["logit_max_abs_diff"] < 1e-4 * rec["logit_scale"], rec
+    assert rec["export_bit_exact"]
+    # the export (what a weight push sends) is exactly the checkpoint's tensors, each once: every expert's
+    assert sorted(rec["exported"]) == sorted(rec["checkpoint_names"])
+    if layout.startswith("tp1"):  # megatron-core refuses to train MoE at TP > 1 without sequence parallelism
+        assert rec["grad_max_rel_diff"] < 1e-4, (rec["grad_max_rel_diff"], rec["grad_worst_tensor"])
+        assert sorted(rec["grad_names"]) == sorted(rec["checkpoint_names"])
