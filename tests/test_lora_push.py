@@ -313,3 +313,52 @@ def test_rollouts_select_the_adapter_and_carry_its_version_exactly(engine, hf, p
     assert max(abs(a - b) for a, b in zip(logprobs(base), t.behaviour_logprobs)) > 1e-3
     pusher.retire()
     pusher.close()
+
+
+def test_the_trainers_online_source_decides_the_push_and_switches_rollouts(engine, hf, peft, model_cfg):
+    """OnlineSource (the trainer's rank 0): lora.push=auto picks adapter pushes for engines started with LoRA and
+    merged pushes for engines without (lora.push=adapter then stops in one line); push_adapter loads, switches the
+    manager to the new adapter with its version, then retires the previous one."""
+    from types import SimpleNamespace
+
+    from megatron_spo.net import free_port
+    from megatron_spo.rollout.local_engine import LocalEngine
+    from megatron_spo.training.online import OnlineSource
+
+    class Manager:
+        cfg, metrics, endpoints = SimpleNamespace(engine_wait_s=30.0), SimpleNamespace(generated_tokens=0), []
+
+        def __init__(self):
+            self.switched = []
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+        def set_policy_version(self, version, lora_path=None):
+            self.switched.append((version, lora_path))
+
+    def source(url):
+        s = OnlineSource(Manager(), q0=None)
+        s.broadcaster = SimpleNamespace(engine_urls=[url])
+        return s
+
+    auto = LoraConfig(rank=4, alpha=8, rslora=True)
+    with ServerThread(LocalEngine(hf), free_port()) as plain:
+        s = source(plain.url)
+        assert s.push_mode(auto, model_cfg, hf) == "merged"
+        with pytest.raises(ap.AdapterPushError, match=rf"^lora.push: {plain.url} was not started with --enable-lora"):
+            s.push_mode(LoraConfig(rank=4, push="adapter"), model_cfg, hf)
+        s.close()
+    s = source(engine.url)
+    assert s.push_mode(auto, model_cfg, hf) == "adapter"
+    first = s.push_adapter(7, peft[0])
+    name7 = s.lora_path
+    second = s.push_adapter(8, peft[1])
+    assert s.manager.switched == [(7, name7), (8, s.lora_path)] and ap.adapter_version(s.lora_path) == 8
+    assert first["weight_sync/engines_updated"] == second["weight_sync/engines_updated"] == 1.0
+    assert first["weight_sync/pause_seconds"] == 0.0 and first["weight_sync/bytes"] > first["weight_sync/adapter_bytes"]
+    assert name7 not in engine.engine.lora.adapters and s.lora_path in engine.engine.lora.adapters
+    s.close()

@@ -37,6 +37,7 @@ from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.data.tasks import GENERATED_TASKS
 from megatron_spo.engine_tools.config import ToolSamplingConfig
 from megatron_spo.experiments.config import QuickstartModelConfig
+from megatron_spo.models.lora import LoraConfig
 from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rollout.config import RolloutConfig
 from megatron_spo.training.config import (
@@ -108,6 +109,9 @@ class QuickstartTrainConfig(StrictModel):
     max_tokens_per_micro_batch: int = Field(4096, gt=0)
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO's own settings (algo=ppo)")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO's own settings (algo=grpo)")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters instead of the whole model (the trainer's "
+                                    "lora; `train.lora={}` for the defaults): the engines start with LoRA enabled "
+                                    "and weight pushes send the adapters alone (unless lora.push=merged)")
 
 
 class QuickstartConfig(StrictModel):
@@ -292,6 +296,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "eval": {"interval": t.eval_interval, "n": cfg.eval_n, "ks": [k for k in (1, 10) if k <= cfg.eval_n],
                  "temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p, "limit": cfg.heldout_limit},
         "nproc": t.nproc,
+        "lora": None if t.lora is None else t.lora.model_dump(),
     }
     return build_config(TrainConfig, data, TRAIN_CONFIG_SOURCE)
 
@@ -437,6 +442,17 @@ EVAL_SPLITS = {"heldout": "held-out problems", "validation": "validation problem
                "training_prompts": "training prompts, hidden tests"}
 
 
+def engine_lora_flags(cfg: QuickstartConfig, ref: Path) -> list[str]:
+    """The engines' LoRA flags for train.lora (adapter pushes), none without it or with lora.push=merged."""
+    from megatron_spo.models.hf_checkpoint import read_hf_config
+    from megatron_spo.rollout.adapter_push import engine_lora_args
+
+    lora = cfg.train.lora
+    if lora is None or lora.push == "merged" or cfg.trainer != "megatron":
+        return []
+    return engine_lora_args(lora, read_hf_config(ref))
+
+
 def push_hf_checkpoint(hf_dir: Path, engine_urls: list[str], version: str) -> None:
     """The weights of an HF checkpoint to the engines through the same /update_weights_from_disk path a trainer
     uses (for a policy trained outside megatron-core: trainer=trl)."""
@@ -504,7 +520,8 @@ def run(cfg: QuickstartConfig) -> dict:
     rewards, eval_rewards = RewardPool(sandbox), RewardPool(sandbox, hidden=True)
     t0 = stage(f"3/6 fleet: {cfg.engines} engines behind sglang-router")
     try:
-        with Fleet(str(ref), cfg.engines, log_dir=str(out / "fleet"), threads_per_engine=1) as fleet:
+        with Fleet(str(ref), cfg.engines, log_dir=str(out / "fleet"), threads_per_engine=1,
+                   engine_args=engine_lora_flags(cfg, ref)) as fleet:
             endpoints = type("E", (), {"router_url": fleet.router_url, "engine_urls": fleet.engine_urls})()
             console.print(f"router {fleet.router_url}, engines {', '.join(fleet.engine_urls)}")
 
@@ -558,6 +575,8 @@ def run(cfg: QuickstartConfig) -> dict:
                     console.print(f"training stopped at step {done} of {cfg.train.steps} by a stop signal: no "
                                   f"evaluation (its checkpoint: {out / 'train' / 'checkpoints'})")
                     return {"algo": cfg.algo, "seed": cfg.seed, "stopped_at_step": done}
+                if cfg.train.lora is not None:  # the engines' base is the reference: give them the merged policy
+                    push_hf_checkpoint(out / "train" / "hf", fleet.engine_urls, "lora-final")
             else:
                 trained = train_with_trl(cfg, ref, train_prompts, rewards, out / "train")
                 push_hf_checkpoint(trained, fleet.engine_urls, "trl-final")

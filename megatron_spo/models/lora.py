@@ -36,6 +36,7 @@ import math
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,10 @@ class LoraConfig(StrictModel):
     rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(rank)")
     targets: list[str] = Field(default_factory=lambda: list(TARGETS),
                                description=f"the linears that get adapters: a subset of {', '.join(TARGETS)}")
+    push: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="what a weight push sends the rollout engines: adapter (the adapters alone, to engines "
+        "started with --enable-lora: rollout/adapter_push.py), merged (full weights W + s B A, to any engine), auto "
+        "(adapter when every engine was started with --enable-lora, else merged)")
 
     @field_validator("targets")
     @classmethod

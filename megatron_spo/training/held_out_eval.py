@@ -95,8 +95,11 @@ class HeldOutEval:
 
         ev = self.cfg.eval
         async with EngineClient(self.url, timeout_s=self.cfg.rollout.request_timeout_s) as client:
-            return await evaluate(self.prompts, client, self.reward_pool, n=ev.n, temperature=ev.temperature,
+            sampler = client if self.lora_path is None else _WithAdapter(client, self.lora_path)
+            return await evaluate(self.prompts, sampler, self.reward_pool, n=ev.n, temperature=ev.temperature,
                                   top_p=ev.top_p, ks=ev.ks, sampling=self.sampling())
+
+    lora_path: str | None = None  # with LoRA adapter pushes: the adapter holding the current policy
 
     def run(self) -> dict[str, float]:
         """eval/pass@K (mean over problems), eval/problems and time/eval."""
@@ -126,3 +129,16 @@ class HeldOutEval:
     def close(self) -> None:
         for fn in self._on_close:
             fn()
+
+
+class _WithAdapter:
+    """An EngineClient whose /generate requests select a LoRA adapter (lora_path)."""
+
+    def __init__(self, client, lora_path: str):
+        self.client, self.lora_path = client, lora_path
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    async def generate(self, *args, **kwargs):
+        return await self.client.generate(*args, lora_path=self.lora_path, **kwargs)

@@ -4,6 +4,7 @@ loop as the 'online' data source, and the weight pushes to the fleet.
     source = OnlineSource.from_config(cfg)      # starts generating at once (asynchronously)
     batch = source.take(64)                     # trajectories, blocking until enough are ready
     source.push_weights(version, hf_tensors)    # WeightBroadcaster -> engines, then new requests use it
+    source.push_adapter(version, peft_tensors)  # LoRA adapter pushes (push_mode() == "adapter"): AdapterPusher
     source.close()
 """
 
@@ -170,6 +171,8 @@ class OnlineSource:
         return source
 
     broadcaster = None
+    adapter_pusher = None
+    lora_path: str | None = None  # adapter pushes: the adapter holding the current policy
     last_sync_error: str | None = None
     _fleet_seen_healthy = False
     _fleet_answered = False
@@ -267,6 +270,66 @@ class OnlineSource:
                        "weight_sync/engines_failed": float(len(self.broadcaster.engine_urls))}
         self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
         return metrics
+
+    def push_mode(self, lora, model_cfg, base_dir: str | None) -> str:
+        """'adapter' or 'merged', for lora.push (auto: adapter when every engine was started with --enable-lora).
+        Asks the engines once (rank 0); an engine that cannot take the adapter it must take is an AdapterPushError
+        naming the field (lora.rank, lora.targets, init.hf, lora.push)."""
+        from megatron_spo.rollout.adapter_push import AdapterPusher, AdapterPushError, push_config_dict
+
+        if self.broadcaster is None or lora.push == "merged":  # router only: nothing is pushed anyway
+            return "merged"
+        self._await_fleet(())
+        pusher = AdapterPusher(self.broadcaster.engine_urls, push_config_dict(lora, model_cfg, base_dir),
+                               base_dir=base_dir)
+        try:
+            pusher.probe()
+        except AdapterPushError as err:
+            pusher.close()
+            if lora.push == "auto" and str(err).startswith("lora.push:"):  # an engine without LoRA: merged pushes
+                log.warning("lora.push=auto: merged weight pushes (%s)", err)
+                return "merged"
+            raise
+        self.adapter_pusher = pusher
+        self._on_close.append(pusher.close)
+        return "adapter"
+
+    def _await_fleet(self, named_tensors) -> None:
+        """Before the first push, wait for the engines to answer (a collective's tensors drained on failure)."""
+        if self._fleet_seen_healthy:
+            return
+
+        def stopped(_url: str) -> None:  # asked at every poll: SIGTERM ends the wait (Stopped)
+            raise_if_stopped("the rollout engines to answer")
+
+        try:
+            wait_healthy(self.broadcaster.engine_urls, self.manager.cfg.engine_wait_s, dead=stopped, path="/model_info")
+        except (RuntimeError, Stopped) as err:
+            for _ in named_tensors:  # a collective gather: the other ranks see it through
+                pass
+            if isinstance(err, Stopped):
+                raise
+            raise FleetUnavailable(f"{err} (rollout.engine_wait_s)") from None
+        self._fleet_seen_healthy = True
+
+    def push_adapter(self, version: int, tensors: dict) -> dict[str, float]:
+        """Load the adapters ({HF PEFT name: full tensor}) on every engine as a new adapter, switch new requests to
+        it (their samples are then exactly this version), then unload the older adapters (adapter_push.py)."""
+        self._await_fleet(())
+        report = self.adapter_pusher.push(tensors, version)
+        if not report.engines_updated:
+            self.last_sync_error = f"adapter push reached no engine: {report.failed}"
+            log.error("%s", self.last_sync_error)
+            return report.metrics()
+        self.last_sync_error = None
+
+        async def switch() -> None:
+            self.manager.set_policy_version(version, lora_path=report.lora_name)
+
+        self._call(switch(), timeout=60)  # new requests select the new adapter before any old one goes
+        self.lora_path = report.lora_name
+        self.adapter_pusher.retire()
+        return report.metrics()
 
     def stats(self) -> dict[str, float]:
         return self._call(_stats(self.manager), timeout=10)

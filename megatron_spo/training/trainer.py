@@ -489,6 +489,7 @@ class Trainer:
         the end of the run (it is a measurement, not part of training)."""
         from megatron_spo.rollout.client import EngineError
 
+        self.held_out.lora_path = getattr(self.online, "lora_path", None)  # adapter pushes: the current adapter
         try:
             metrics = self.held_out.run()
         except (EngineError, OSError, TimeoutError, ValueError) as err:
@@ -562,17 +563,22 @@ class Trainer:
         A push that reached no engine is sent again at once (rollout.weight_sync_attempts in all): every engine
         is then paused and serves nothing, so waiting for the next scheduled push would starve the run. After
         the last attempt the run stops with the reason. Engines that missed a push the others took stay out of
-        service until the next push reaches them (weight_sync.py)."""
+        service until the next push reaches them (weight_sync.py). With LoRA and adapter pushes (lora.push) only
+        the adapters go, in HF PEFT names (rollout/adapter_push.py)."""
         from megatron_spo.models.hf_map import gather_hf_tensors
 
         t0 = time.perf_counter()
         self.policy_version += int(new_version)
         online = self.rank == 0 and hasattr(self.online, "push_weights")
+        adapters = self._push_mode() == "adapter"
         attempts = self.cfg.rollout.weight_sync_attempts
         for attempt in range(1, attempts + 1):
             push = partial(self.online.push_weights, self.policy_version) if online else None
             try:
-                self._sync_metrics = gather_hf_tensors(self.policy, self.model_cfg, push) or {}
+                if adapters:
+                    self._sync_metrics = self._push_adapters() or {}
+                else:
+                    self._sync_metrics = gather_hf_tensors(self.policy, self.model_cfg, push) or {}
                 missed = [online and self._sync_metrics.get("weight_sync/engines_updated", 1.0) == 0
                           and (getattr(self.online, "last_sync_error", None) or "no engine took it")]
             except WAIT_ENDED as err:  # rank 0, waiting for the engines before the push
@@ -592,6 +598,39 @@ class Trainer:
         return time.perf_counter() - t0
 
     _sync_metrics: dict = {}
+    _decided_push_mode: str | None = None
+
+    def _push_mode(self) -> str:
+        """Collective, decided at the first push: 'adapter' (LoRA adapters alone) or 'merged' (full weights), by
+        lora.push and what the engines were started with (rank 0 asks them; its error stops every rank)."""
+        if self.cfg.lora is None:
+            return "merged"
+        if self._decided_push_mode is None:
+            decided: list = ["merged"]
+            if self.rank == 0 and hasattr(self.online, "push_mode"):
+                try:
+                    decided = [self.online.push_mode(self.cfg.lora, self.model_cfg, self.cfg.init.hf)]
+                except Exception as err:  # raised on every rank below
+                    decided = [err]
+            dist.broadcast_object_list(decided, src=0)
+            if isinstance(decided[0], BaseException):
+                raise decided[0]
+            self._decided_push_mode = decided[0]
+            if self.rank == 0:
+                sends = "the adapters alone" if decided[0] == "adapter" else "merged full weights"
+                print(f"[megatron-spo] lora: weight pushes send {sends} (lora.push={self.cfg.lora.push})", flush=True)
+        return self._decided_push_mode
+
+    def _push_adapters(self) -> dict | None:
+        """Collective: the adapters gathered to rank 0, pushed there in HF PEFT names and the policy's dtype."""
+        from megatron_spo.models.lora import gather_adapters, peft_tensors
+
+        adapters = gather_adapters(self.policy)
+        if self.rank != 0 or not hasattr(self.online, "push_adapter"):
+            return None
+        dtype = next(self.policy[0].parameters()).dtype
+        tensors = {k: v.to(dtype) for k, v in peft_tensors(adapters, self.model_cfg).items()}
+        return self.online.push_adapter(self.policy_version, tensors)
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """Collective: write the policy as an HF directory of its family (safetensors shards, config.json and the
