@@ -76,6 +76,39 @@ def hf_reference(hf_dir, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, tor
     return logits.detach(), grads
 
 
+def forced_routes(batch: int = 4, seq: int = SEQ, seed: int = 2) -> torch.Tensor:
+    """Random valid routes int32 [B, S, layers, top_k]: k distinct experts per token and layer."""
+    g = torch.Generator().manual_seed(seed)
+    layers, experts, k = SHAPE["num_hidden_layers"], SHAPE["num_experts"], SHAPE["num_experts_per_tok"]
+    return torch.rand(batch, seq, layers, experts, generator=g).argsort(-1)[..., :k].to(torch.int32)
+
+
+def hf_forced(hf_dir, ids: torch.Tensor, routes: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """transformers' logits and gradients with every router's top-k replaced by ``routes`` [B, S, layers, k]
+    (its probabilities of those experts kept: softmax over all experts, renormalised over the k with
+    norm_topk_prob)."""
+    model = hf_model(hf_dir)
+    for i, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+
+        def forward(hidden, gate=gate, chosen=routes[:, :, i].reshape(-1, routes.shape[-1]).long()):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            top = probs.gather(1, chosen)
+            if gate.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), chosen
+
+        gate.forward = forward
+    logits = model(ids).logits
+    v = logits.shape[-1]
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1)).backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        grads.update(per_expert(n, p.grad.detach().clone()))
+    return logits.detach(), grads
+
+
 def moe_worker(hf_dir: str, result_path: str) -> None:
     """For each LAYOUTS entry: logits and gradients against transformers, the export (what a weight push sends)
     bit-exact against the checkpoint, and routing replay (models/routing_replay.py)."""
@@ -90,17 +123,21 @@ def moe_worker(hf_dir: str, result_path: str) -> None:
     from megatron_spo.models.hf_map import iter_hf_tensors, load_hf_into_model
     from megatron_spo.models.parallel import init_parallel
     from megatron_spo.models.pipeline import gather_logits_to_rank0, run_pipeline
+    from megatron_spo.models.routing_replay import recorded, replayed, router_order
 
     rank = int(os.environ["RANK"])
     ids = tokens()
     mb_ids = [ids[0:2], ids[2:4]]
     cfg = read_hf_config(hf_dir)
     reader = HFReader(hf_dir, verify=False)
+    routes = forced_routes()
     if rank == 0:
         ref_logits, ref_grads = hf_reference(hf_dir, ids)
+        forced_logits, forced_grads = hf_forced(hf_dir, ids, routes)
 
-    def loss_fn(logits_local, index):
-        return vocab_parallel_cross_entropy(logits_local[:, :-1].float().contiguous(), mb_ids[index][:, 1:]).mean()
+    def loss_fn(logits_local, index, batch=None):
+        batch = mb_ids[index] if batch is None else batch
+        return vocab_parallel_cross_entropy(logits_local[:, :-1].float().contiguous(), batch[:, 1:]).mean()
 
     results: dict = {}
     for tp, pp, ep in LAYOUTS:
@@ -111,10 +148,37 @@ def moe_worker(hf_dir: str, result_path: str) -> None:
         load_hf_into_model(chunks, cfg, reader.get)
         rec: dict = {}
         logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=2)
+        # routing replay: the routers' own choice replayed changes nothing; forced routes give transformers' logits
+        # under the same routes (one micro-batch of 4 rows: the replayed routes are the whole batch's)
+        with recorded([c for c in chunks if c.pre_process and c.post_process]) as own:
+            whole = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=4)
+            own_routes = own() if pp == 1 else None
+        with replayed(chunks, router_order(routes)):
+            replay_logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=4)
+        if own_routes is not None:
+            with replayed(chunks, own_routes):
+                own_logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=4)
         if rank == 0:
             rec["logit_max_abs_diff"] = (logits - ref_logits).abs().max().item()
             rec["logit_scale"] = ref_logits.abs().max().item()
+            rec["forced_logit_max_abs_diff"] = (replay_logits - forced_logits).abs().max().item()
+            rec["forced_changes_logits"] = (forced_logits - ref_logits).abs().max().item()
+            if own_routes is not None:
+                rec["own_routes_replayed_bitwise"] = bool(torch.equal(own_logits, whole))
+                rec["own_routes_shape"] = list(own_routes.shape)
         worst, worst_name, names = None, "", []
+        if tp == 1:  # under replay the backward follows the forced routes: transformers' gradients under them
+            for c in chunks:
+                c.train()
+                c.zero_grad(set_to_none=True)
+            with replayed(chunks, router_order(routes)):  # one micro-batch of 4 rows
+                run_pipeline(chunks, ids, micro_batch_size=4, loss_fn=lambda logits, _: loss_fn(logits, 0, ids))
+            forced_worst = 0.0
+            for hf_name, g in iter_hf_tensors(chunks, cfg, grads=True):
+                g = g / ep if ".mlp.experts." in hf_name else g
+                ref = forced_grads[hf_name] if rank == 0 else g
+                forced_worst = max(forced_worst, (g - ref).abs().max().item() / (ref.abs().max().item() + 1e-12))
+            rec["forced_grad_max_rel_diff"] = forced_worst
         if tp == 1:  # megatron-core trains MoE under TP > 1 only with sequence parallelism, which needs a GPU
             for c in chunks:
                 c.train()

@@ -1,7 +1,9 @@
 """Qwen3-MoE (models/arch/qwen3_moe.py) against transformers' Qwen3MoeForCausalLM, in odd sizes (6 experts, top-2,
 hidden 37, expert intermediate 22): config.json round trip, what is refused by name, HF -> Megatron -> HF bit-exact
 with check-conversion, and one 4-process gloo spawn for TP 1, TP 2, EP 2, TP 2 x EP 2 and PP 2 x EP 2 (logits,
-gradients where megatron-core can train, the streaming export a weight push sends)."""
+gradients where megatron-core can train, the streaming export a weight push sends, and rollout routing replay:
+forced routes against transformers' model forced to the same routes). Routes of a trajectory (data/routes.py):
+SGLang's layout and one-line errors naming the trajectory and field."""
 
 from __future__ import annotations
 
@@ -137,3 +139,57 @@ def test_matches_transformers_in_every_layout(results, layout):
     if layout.startswith("tp1"):  # megatron-core refuses to train MoE at TP > 1 without sequence parallelism
         assert rec["grad_max_rel_diff"] < 1e-4, (rec["grad_max_rel_diff"], rec["grad_worst_tensor"])
         assert sorted(rec["grad_names"]) == sorted(rec["checkpoint_names"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [f"tp{tp}_pp{pp}_ep{ep}" for tp, pp, ep in moe.LAYOUTS])
+def test_routing_replay_forces_the_routes_forward_and_backward(results, layout):
+    rec = results[layout]
+    # forced routes move the logits far (3.6e-2) from the model's own routing; replayed, megatron's logits are
+    # transformers' under the same forced routes (token order, layer mapping across pipeline stages, EP)
+    assert rec["forced_changes_logits"] > 1e-2
+    assert rec["forced_logit_max_abs_diff"] < 1e-4 * rec["logit_scale"], rec
+    if "own_routes_replayed_bitwise" in rec:  # the routers' own choice, recorded and replayed: nothing changes
+        assert rec["own_routes_replayed_bitwise"] and rec["own_routes_shape"] == [4 * moe.SEQ, 2, 2]
+    if layout.startswith("tp1"):  # the gradient flows through the forced experts' router probabilities
+        assert rec["forced_grad_max_rel_diff"] < 1e-4, rec["forced_grad_max_rel_diff"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes of a trajectory (data/routes.py)
+# ---------------------------------------------------------------------------------------------
+def test_routes_keep_sglangs_layout_and_refuse_what_cannot_be_this_models():
+    import base64
+
+    import numpy as np
+
+    from megatron_spo.data.routes import RoutedExperts, RoutesError
+
+    ids = np.arange(5 * 2 * 2, dtype=np.int32).reshape(5, 2, 2) % 6
+    b64 = base64.b64encode(ids.tobytes()).decode()  # what SGLang's detokenizer sends
+    routes = RoutedExperts.from_engine(b64, tokens=5, top_k=2, where="engine 0 rid r1")
+    assert (routes.tokens, routes.layers, routes.top_k, routes.b64) == (5, 2, 2, b64)
+    assert np.array_equal(routes.array(), ids)
+    assert RoutedExperts.from_json(routes.to_json(), "t.jsonl:3", tokens=5) == routes
+    assert np.array_equal(routes.check_model(num_layers=2, num_experts=6, top_k=2, where="t"), ids)
+
+    def error(fn) -> str:
+        with pytest.raises(RoutesError) as info:
+            fn()
+        return str(info.value)
+
+    assert error(lambda: RoutedExperts.from_engine(b64, tokens=6, top_k=2, where="engine 0 rid r1")) == (
+        "engine 0 rid r1: field 'routed_experts': 20 expert ids do not split into 6 tokens x layers x top_k 2")
+    assert error(lambda: RoutedExperts.from_json(routes.to_json(), "t.jsonl:3", tokens=7)) == (
+        "t.jsonl:3: field 'routed_experts': routes for 5 tokens, but prompt + response - 1 = 7 tokens went "
+        "through the model")
+    assert error(lambda: RoutedExperts.from_json({**routes.to_json(), "b64": "@@"}, "t.jsonl:3", tokens=5)) == (
+        "t.jsonl:3: field 'routed_experts': not valid base64")
+    assert error(lambda: routes.check_model(num_layers=3, num_experts=6, top_k=2, where="trajectory 7")) == (
+        "trajectory 7: field 'routed_experts': routes of 2 layers x top_k 2, the model has 3 MoE layers x top_k 2 "
+        "(routes from another model?)")
+    assert error(lambda: routes.check_model(num_layers=2, num_experts=5, top_k=2, where="trajectory 7")) == (
+        "trajectory 7: field 'routed_experts': expert id 5 at token 1, layer 0 is outside [0, 5)")
+    same = RoutedExperts.from_array(np.zeros((5, 2, 2), dtype=np.int32))
+    assert error(lambda: same.check_model(num_layers=2, num_experts=6, top_k=2, where="trajectory 7")) == (
+        "trajectory 7: field 'routed_experts': token 0, layer 0 routes to expert [0, 0] more than once")

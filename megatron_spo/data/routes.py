@@ -1,0 +1,115 @@
+"""Routed experts of one trajectory (rollout routing replay, R3): which experts the engine's MoE routers chose for
+every token it ran through the model, so the trainer can route the same tokens the same way.
+
+Layout (SGLang 0.5.23, ``meta_info["routed_experts"]``): base64 of int32 [tokens, layers, top_k] in row-major
+order, covering positions [0, prompt + response - 1) of prompt + response (the last sampled token is never run
+through the model). ``RoutedExperts`` keeps that string as it came (4 bytes per id: compact, and what the engine
+sent) with the shape it decodes to.
+
+    routes = RoutedExperts.from_engine(b64, tokens=P + R - 1, top_k=k, where="engine 0 rid r1")
+    routes.check_model(num_layers=L, num_experts=E, top_k=k, where="trajectory 7")   # against the policy
+    ids = routes.array()                                                             # int32 [T, L, k]
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FIELD = "routed_experts"
+
+
+class RoutesError(ValueError):
+    """Routes that do not fit their trajectory or the model; the message names the trajectory and the field."""
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """Expert ids int32 [tokens, layers, top_k] (``b64``: SGLang's base64 of their bytes, row-major)."""
+
+    tokens: int
+    layers: int
+    top_k: int
+    b64: str
+
+    def array(self) -> np.ndarray:
+        """int32 [tokens, layers, top_k]."""
+        return np.frombuffer(base64.b64decode(self.b64), dtype=np.int32).reshape(self.tokens, self.layers, self.top_k)
+
+    @classmethod
+    def from_array(cls, ids) -> RoutedExperts:
+        ids = np.ascontiguousarray(np.asarray(ids), dtype=np.int32)
+        if ids.ndim != 3:
+            raise RoutesError(f"{FIELD}: expected [tokens, layers, top_k], got shape {list(ids.shape)}")
+        return cls(*ids.shape, base64.b64encode(ids.tobytes()).decode("ascii"))
+
+    @classmethod
+    def from_engine(cls, b64: str, *, tokens: int, top_k: int, where: str) -> RoutedExperts:
+        """An engine's ``meta_info["routed_experts"]`` for ``tokens`` positions of a model routing ``top_k``
+        experts per token; the layer count is what the bytes hold (checked against the model by check_model)."""
+        ids = _decode(b64, where)
+        per_token = tokens * top_k
+        if tokens <= 0 or ids.size % per_token:
+            raise RoutesError(f"{where}: field '{FIELD}': {ids.size} expert ids do not split into {tokens} tokens "
+                              f"x layers x top_k {top_k}")
+        return cls(tokens, ids.size // per_token, top_k, b64)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "layers": self.layers, "top_k": self.top_k, "b64": self.b64}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str, tokens: int) -> RoutedExperts:
+        """From a trajectory record; ``tokens`` = prompt + response - 1, the positions an engine routes."""
+        if not isinstance(obj, dict) or set(obj) != {"tokens", "layers", "top_k", "b64"}:
+            raise RoutesError(f"{where}: field '{FIELD}': must be {{tokens, layers, top_k, b64}}, got "
+                              f"{str(obj)[:60]}")
+        shape = [obj["tokens"], obj["layers"], obj["top_k"]]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape):
+            raise RoutesError(f"{where}: field '{FIELD}': tokens, layers and top_k must be positive integers, "
+                              f"got {shape}")
+        if obj["tokens"] != tokens:
+            raise RoutesError(f"{where}: field '{FIELD}': routes for {obj['tokens']} tokens, but prompt + response "
+                              f"- 1 = {tokens} tokens went through the model")
+        if not isinstance(obj["b64"], str):
+            raise RoutesError(f"{where}: field '{FIELD}': b64 must be a base64 string")
+        n = _decode(obj["b64"], where).size
+        if n != obj["tokens"] * obj["layers"] * obj["top_k"]:
+            raise RoutesError(f"{where}: field '{FIELD}': {n} expert ids for shape {shape}")
+        return cls(obj["tokens"], obj["layers"], obj["top_k"], obj["b64"])
+
+    def check_model(self, *, num_layers: int, num_experts: int, top_k: int, where: str) -> np.ndarray:
+        """The ids int32 [tokens, layers, top_k] if they can be this model's routes, else RoutesError naming
+        ``where`` (the trajectory) and the field: layer count, top_k, ids in [0, num_experts), k distinct ids."""
+        if (self.layers, self.top_k) != (num_layers, top_k):
+            raise RoutesError(f"{where}: field '{FIELD}': routes of {self.layers} layers x top_k {self.top_k}, "
+                              f"the model has {num_layers} MoE layers x top_k {top_k} (routes from another model?)")
+        ids = self.array()
+        bad = (ids < 0) | (ids >= num_experts)
+        if bad.any():
+            t, layer, j = (int(i) for i in np.argwhere(bad)[0])
+            raise RoutesError(f"{where}: field '{FIELD}': expert id {int(ids[t, layer, j])} at token {t}, layer "
+                              f"{layer} is outside [0, {num_experts})")
+        if top_k > 1:
+            ordered = np.sort(ids, axis=-1)
+            dup = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+            if dup.any():
+                t, layer = (int(i) for i in np.argwhere(dup)[0])
+                raise RoutesError(f"{where}: field '{FIELD}': token {t}, layer {layer} routes to expert "
+                                  f"{ids[t, layer].tolist()} more than once")
+        return ids
+
+
+def _decode(b64: Any, where: str) -> np.ndarray:
+    if not isinstance(b64, str):
+        raise RoutesError(f"{where}: field '{FIELD}': must be a base64 string, got {type(b64).__name__}")
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise RoutesError(f"{where}: field '{FIELD}': not valid base64") from None
+    if len(raw) % 4:
+        raise RoutesError(f"{where}: field '{FIELD}': {len(raw)} bytes are not whole int32 ids")
+    return np.frombuffer(raw, dtype=np.int32)

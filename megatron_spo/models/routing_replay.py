@@ -1,0 +1,116 @@
+"""Rollout routing replay (R3) on megatron-core's routers: within ``replayed(chunk, routes)`` every MoE router of
+the chunk sends each token to the experts ``routes`` names instead of its own top-k; the router's probabilities
+of those experts (its softmax, hence its gradient) are kept, only the choice is forced.
+
+    with replayed(chunk, routes):        # routes: int [N, layers, top_k] in the router's token order
+        out = chunk(input_ids, position_ids, None)
+    with recorded(chunks) as got:        # the routes the routers chose themselves
+        chunk(...)
+    got()                                # int64 [N, layers, top_k]
+
+The router's token order is its input's: [S, B, H] flattened, token s * B + b (``router_order``); a packed
+stream (B = 1) is its stream order (``Packed.gather``). Under sequence parallelism each TP rank routes its
+contiguous 1 / TP of those tokens (``router_order`` cuts it). Layers are global layer numbers, so a pipeline
+stage (or virtual stage) takes its own layers' routes from the full table.
+
+This drives megatron-core's ``RouterReplay`` (one per router, built by ``moe_enable_routing_replay``) per router,
+not through its process-global instance list, which also holds every other model's routers (the reference, a
+checkpoint reload). The action is REPLAY_FORWARD: the backward pass needs nothing more unless activation
+recompute re-runs the router (refused with full recompute; see ``check_replay_layout``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from megatron_spo.config import ConfigError
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def moe_routers(chunks) -> list[tuple[int, object]]:
+    """(global layer index, RouterReplay) of every MoE layer in these chunks (one chunk or a list)."""
+    chunks = chunks if isinstance(chunks, (list, tuple)) else [chunks]
+    found = []
+    for chunk in chunks:
+        for layer in _unwrap(chunk).decoder.layers:
+            replay = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
+            if replay is not None:
+                found.append((layer.layer_number - 1, replay))
+    return found
+
+
+def router_order(routes: Tensor, *, sequence_parallel: bool = False) -> Tensor:
+    """[B, S, layers, k] (a padded micro-batch's rows) -> [S * B, layers, k] in the router's token order, this TP
+    rank's contiguous share of it under sequence parallelism."""
+    b, s = routes.shape[:2]
+    flat = routes.transpose(0, 1).reshape(s * b, *routes.shape[2:])
+    return tp_share(flat) if sequence_parallel else flat
+
+
+def tp_share(flat: Tensor) -> Tensor:
+    """This TP rank's contiguous 1 / TP of the router-order tokens (sequence parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if flat.shape[0] % tp:
+        raise ValueError(f"routing replay: {flat.shape[0]} tokens do not split over {tp} sequence-parallel ranks")
+    n = flat.shape[0] // tp
+    return flat[rank * n:(rank + 1) * n]
+
+
+@contextlib.contextmanager
+def replayed(chunks, routes: Tensor | None) -> Iterator[None]:
+    """Within: the MoE routers of ``chunks`` take ``routes`` [N, layers, k] (N tokens in router order, every
+    layer of the model) as their top-k. routes None: the routers choose (nothing changes)."""
+    if routes is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = moe_routers(chunks)
+    if routers and routes.shape[1] <= max(layer for layer, _ in routers):
+        raise ValueError(f"routing replay: routes of {routes.shape[1]} layers for a model with layer "
+                         f"{max(layer for layer, _ in routers)}")
+    for layer, replay in routers:
+        replay.set_target_indices(routes[:, layer].to(torch.long))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for _, replay in routers:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+
+
+@contextlib.contextmanager
+def recorded(chunks) -> Iterator[Callable[[], Tensor]]:
+    """Within: the routers choose as usual and keep their choice; the yielded function gives the last forward's
+    routes int64 [N, layers, k] (layers: this stage's, numbered from its first)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = moe_routers(chunks)
+    for _, replay in routers:
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        yield lambda: torch.stack([replay.get_recorded_indices() for _, replay in routers], dim=1)
+    finally:
+        for _, replay in routers:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+
+
+def check_replay_layout(recompute_granularity: str | None, field: str = "routing_replay") -> None:
+    """Full activation recompute re-runs every router in the backward pass, which REPLAY_FORWARD does not cover
+    (megatron's REPLAY_BACKWARD queue would need driving per micro-batch): refused in one line."""
+    if recompute_granularity == "full":
+        raise ConfigError(f"{field}: routing replay with parallel.recompute_granularity 'full' is not built (the "
+                          f"recomputed routers would choose their own experts); use 'selective' or none")
