@@ -11,6 +11,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
+def pytest_configure(config):
+    # Each spawned group's helper forks from one server per test process that imported megatron-core once (~7 CPU
+    # s a group saved, ~60 groups); the CLI's own launches, run in subprocesses by the tests, keep the spawned helper.
+    from megatron_spo.models import parallel
+
+    parallel.FORK_SERVER = True
+
+
 # CI's second leg (tools/ci_newest_megatron.sh) runs these again on the newest megatron-core (0.19 on Python 3.12):
 # one representative for each megatron-core interface this project uses that changed between 0.16 and 0.19 or
 # that a release can change under it. Every other `megatron` test runs in the first leg on 0.16.1; all of them

@@ -11,11 +11,16 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from megatron_spo.models import parallel
 from megatron_spo.models.parallel import rank_failure, spawn_local, start_local
+
+# tests/conftest.py turns the fork server on for the suite; the CLI's launches keep the spawned helper. Both ways.
+LAUNCHES = {"spawned-helper": False, "fork-server": True}
 
 
 def record_rank(out_dir: str) -> None:
     rank = int(os.environ["RANK"])
+    print(f"rank {rank} on stdout", flush=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "ppid": os.getppid(), "world": int(os.environ["WORLD_SIZE"]),
                    "megatron_imported_at_entry": "megatron.core.models.gpt" in sys.modules,
@@ -30,19 +35,29 @@ def fail_on_rank(rank_to_fail: int, how: str) -> None:
     os._exit(3)
 
 
-def test_ranks_fork_from_one_helper_that_imported_megatron_with_the_callers_env_and_cwd(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCAL_LAUNCH_PROBE", "set-by-the-test")
-    monkeypatch.chdir(tmp_path)
-    spawn_local(record_rank, 3, str(tmp_path))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
-    helpers = {r["ppid"] for r in ranks}
-    assert len(helpers) == 1 and os.getpid() not in helpers  # one helper, not this process
-    assert len({r["pid"] for r in ranks}) == 3 and all(r["world"] == 3 for r in ranks)
-    assert all(r["megatron_imported_at_entry"] for r in ranks)  # inherited from the helper, not imported again
-    assert all(r["cwd"] == str(tmp_path) and r["env"] == "set-by-the-test" for r in ranks)
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_ranks_fork_from_one_helper_that_imported_megatron_with_the_callers_env_cwd_and_streams(
+        tmp_path, monkeypatch, capfd, launch):
+    monkeypatch.setattr(parallel, "FORK_SERVER", LAUNCHES[launch])
+    for world, probe in ((3, "first"), (1, "second")):  # the fork server's second group: this call's env, not its own
+        out = tmp_path / probe
+        out.mkdir()
+        monkeypatch.setenv("LOCAL_LAUNCH_PROBE", probe)
+        monkeypatch.chdir(out)
+        spawn_local(record_rank, world, str(out))
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+        assert len({r["pid"] for r in ranks}) == world and all(r["world"] == world for r in ranks)
+        assert all(r["cwd"] == str(out) and r["env"] == probe for r in ranks)
+        assert sorted(capfd.readouterr().out.splitlines()) == [f"rank {r} on stdout" for r in range(world)]
+        if world > 1:
+            helpers = {r["ppid"] for r in ranks}
+            assert len(helpers) == 1 and os.getpid() not in helpers  # one helper, not this process
+            assert all(r["megatron_imported_at_entry"] for r in ranks)  # inherited from the helper, not imported again
 
 
-def test_a_failing_rank_reaches_the_launcher_as_its_own_one_line_reason():
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_a_failing_rank_reaches_the_launcher_as_its_own_one_line_reason(monkeypatch, launch):
+    monkeypatch.setattr(parallel, "FORK_SERVER", LAUNCHES[launch])
     for how, expected in (("raise", ("ValueError", "rank 1 refuses")),
                           ("exit", ("ProcessExitedException", "process 1 terminated with exit code 3"))):
         ctx = start_local(fail_on_rank, 2, 1, how)
@@ -52,10 +67,12 @@ def test_a_failing_rank_reaches_the_launcher_as_its_own_one_line_reason():
         assert rank_failure(err.value) == expected
 
 
-def test_a_helper_preempted_while_importing_ends_like_a_starting_rank_in_one_line_with_exit_0(tmp_path, capfd):
+def test_a_helper_preempted_while_importing_ends_like_a_starting_rank_in_one_line_with_exit_0(tmp_path, capfd,
+                                                                                             monkeypatch):
     """SIGTERM (SLURM's cancel / preemption) during the helper's seconds of importing megatron-core: one line, exit
     0 (SLURM requeues on 0), no rank started. Without the start-up handler the helper died by the signal, which the
     launcher reports as a failed rank (exit 1)."""
+    monkeypatch.setattr(parallel, "FORK_SERVER", False)  # the CLI's launch (from the server: nothing left to import)
     ctx = start_local(record_rank, 2, str(tmp_path))
     helper = ctx.processes[0]
     deadline = time.monotonic() + 120

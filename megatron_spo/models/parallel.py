@@ -134,6 +134,11 @@ def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args
     fn(*args)
 
 
+# A process that starts many groups (the test suite) may set this: each group's helper is then forked from one
+# long-lived server that imported RANK_IMPORTS once (multiprocessing's fork server, CPU only), not spawned and
+# importing megatron-core again. The CLI's launches start one group each and keep the spawned helper.
+FORK_SERVER = False
+
 # What every rank imports before its first step (the optimizer's first param group imports torch._dynamo): imported
 # once in the launch's helper, which then forks the ranks.
 RANK_IMPORTS = ("megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
@@ -152,7 +157,25 @@ def forward_to(processes) -> Callable:
     return forward
 
 
-def _fork_ranks(_index: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+class _CallersFd:
+    """One of the caller's file descriptors, arriving in a process forked from the fork server as a duplicate (an
+    int): pickled while the process starts, as multiprocessing hands a pipe to its children."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _fork_ranks(_index: int, world_size: int, port: int, fn: Callable, args: tuple,
+                caller: tuple[dict[str, str], str, tuple[int, int, int]] | None = None) -> None:
     """The launch's helper process: import what the ranks need once, fork ``world_size`` ranks from here, forward
     SIGTERM / SIGUSR1 / SIGINT to them, and raise what the first failing rank raised. A fresh (spawned) process,
     on a machine without a CUDA device, that has run no torch op: forking it is safe. Each rank saves the ~10 CPU
@@ -160,12 +183,24 @@ def _fork_ranks(_index: int, world_size: int, port: int, fn: Callable, args: tup
 
     Preempted while importing (SIGTERM / SIGUSR1), it ends as a starting rank does: one line, exit 0 (SLURM
     requeues on 0). Across the fork the signals are blocked, so none is lost or lands on the default action: the
-    ranks unblock them (``_spawn_entry``), the helper once its forwarding handler is in place."""
+    ranks unblock them (``_spawn_entry``), the helper once its forwarding handler is in place.
+
+    Forked from the fork server instead (``FORK_SERVER``), the helper takes the caller's environment, working
+    directory and standard streams (``caller``): the server's are those of when it started."""
     import importlib
 
     import torch.multiprocessing as mp
 
     from megatron_spo.cli import STOP_SIGNALS, exit_while_starting
+
+    if caller is not None:
+        environ, cwd, stdio = caller
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+            os.close(fd)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, exit_while_starting)
@@ -193,15 +228,21 @@ def start_local(fn: Callable[..., Any], world_size: int, *args: Any):
     ProcessContext (``join()`` it). Without a CUDA device several ranks are forked from one spawned helper that
     has imported megatron-core (``_fork_ranks``); one rank, or any number on a machine with a CUDA device, is
     spawned directly (CUDA's driver state does not survive a fork, and Transformer Engine touches the device when
-    megatron-core imports it). A failing rank's error reaches ``join()`` as a
+    megatron-core imports it). With ``FORK_SERVER`` (CPU) the helper, for one rank too, is forked from a server
+    that imported megatron-core once per calling process. A failing rank's error reaches ``join()`` as a
     ProcessRaisedException whose last line is the rank's (for a rank ended by a signal or ``os._exit``:
     ``...ProcessExitedException: process R terminated with ...``); ``rank_failure`` reads it.
     ``fn`` must be importable (module level)."""
     import torch.multiprocessing as mp
 
-    if world_size == 1 or torch.cuda.is_available():
+    if torch.cuda.is_available() or (world_size == 1 and not FORK_SERVER):
         return mp.start_processes(_spawn_entry, args=(world_size, free_port(), fn, args), nprocs=world_size,
                                   join=False, start_method="spawn")
+    if FORK_SERVER:
+        mp.get_context("forkserver").set_forkserver_preload([__name__, *RANK_IMPORTS])
+        caller = (dict(os.environ), os.getcwd(), tuple(_CallersFd(fd) for fd in (0, 1, 2)))
+        return mp.start_processes(_fork_ranks, args=(world_size, free_port(), fn, args, caller), nprocs=1,
+                                  join=False, start_method="forkserver")
     return mp.start_processes(_fork_ranks, args=(world_size, free_port(), fn, args), nprocs=1, join=False,
                               start_method="spawn")
 
