@@ -7,6 +7,7 @@ SGLang's layout and one-line errors naming the trajectory and field."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -193,3 +194,93 @@ def test_routes_keep_sglangs_layout_and_refuse_what_cannot_be_this_models():
     same = RoutedExperts.from_array(np.zeros((5, 2, 2), dtype=np.int32))
     assert error(lambda: same.check_model(num_layers=2, num_experts=6, top_k=2, where="trajectory 7")) == (
         "trajectory 7: field 'routed_experts': token 0, layer 0 routes to expert [0, 0] more than once")
+
+
+# ---------------------------------------------------------------------------------------------
+# The local engine returns routes as SGLang does (rollout/local_engine.py, engine_server.py)
+# ---------------------------------------------------------------------------------------------
+def _sglang_extract():
+    """SGLang's own decoder of meta_info['routed_experts'] (srt/state_capturer/routed_experts.py)."""
+    import numpy as np
+    import pybase64
+    import sglang_source
+
+    path = sglang_source.sglang_root() + "/srt/state_capturer/routed_experts.py"
+    return sglang_source.compile_definitions(path, ["extract_routed_experts_from_meta_info"],
+                                             {"np": np, "pybase64": pybase64})["extract_routed_experts_from_meta_info"]
+
+
+@functools.cache
+def _routing_model(hf_dir):
+    model, got = moe.hf_model(hf_dir), []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda _m, _a, out: got.append(out[2]))
+    return model, got
+
+
+def _own_routes(hf_dir, seq: list[int]) -> torch.Tensor:
+    """transformers' routing of seq[:-1] in one forward: int64 [len - 1, layers, top_k]."""
+    model, got = _routing_model(hf_dir)
+    got.clear()
+    with torch.no_grad():
+        model(torch.tensor([seq[:-1]]))
+    return torch.stack(got, dim=1)
+
+
+def test_engine_returns_routed_experts_in_sglangs_format(hf_dir):
+    import sglang_source
+    from rollout_helpers import ServerThread
+
+    from megatron_spo.data.routes import RoutedExperts
+    from megatron_spo.net import free_port
+    from megatron_spo.rollout.client import post_json
+    from megatron_spo.rollout.local_engine import LocalEngine
+    from megatron_spo.rollout.protocol import GenerateRequest, SamplingParams, parse_generate_response
+
+    if not sglang_source.sglang_available():
+        pytest.skip("sglang source not installed")
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    req = GenerateRequest(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=7, n=2, temperature=1.0),
+                          return_routed_experts=True)
+    body = req.to_json()
+    parsed = sglang_source.parse_http_body(sglang_source.io_struct().GenerateReqInput, body)
+    assert (parsed.return_routed_experts, parsed.routed_experts_start_len) == (True, 0)
+    extract = _sglang_extract()
+    with ServerThread(LocalEngine(str(hf_dir), return_routed_experts=True), free_port()) as server:
+        status, out = post_json(f"{server.url}/generate", body, 60)
+        assert status == 200, out
+        groups = parse_generate_response(out, 2, 2)
+        late = GenerateRequest(input_ids=prompts[0], sampling_params=SamplingParams(max_new_tokens=3, temperature=0),
+                               return_routed_experts=True, routed_experts_start_len=2)
+        status, late_out = post_json(f"{server.url}/generate", late.to_json(), 60)
+        assert status == 200, late_out
+        bad = GenerateRequest(input_ids=prompts[1], return_routed_experts=True, routed_experts_start_len=3)
+        status, refused = post_json(f"{server.url}/generate", bad.to_json(), 60)
+        assert status == 400 and "routed_experts_start_len=3 is higher than the number of input tokens" in str(refused)
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            seq = prompt + c.output_ids
+            ids = extract({"meta_info": {"routed_experts": c.routed_experts}})  # int32, flat as SGLang hands it
+            assert ids.dtype.name == "int32" and ids.size == (len(seq) - 1) * 2 * 2
+            routes = RoutedExperts.from_engine(c.routed_experts, tokens=len(seq) - 1, top_k=2, where="engine")
+            assert routes.layers == 2
+            # decoding a batch (left-padded prefill, then one token per step) routes as one forward of the sequence
+            own = _own_routes(hf_dir, seq)
+            assert torch.equal(torch.from_numpy(routes.array()).long().sort(-1).values, own.sort(-1).values)
+    late_c = parse_generate_response(late_out, 1, 1)[0][0]
+    whole = _own_routes(hf_dir, prompts[0] + late_c.output_ids)
+    late_routes = RoutedExperts.from_engine(late_c.routed_experts, tokens=whole.shape[0] - 2, top_k=2, where="e")
+    assert torch.equal(torch.from_numpy(late_routes.array()).long().sort(-1).values, whole[2:].sort(-1).values)
+
+
+def test_engine_without_the_flag_returns_no_routes(hf_dir):
+    from megatron_spo.rollout.local_engine import LocalEngine, Req
+    from megatron_spo.rollout.protocol import SamplingParams
+
+    engine = LocalEngine(str(hf_dir))
+    assert engine.routes is None
+    (req,) = engine.generate([Req([3, 4], SamplingParams(max_new_tokens=2), "r", routes=None)])
+    assert req.routes is None and len(req.output_ids) == 2
+    dense = models_helpers.make_tiny_family(hf_dir.parent / "qwen3-dense", "qwen3", num_layers=1)
+    with pytest.raises(ValueError, match="--enable-return-routed-experts: the model has no mixture-of-experts routers"):
+        LocalEngine(str(dense), return_routed_experts=True)

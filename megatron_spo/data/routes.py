@@ -38,7 +38,8 @@ class RoutedExperts:
 
     def array(self) -> np.ndarray:
         """int32 [tokens, layers, top_k]."""
-        return np.frombuffer(base64.b64decode(self.b64), dtype=np.int32).reshape(self.tokens, self.layers, self.top_k)
+        ids = np.frombuffer(bytearray(base64.b64decode(self.b64)), dtype=np.int32)  # writable: torch takes it
+        return ids.reshape(self.tokens, self.layers, self.top_k)
 
     @classmethod
     def from_array(cls, ids) -> RoutedExperts:

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import os
 import sys
 import time
 import uuid
 from typing import Any
+
+import torch
 
 from megatron_spo.rollout.local_engine import LocalEngine, Req, Scheduler
 from megatron_spo.rollout.protocol import (
@@ -186,11 +189,14 @@ class EngineServer:
         except ValueError as err:
             return _error(400, f"invalid JSON body: {err}")
         params, n = req.sampling_params, req.sampling_params.n
-        reqs = [Req(prompt, params, rid, lora=req.lora_path) for prompt, rid in zip(
+        routed = req.return_routed_experts and self.engine.routes is not None  # SGLang: nothing without the flag
+        reqs = [Req(prompt, params, rid, lora=req.lora_path, routes=[] if routed else None) for prompt, rid in zip(
             [p for p in req.prompts for _ in range(n)], _sample_rids(req.rid, len(req.prompts), n))]
         try:
             for r in reqs:
                 self.engine.check(r)
+                if routed:
+                    _check_routed_experts_start(req.routed_experts_start_len, len(r.prompt))
             self._check_lora(req.lora_path)
         except (ProtocolError, ValueError) as err:
             return _error(400, str(err))
@@ -224,6 +230,9 @@ class EngineServer:
             if req.return_logprob:
                 meta["output_token_logprobs"] = [[_json_float(lp), tok, None] for lp, tok in
                                                  zip(r.logprobs, r.output_ids)]
+            if r.routes:  # SGLang's detokenizer: base64 of int32 [positions, layers, top_k]
+                routes = torch.cat(r.routes)[req.routed_experts_start_len:].contiguous()
+                meta["routed_experts"] = base64.b64encode(routes.numpy().tobytes()).decode("utf-8")
             items.append({"text": self.engine.decode(r.output_ids, params.skip_special_tokens),
                           "output_ids": r.output_ids, "meta_info": meta})
         return web.json_response(items if (req.is_batch or n > 1) else items[0])
@@ -428,6 +437,16 @@ class EngineServer:
         return self._lora_reply(True)
 
 
+def _check_routed_experts_start(start: int, prompt_tokens: int) -> None:
+    """SGLang's scheduler (handle_generate_request) refuses these, in its words."""
+    if start < 0:
+        raise ProtocolError(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                            "routed_experts_start_len.")
+    if start > prompt_tokens:
+        raise ProtocolError(f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+                            f"len(req.origin_input_ids)={prompt_tokens}. Please use a smaller routed_experts_start_len.")
+
+
 def _sample_rids(rid: str | list[str] | None, num_prompts: int, n: int) -> list[str]:
     """One id per sample, prompt-major, as SGLang assigns them: the given rid for one prompt and n = 1,
     rid_i for a batch of one string rid, the listed rids for n = 1, and fresh ids for every sample of n > 1
@@ -492,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-target-modules", nargs="*", default=None,
                         help="HF module names adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj "
                              "down_proj, or all)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="requests may ask return_routed_experts (a mixture-of-experts model's routing, SGLang's)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--health-timeout", type=float, default=None,
                         help="seconds /health waits while generation is paused before it answers 503, as SGLang's "
@@ -528,7 +549,8 @@ def main(argv: list[str]) -> int:
 
     try:
         engine = LocalEngine(args.model, dtype=args.dtype, device=args.device, seed=args.seed, tp_size=args.tp_size,
-                             deterministic=args.enable_deterministic_inference, lora=lora)
+                             deterministic=args.enable_deterministic_inference, lora=lora,
+                             return_routed_experts=args.enable_return_routed_experts)
     except (MemoryPreflightError, ValueError) as err:  # ValueError: a LoRA flag the engine cannot serve
         print(f"megatron-spo serve: error: {err}", file=sys.stderr)
         return 2

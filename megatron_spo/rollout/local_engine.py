@@ -71,6 +71,7 @@ class Req:
     version_events: list[tuple[str, int]] = field(default_factory=list)  # (version replaced, output tokens then)
     retractions: int = 0
     lora: str | None = None  # the adapter it samples from (None: the base model)
+    routes: list[torch.Tensor] | None = None  # return_routed_experts: int32 [positions, layers, top_k] per forward
     spans: list[dict[str, Any]] | None = None  # weight_version_spans, taken when it finished
     error: BaseException | None = None
     on_finish: Callable[[Req], None] | None = field(default=None, repr=False)
@@ -92,6 +93,31 @@ class Req:
                 continue
             spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
         return spans
+
+
+def _is_moe(config) -> bool:
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
+class RouteCapture:
+    """The experts each MoE router chose in the last forward (SGLang's RoutedExpertsCapturer): a hook on every
+    ``model.layers.{i}.mlp.gate`` (transformers' top-k routers return (logits, weights, indices))."""
+
+    def __init__(self, model):
+        self.gates = [m for name, m in model.named_modules()
+                      if name.endswith(".mlp.gate") and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+        if not self.gates:
+            raise ValueError("--enable-return-routed-experts: the model has no mixture-of-experts routers")
+        self.top_k = self.gates[0].top_k
+        self.last: list[torch.Tensor | None] = [None] * len(self.gates)
+        for i, gate in enumerate(self.gates):
+            gate.register_forward_hook(lambda _m, _a, out, i=i: self.last.__setitem__(i, out[2]))
+
+    def take(self, batch: int, positions: int) -> torch.Tensor:
+        """The last forward's routes int32 [batch, positions, layers, top_k] (its input was [batch, positions])."""
+        routes = torch.stack([t.reshape(batch, positions, self.top_k) for t in self.last], dim=2)
+        self.last = [None] * len(self.gates)
+        return routes.to(device="cpu", dtype=torch.int32)
 
 
 def _preflight_load(model_dir: str, dtype: str, device: str) -> None:
@@ -119,16 +145,22 @@ class LocalEngine:
     sender that counts the group wrong fails here as it would against a real TP engine."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
-                 tp_size: int = 1, deterministic: bool = False, lora: dict | None = None):
-        from transformers import AutoModelForCausalLM
+                 tp_size: int = 1, deterministic: bool = False, lora: dict | None = None,
+                 return_routed_experts: bool = False):
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.model_path = os.path.abspath(model_dir)
         self.device = torch.device(device)
         _preflight_load(self.model_path, dtype, device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
+        kwargs = {}
+        if _is_moe(AutoConfig.from_pretrained(self.model_path)):  # its grouped_mm refuses odd shapes on CPU
+            kwargs["experts_implementation"] = "eager"
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype), **kwargs)
         self.model.to(self.device).eval()
+        # --enable-return-routed-experts: every MoE router's top-k of each forward, for requests that ask
+        self.routes = RouteCapture(self.model) if return_routed_experts else None
         # transformers >= 5.24 names the KV cache argument `cache` (`past_key_values` is deprecated there)
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
@@ -280,6 +312,10 @@ class Batch:
             if self.active[i] and len(r.output_ids) >= r.params.max_new_tokens:
                 self._finish(i, {"type": "length", "length": r.params.max_new_tokens})
         contexts = [r.prompt + r.output_ids for r in reqs]
+        self.new_positions = [len(c) for c in contexts]  # what the next forward feeds of each row (prefill)
+        for r in reqs:
+            if r.routes is not None:  # a resumed request's prefill routes its whole context again
+                r.routes = []
         width = max(len(c) for c in contexts)
         ids = torch.full((len(reqs), width), engine.pad_id, dtype=torch.long)
         mask = torch.zeros((len(reqs), width), dtype=torch.long)
@@ -323,6 +359,12 @@ class Batch:
         with engine.lora.active(self.lora) if engine.lora is not None else _nothing():
             out = engine.model(input_ids=self.next_ids, attention_mask=self.mask, position_ids=self.next_positions,
                                use_cache=True, **self.cache)
+        if engine.routes is not None:
+            routes = engine.routes.take(*self.next_ids.shape)
+            for i, (req, n) in enumerate(zip(self.reqs, self.new_positions)):
+                if self.active[i] and req.routes is not None:  # the row's real (left-padded) positions
+                    req.routes.append(routes[i, routes.shape[1] - n:])
+            self.new_positions = [1] * len(self.reqs)
         logits = out.logits[:, -1, :].float().cpu()  # sampling on CPU: per-row CPU generators
         generators = [engine.generator(r) for r in self.reqs]
         tokens, logprobs = _sample(logits, self.temperature, self.top_p, self.top_k, self.min_p, self.greedy,

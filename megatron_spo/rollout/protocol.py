@@ -115,6 +115,10 @@ class GenerateRequest:
     return_logprob: bool = False
     rid: str | list[str] | None = None
     lora_path: str | None = None  # the name of a loaded LoRA adapter; None: the base model
+    # routing replay: the experts every MoE router chose for each position in [routed_experts_start_len, prompt +
+    # output - 1), in meta_info["routed_experts"] (engines started with --enable-return-routed-experts)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     @property
     def is_batch(self) -> bool:
@@ -134,6 +138,10 @@ class GenerateRequest:
             body["rid"] = self.rid
         if self.lora_path is not None:
             body["lora_path"] = self.lora_path
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
+            if self.routed_experts_start_len:
+                body["routed_experts_start_len"] = self.routed_experts_start_len
         return body
 
     @classmethod
@@ -164,8 +172,14 @@ class GenerateRequest:
         lora = body.get("lora_path")
         if lora is not None and not isinstance(lora, str):
             raise ProtocolError("/generate: lora_path must be one adapter name (a string) for the whole request")
+        routed = body.get("return_routed_experts") or False
+        if not isinstance(routed, bool):
+            raise ProtocolError("/generate: return_routed_experts must be a boolean")
+        start = body.get("routed_experts_start_len") or 0
+        if not _is_int(start):
+            raise ProtocolError("/generate: routed_experts_start_len must be an integer")
         return cls(input_ids=ids, sampling_params=SamplingParams.from_json(sp), return_logprob=rlp, rid=rid,
-                   lora_path=lora)
+                   lora_path=lora, return_routed_experts=routed, routed_experts_start_len=start)
 
 
 @dataclass
@@ -184,6 +198,9 @@ class Completion:
     # meta_info.weight_versions; None when the engine does not report it)
     weight_versions: list[tuple[str, int, int]] | None = None
     num_retractions: int = 0
+    # meta_info["routed_experts"]: base64 int32 [positions, layers, top_k] (data/routes.py); None when not asked,
+    # or when the engine was not started with --enable-return-routed-experts (SGLang then sends nothing)
+    routed_experts: str | None = None
 
     @property
     def versions(self) -> list[str]:
@@ -225,11 +242,18 @@ class Completion:
                 logprobs=logprobs,
                 weight_versions=spans,
                 num_retractions=int(meta.get("num_retractions") or 0),
+                routed_experts=_optional_str(meta.get("routed_experts"), "routed_experts"),
             )
         except ProtocolError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
             raise ProtocolError(f"malformed /generate item: {type(err).__name__}: {err}") from None
+
+
+def _optional_str(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ProtocolError(f"meta_info.{name} must be a string, got {type(value).__name__}")
+    return value
 
 
 def parse_generate_response(body: Any, num_prompts: int, n: int) -> list[list[Completion]]:
