@@ -616,7 +616,7 @@ class Trainer:
             if isinstance(decided[0], BaseException):
                 raise decided[0]
             self._decided_push_mode = decided[0]
-            if self.rank == 0:
+            if self.rank == 0 and hasattr(self.online, "push_mode"):
                 sends = "the adapters alone" if decided[0] == "adapter" else "merged full weights"
                 print(f"[megatron-spo] lora: weight pushes send {sends} (lora.push={self.cfg.lora.push})", flush=True)
         return self._decided_push_mode
