@@ -362,3 +362,35 @@ def test_the_trainers_online_source_decides_the_push_and_switches_rollouts(engin
     assert first["weight_sync/pause_seconds"] == 0.0 and first["weight_sync/bytes"] > first["weight_sync/adapter_bytes"]
     assert name7 not in engine.engine.lora.adapters and s.lora_path in engine.engine.lora.adapters
     s.close()
+
+
+def test_a_base_sample_spanning_the_first_adapter_switch_is_version_0_not_mixed():
+    """With adapter pushes the base never changes: a request sent before the first switch (no lora_path) is the
+    base's, version 0, exactly, though the engine reports its tokens spanning weight versions default -> 9."""
+    from megatron_spo.rollout.config import RolloutConfig
+    from megatron_spo.rollout.manager import Prompt, RolloutManager
+    from megatron_spo.rollout.protocol import Completion
+
+    cfg = RolloutConfig(samples_per_prompt=1, max_new_tokens=4, max_inflight_requests=1, max_staleness=20)
+    sent = []
+
+    async def go():
+        manager = RolloutManager(cfg, [Prompt("p", [3, 4, 5], problem=0)], lambda problem, text: 0.0,
+                                 endpoints=["http://127.0.0.1:9"], check_versions=False)
+
+        async def generate(prompts, params, *, lora_path=None, **kw):
+            sent.append(lora_path)
+            manager.set_policy_version(9, lora_path="policy-v9-ab")  # the first adapter push lands meanwhile
+            return [[Completion(rid="r", output_ids=[1, 2, 3, 4], text="", finish_reason="length", prompt_tokens=3,
+                                completion_tokens=4, weight_version="9", logprobs=[-1.0] * 4,
+                                weight_versions=[("default", 0, 2), ("9", 2, 4)])]]
+
+        manager.endpoints[0].client.generate = generate
+        await manager.start(max_requests=1)
+        await manager.join()
+        group = manager.buffer.get_nowait()
+        await manager.stop()
+        return group
+
+    [t] = asyncio.run(go())
+    assert sent == [None] and (t.policy_version, t.mixed_versions, t.weight_versions) == (0, False, [("0", 0, 4)])
