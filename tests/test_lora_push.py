@@ -394,3 +394,72 @@ def test_a_base_sample_spanning_the_first_adapter_switch_is_version_0_not_mixed(
 
     [t] = asyncio.run(go())
     assert sent == [None] and (t.policy_version, t.mixed_versions, t.weight_versions) == (0, False, [("0", 0, 4)])
+
+
+def test_the_push_order_through_sglangs_own_lora_control_flow(peft, model_cfg):
+    """SGLang's TokenizerControlMixin.load_lora_adapter_from_tensors / unload_lora_adapter with its LoRARegistry,
+    the backend replaced by its TP workers' deserialization of each rank's payload (TP 2): v1 and v2 load side by
+    side; unloading v1 refuses new requests for it at once but completes only when the request holding it ends."""
+    sgl = pytest.importorskip("sglang_source")
+    if not sgl.sglang_available():
+        pytest.skip("sglang source not installed")
+    rc = sgl.runtime_context()
+    config = ap.push_config_dict(LORA, model_cfg)
+    payload = __import__("base64").b64encode(ap.serialize_adapter(peft[0])).decode()
+    with sgl.sglang_imports(), rc.get_context().override_server_args(), \
+            rc.get_lora().override(enable_lora=True, max_loaded_loras=None), rc.get_parallel().override(dp_size=1):
+        mixin = sgl.load_module("sglang.srt.managers.tokenizer_control_mixin").TokenizerControlMixin
+        registry_cls = sgl.load_module("sglang.srt.lora.lora_registry").LoRARegistry
+        common = sgl.load_module("sglang.srt.utils.common")
+        bucket_cls = sgl.load_module("sglang.srt.weight_sync.tensor_bucket").FlattenedTensorBucket
+        io = sgl.io_struct()
+        events, backend = [], {}
+
+        async def communicator(obj):  # the TP workers: each rank deserializes its own payload (tp_worker.py)
+            if isinstance(obj, io.LoadLoRAAdapterFromTensorsReqInput):
+                if obj.lora_name in backend:  # LoRAManager.validate_new_adapter
+                    return [io.LoRAUpdateOutput(success=False, error_message=f"Failed to load LoRA adapter "
+                                                f"{obj.lora_name} because it is already loaded")] * 2
+                for rank in range(2):
+                    data = common.MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[rank])
+                    tensors = dict(bucket_cls(flattened_tensor=data["flattened_tensor"],
+                                              metadata=data["metadata"]).reconstruct_tensors())
+                    assert all(torch.equal(tensors[k], peft[0][k]) for k in peft[0])
+                backend[obj.lora_name] = obj.lora_id
+            else:
+                backend.pop(obj.lora_name)
+            events.append((type(obj).__name__, obj.lora_name))
+            return [io.LoRAUpdateOutput(success=True, loaded_adapters=dict.fromkeys(backend, "__tensor__"))] * 2
+
+        shell = type("Shell", (), {n: getattr(mixin, n) for n in (
+            "load_lora_adapter_from_tensors", "unload_lora_adapter", "_unload_lora_adapter_locked")})()
+        shell.auto_create_handle_loop = lambda: None
+        shell.update_lora_adapter_communicator = communicator
+
+        def body(name):
+            return sgl.parse_http_body(io.LoadLoRAAdapterFromTensorsReqInput, LoadLoraAdapterFromTensorsRequest(
+                lora_name=name, config_dict=config, serialized_named_tensors=[payload, payload]).to_json())
+
+        async def go():
+            shell.lora_update_lock, shell.pending_lora_unloads, shell.lora_ref_cache = asyncio.Lock(), {}, {}
+            shell.lora_registry = registry = registry_cls()
+            v1 = await shell.load_lora_adapter_from_tensors(body("policy-v1-a"))
+            held = await registry.acquire("policy-v1-a")  # a request sampling from v1
+            again = await shell.load_lora_adapter_from_tensors(body("policy-v1-a"))
+            v2 = await shell.load_lora_adapter_from_tensors(body("policy-v2-b"))
+            unload = asyncio.create_task(shell.unload_lora_adapter(sgl.parse_http_body(
+                io.UnloadLoRAAdapterReqInput, UnloadLoraAdapterRequest("policy-v1-a").to_json())))
+            await asyncio.sleep(0.05)
+            with pytest.raises(ValueError, match="^The following requested LoRA adapters are not loaded: policy-v1-a"):
+                await registry.acquire("policy-v1-a")
+            assert not unload.done() and await registry.acquire("policy-v2-b")  # v2 serves throughout
+            events.append(("request on v1 ends", None))
+            await registry.release(held)
+            return v1, again, v2, await unload
+
+        v1, again, v2, unloaded = asyncio.run(go())
+    assert v1.success and v2.success and unloaded.success
+    assert not again.success and again.error_message.endswith("policy-v1-a because it is already loaded")
+    assert events == [("LoadLoRAAdapterFromTensorsReqInput", "policy-v1-a"),
+                      ("LoadLoRAAdapterFromTensorsReqInput", "policy-v2-b"), ("request on v1 ends", None),
+                      ("UnloadLoRAAdapterReqInput", "policy-v1-a")]
