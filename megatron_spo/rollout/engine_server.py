@@ -407,7 +407,7 @@ class EngineServer:
                                     f"rank is needed (tp_size {self.engine.tp_size})")
         async with self.lora_lock:
             try:
-                tensors = deserialize_adapter(payloads[0], body.load_format)
+                tensors = await asyncio.to_thread(deserialize_adapter, payloads[0], body.load_format)
                 await self.on_scheduler(self.engine.lora.load, body.lora_name, body.config_dict, tensors)
             except Exception as err:  # a refused adapter leaves the loaded ones as they were
                 return self._lora_reply(False, str(err))
