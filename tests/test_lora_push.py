@@ -87,7 +87,7 @@ def test_engine_flags_are_sglangs_own(hf, model_cfg):
     # SGLang's /server_info is its server args by field name: what the pusher reads from it
     info = {k: getattr(args, k) for k in ("enable_lora", "max_lora_rank", "lora_target_modules", "tp_size",
                                           "model_path")}
-    assert ap.EngineLora.from_server_info("u", info) == ap.EngineLora("u", True, 4, MODULES, 2, hf)
+    assert ap.EngineLoraSettings.from_server_info("u", info) == ap.EngineLoraSettings("u", True, 4, MODULES, 2, hf)
 
 
 def test_push_bodies_pass_sglangs_io_struct_and_its_deserializer(peft, model_cfg):
@@ -212,14 +212,14 @@ def test_bad_input_is_one_line_naming_the_field(engine, hf, tmp_path, model_cfg,
     engines without LoRA under lora.push=adapter, a target the family's layers lack; and the engine's own refusals
     (SGLang's text) of a rank it cannot hold and of tensors that do not fit its base."""
     info = get_json(f"{engine.url}/server_info", 10)[1]
-    served = ap.EngineLora.from_server_info(engine.url, info)
+    served = ap.EngineLoraSettings.from_server_info(engine.url, info)
     assert (served.enabled, served.max_rank, served.target_modules) == (True, 4, MODULES)
     errors = {}
     for key, lora, eng, base in (
             ("rank", LoraConfig(rank=8), served, None),
-            ("targets", LORA, ap.EngineLora(engine.url, True, 4, ["q_proj", "v_proj"], 1, hf), None),
+            ("targets", LORA, ap.EngineLoraSettings(engine.url, True, 4, ["q_proj", "v_proj"], 1, hf), None),
             ("base", LORA, served, ap.hf_dims(make_tiny_hf(str(tmp_path / "other"), num_layers=3))),
-            ("off", LORA, ap.EngineLora(engine.url, False, None, None, 1, hf), None)):
+            ("off", LORA, ap.EngineLoraSettings(engine.url, False, None, None, 1, hf), None)):
         with pytest.raises(ap.AdapterPushError) as err:
             ap.check_engine(eng, ap.push_config_dict(lora, model_cfg), base)
         errors[key] = str(err.value)

@@ -104,7 +104,7 @@ def push_config_dict(lora, model_cfg, base_model: str | None = None) -> dict:
 
 
 @dataclass
-class EngineLora:
+class EngineLoraSettings:
     """An engine's LoRA settings, as its /server_info reports them (SGLang: its server args)."""
 
     url: str
@@ -115,14 +115,14 @@ class EngineLora:
     model_path: str | None
 
     @classmethod
-    def from_server_info(cls, url: str, info: dict) -> EngineLora:
+    def from_server_info(cls, url: str, info: dict) -> EngineLoraSettings:
         modules = info.get("lora_target_modules")
         return cls(url=url, enabled=bool(info.get("enable_lora")), max_rank=info.get("max_lora_rank"),
                    target_modules=None if modules is None else sorted(modules),
                    tp_size=int(info.get("tp_size") or 1), model_path=info.get("model_path"))
 
 
-def check_engine(engine: EngineLora, config: dict, base_dims: dict | None) -> None:
+def check_engine(engine: EngineLoraSettings, config: dict, base_dims: dict | None) -> None:
     """The adapter fits the engine: LoRA on, rank within --max-lora-rank, target modules within
     --lora-target-modules, the same base (when the engine's model directory is readable here). AdapterPushError in one
     line naming the field otherwise."""
@@ -303,20 +303,20 @@ class AdapterPusher:
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.config_dict, self.timeout_s = config_dict, timeout_s
         self.base_dims = hf_dims(base_dir) if base_dir else None
-        self.engines: dict[str, EngineLora] = {}
+        self.engines: dict[str, EngineLoraSettings] = {}
         self.current: str | None = None  # the newest adapter's name
         self.loaded: dict[str, set[str]] = {u: set() for u in self.engine_urls}  # policy adapters per engine
         self.lagging: dict[str, str] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.engine_urls)),
                                                           thread_name_prefix="adapter-push")
 
-    def probe(self) -> dict[str, EngineLora]:
+    def probe(self) -> dict[str, EngineLoraSettings]:
         """Every engine's LoRA settings from /server_info, checked against the adapter (check_engine)."""
-        def one(url: str) -> EngineLora:
+        def one(url: str) -> EngineLoraSettings:
             status, info = get_json(f"{url}/server_info", PROBE_TIMEOUT_S)
             if status != 200 or not isinstance(info, dict):
                 raise AdapterPushError(f"lora.push: {url}/server_info answered HTTP {status}")
-            return EngineLora.from_server_info(url, info)
+            return EngineLoraSettings.from_server_info(url, info)
 
         for engine in self.pool.map(one, self.engine_urls):
             check_engine(engine, self.config_dict, self.base_dims)
