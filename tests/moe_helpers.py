@@ -18,9 +18,9 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=37, intermediate_size=45, moe_interme
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]  # (TP, PP, EP) on a world of 4
 
 
-def make_tiny_moe(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """A random fp32 Qwen3MoeForCausalLM: norms 1 + noise; router weights N(0, 1), so each token's top-2 are
-    clear (a near tie would make routing, hence parity, depend on the last bit)."""
+def make_tiny_moe(out_dir: str | Path, seed: int = 0, router_std: float = 1.0, **overrides) -> Path:
+    """A random fp32 Qwen3MoeForCausalLM: norms 1 + noise; router weights N(0, router_std^2): at 1 each token's
+    top-2 are clear (a near tie would make routing, hence parity, depend on the last bit); small, routes tie often."""
     import transformers
 
     config = transformers.Qwen3MoeConfig(**{**SHAPE, "norm_topk_prob": True, **overrides})
@@ -31,7 +31,7 @@ def make_tiny_moe(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p))
+                p.copy_(router_std * torch.randn_like(p))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, max_shard_size="40KB")
     (out_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}) + "\n")
@@ -155,6 +155,10 @@ def moe_worker(hf_dir: str, result_path: str) -> None:
             own_routes = own() if pp == 1 else None
         with replayed(chunks, router_order(routes)):
             replay_logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=4)
+        mixed = routes.clone()
+        mixed[1] = -1  # a row without routes (offline data) routes itself beside replayed rows
+        with replayed(chunks, router_order(mixed)):
+            mixed_logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=4)
         if own_routes is not None:
             with replayed(chunks, own_routes):
                 own_logits = gather_logits_to_rank0(chunks, ids, cfg.vocab_size, micro_batch_size=4)
@@ -163,6 +167,8 @@ def moe_worker(hf_dir: str, result_path: str) -> None:
             rec["logit_scale"] = ref_logits.abs().max().item()
             rec["forced_logit_max_abs_diff"] = (replay_logits - forced_logits).abs().max().item()
             rec["forced_changes_logits"] = (forced_logits - ref_logits).abs().max().item()
+            rec["mixed_rows_diff"] = max((mixed_logits[[0, 2, 3]] - replay_logits[[0, 2, 3]]).abs().max().item(),
+                                         (mixed_logits[1] - whole[1]).abs().max().item())
             if own_routes is not None:
                 rec["own_routes_replayed_bitwise"] = bool(torch.equal(own_logits, whole))
                 rec["own_routes_shape"] = list(own_routes.shape)
@@ -207,3 +213,101 @@ def moe_worker(hf_dir: str, result_path: str) -> None:
     if rank == 0:
         Path(result_path).write_text(json.dumps(results, indent=2))
     dist.destroy_process_group()
+
+
+class EngineSource:
+    """Online trajectories sampled by the local engine (rollout/local_engine.py) from ``hf_dir``, with the engine's
+    log-probs and routed experts, as the rollout manager builds them: groups of 4 samples per prompt at T = 1."""
+
+    def __init__(self, hf_dir: str, dtype: str = "float32", seed: int = 0, prompt_len: int = 6, new_tokens: int = 10):
+        from megatron_spo.rollout.local_engine import LocalEngine
+
+        self.engine = LocalEngine(hf_dir, dtype=dtype, seed=seed, return_routed_experts=True)
+        self.g = torch.Generator().manual_seed(seed)
+        self.prompt_len, self.new_tokens, self.drawn = prompt_len, new_tokens, 0
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        from megatron_spo.data.routes import RoutedExperts
+        from megatron_spo.rollout.local_engine import Req
+        from megatron_spo.rollout.manager import Trajectory
+        from megatron_spo.rollout.protocol import SamplingParams
+
+        params = SamplingParams(max_new_tokens=self.new_tokens, temperature=1.0, top_p=1.0)
+        reqs, prompt = [], []
+        for i in range(k):
+            if i % 4 == 0:  # a group of 4 samples per prompt
+                prompt = torch.randint(1, VOCAB, (self.prompt_len,), generator=self.g).tolist()
+            reqs.append(Req(prompt, params, f"r{self.drawn + i}", routes=[]))
+        self.engine.generate(reqs)
+        out = []
+        for i, r in enumerate(reqs):
+            routes = RoutedExperts.from_array(torch.cat(r.routes).numpy())
+            out.append(Trajectory(prompt_id=f"p{(self.drawn + i) // 4}", prompt_tokens=r.prompt,
+                                  response_tokens=r.output_ids, reward=-float(r.output_ids[0] % 2), source="online",
+                                  policy_version=0, behaviour_logprobs=r.logprobs, q0=-0.5, temperature=1.0,
+                                  top_p=1.0, routed_experts=routes))
+        self.drawn += k
+        return out
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = state["drawn"]
+
+
+def train_cfg(run_dir: str, hf_dir: str, replay: str, *, steps: int = 1, pack: bool = True) -> dict:
+    return dict(run_dir=run_dir, steps=steps, algo="spo", beta=0.5, init={"hf": hf_dir}, routing_replay=replay,
+                optimizer={"lr": 1e-3, "warmup_steps": 1},
+                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 64, "max_seq_length": 64,
+                       "pack_sequences": pack},
+                model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False})
+
+
+def train_gap_worker(runs: list[tuple[dict, str]], engine_dtype: str | None) -> None:
+    """One rank: each config trains on the engine's samples (engine_dtype; None: ForcedRoutesSource's), the same
+    samples for each (a fresh source of one seed); its metrics are in its run_dir."""
+    warnings.filterwarnings("ignore")
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    for i, (cfg_data, hf_dir) in enumerate(runs):
+        source = ForcedRoutesSource(hf_dir) if engine_dtype is None else EngineSource(hf_dir, engine_dtype)
+        trainer = Trainer(TrainConfig.model_validate(cfg_data), online_source=source)
+        try:
+            trainer.train()
+        finally:
+            trainer.close(keep_process_group=i < len(runs) - 1)
+
+
+class ForcedRoutesSource:
+    """Online trajectories with random routes (k distinct experts per token and layer) and, as behaviour log-probs,
+    transformers' log-probs of the response under exactly those routes (fp32, T = 1): a trainer that replays the
+    routes reproduces them to rounding; one that routes itself does not."""
+
+    def __init__(self, hf_dir: str, seed: int = 0):
+        self.hf_dir, self.g, self.drawn = hf_dir, torch.Generator().manual_seed(seed), 0
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        from megatron_spo.data.routes import RoutedExperts
+        from megatron_spo.rollout.manager import Trajectory
+
+        out = []
+        for i in range(k):
+            n_prompt, n_resp = 5, int(torch.randint(3, 12, (1,), generator=self.g))
+            seq = torch.randint(1, VOCAB, (1, n_prompt + n_resp), generator=self.g)
+            routes = forced_routes(1, n_prompt + n_resp - 1, seed=int(torch.randint(0, 2**31, (1,), generator=self.g)))
+            logits, _ = hf_forced(self.hf_dir, seq[:, :-1], routes)
+            logp = torch.log_softmax(logits[0].double(), -1).gather(-1, seq[0, 1:, None])[:, 0]
+            out.append(Trajectory(prompt_id=f"p{(self.drawn + i) // 4}", prompt_tokens=seq[0, :n_prompt].tolist(),
+                                  response_tokens=seq[0, n_prompt:].tolist(), reward=-float(i % 2), source="online",
+                                  policy_version=0, behaviour_logprobs=logp[n_prompt - 1:].tolist(), q0=-0.5,
+                                  temperature=1.0, top_p=1.0, routed_experts=RoutedExperts.from_array(routes[0].numpy())))
+        self.drawn += k
+        return out
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = state["drawn"]

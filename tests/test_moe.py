@@ -150,6 +150,8 @@ def test_routing_replay_forces_the_routes_forward_and_backward(results, layout):
     # transformers' under the same forced routes (token order, layer mapping across pipeline stages, EP)
     assert rec["forced_changes_logits"] > 1e-2
     assert rec["forced_logit_max_abs_diff"] < 1e-4 * rec["logit_scale"], rec
+    # a row whose routes are -1 (no routes: offline data) routes itself, the other rows stay replayed
+    assert rec["mixed_rows_diff"] < 1e-6, rec["mixed_rows_diff"]
     if "own_routes_replayed_bitwise" in rec:  # the routers' own choice, recorded and replayed: nothing changes
         assert rec["own_routes_replayed_bitwise"] and rec["own_routes_shape"] == [4 * moe.SEQ, 2, 2]
     if layout.startswith("tp1"):  # the gradient flows through the forced experts' router probabilities
@@ -284,3 +286,59 @@ def test_engine_without_the_flag_returns_no_routes(hf_dir):
     dense = models_helpers.make_tiny_family(hf_dir.parent / "qwen3-dense", "qwen3", num_layers=1)
     with pytest.raises(ValueError, match="--enable-return-routed-experts: the model has no mixture-of-experts routers"):
         LocalEngine(str(dense), return_routed_experts=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer replays a trajectory's routes (training/trainer.py, TrainConfig.routing_replay)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.multiproc
+def test_spo_step_replays_the_trajectories_routes(hf_dir, tmp_path):
+    """Behaviour log-probs are transformers' under random forced routes: a trainer replaying the routes reproduces
+    them (the gap the trainer logs: ~2e-7, packed or padded), one routing itself is ~1e-2 off; pi_0 replays too, so
+    at the initial weights the log-ratio is exactly 0."""
+    from megatron_spo.models.parallel import spawn_local
+
+    runs = {name: moe.train_cfg(str(tmp_path / name), str(hf_dir), replay, pack=pack)
+            for name, replay, pack in (("packed", "engine", True), ("off", "off", True), ("padded", "engine", False))}
+    spawn_local(moe.train_gap_worker, 1, [(cfg, str(hf_dir)) for cfg in runs.values()], None)
+    m = {name: json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0]) for name in runs}
+    for name in ("packed", "padded"):
+        assert m[name]["logprob_gap/mean_abs"] < 1e-6 and m[name]["logprob_gap/max_abs"] < 2e-6, (name, m[name])
+        assert m[name]["mean_seq_log_ratio"] == 0.0 and m[name]["kl"] == 0.0, name  # pi_0 under the same routes
+    assert m["off"]["logprob_gap/mean_abs"] > 1e-3 and m["off"]["logprob_gap/max_abs"] > 1e-2, m["off"]
+    assert m["padded"]["grad_norm"] == pytest.approx(m["packed"]["grad_norm"], rel=1e-5)
+    assert m["off"]["grad_norm"] != pytest.approx(m["packed"]["grad_norm"], rel=1e-3)  # replay moved the gradient
+
+
+def test_routes_that_cannot_be_the_models_stop_the_step_in_one_line(hf_dir):
+    import numpy as np
+
+    from megatron_spo.data.routes import RoutedExperts, RoutesError
+    from megatron_spo.data.trajectory import Trajectory
+    from megatron_spo.training.trainer import check_routes
+
+    cfg = hfc.read_hf_config(hf_dir)
+
+    def traj(ids) -> Trajectory:
+        return Trajectory(prompt_id="p7", prompt_tokens=[1, 2, 3], response_tokens=[4, 5], reward=0.0,
+                          source="online", policy_version=0, routed_experts=RoutedExperts.from_array(ids))
+
+    check_routes([traj(np.zeros((4, 2, 2), np.int32) + [0, 1])], cfg)  # fits: nothing raised
+    with pytest.raises(RoutesError) as info:
+        check_routes([traj(np.zeros((4, 2, 2), np.int32) + [0, 1]), traj(np.full((4, 3, 2), 0, np.int32) + [0, 1])],
+                     cfg)
+    assert str(info.value) == (
+        "trajectory 1 of the step (prompt_id 'p7', source 'online'): field 'routed_experts': routes of 3 layers x "
+        "top_k 2, the model has 2 MoE layers x top_k 2 (routes from another model?)")
+    with pytest.raises(RoutesError, match=r"trajectory 0 .*: field 'routed_experts': expert id 6 at token 0, layer 1 "
+                                          r"is outside \[0, 6\)"):
+        check_routes([traj(np.array([[[0, 1], [2, 6]]] * 4, np.int32))], cfg)
+    # a record file's routes are checked against their trajectory when read
+    from megatron_spo.data.trajectory import RecordError, validate_record
+
+    record = traj(np.zeros((4, 2, 2), np.int32) + [0, 1]).to_dict()
+    assert validate_record(record, "t.jsonl:1").routed_experts.array().shape == (4, 2, 2)
+    with pytest.raises(RecordError) as info:
+        validate_record({**record, "response_tokens": [4, 5, 6]}, "t.jsonl:2")
+    assert str(info.value) == ("t.jsonl:2: field 'routed_experts': routes for 4 tokens, but prompt + response - 1 = "
+                               "5 tokens went through the model")

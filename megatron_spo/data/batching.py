@@ -50,6 +50,9 @@ class TrainBatch:
     mc_positions: torch.Tensor  # [B, K] long positions in L (-1 = none)
     mc_success: torch.Tensor  # [B, K] float success probabilities S_t
     lengths: torch.Tensor  # [B] long: tokens of each row before its padding (prompt + response - 1)
+    # [B, L, layers, top_k] int32: the experts the engine routed each input token to (routing replay); -1 where
+    # the router chooses itself (rows without routes, padding). None: no row of the batch carries routes
+    routes: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -72,7 +75,7 @@ class TrainBatch:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v[idx] if torch.is_tensor(v) else [v[i] for i in idx]
+            out[f.name] = v[idx] if torch.is_tensor(v) else None if v is None else [v[i] for i in idx]
         return TrainBatch(**out)
 
 
@@ -149,7 +152,25 @@ def collate(trajectories: Sequence[TrajectoryLike], pad_id: int, length: int | N
         mc_positions=mc_positions,
         mc_success=mc_success,
         lengths=torch.tensor([len(p) + len(r) - 1 for p, r in rows], dtype=torch.long),
+        routes=collate_routes(trajectories, length),
     )
+
+
+def collate_routes(trajectories: Sequence[TrajectoryLike], length: int) -> torch.Tensor | None:
+    """[B, length, layers, top_k] int32 of the trajectories' routed_experts (data/routes.py; positions past a
+    row's prompt + response - 1 and rows without routes hold -1), or None when none has any."""
+    routed = [getattr(tr, "routed_experts", None) for tr in trajectories]
+    shapes = {(r.layers, r.top_k) for r in routed if r is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"collate: routed_experts of different shapes (layers, top_k) {sorted(shapes)} in one batch")
+    (layers, top_k), = shapes
+    out = torch.full((len(routed), length, layers, top_k), -1, dtype=torch.int32)
+    for i, r in enumerate(routed):
+        if r is not None:
+            out[i, :r.tokens] = torch.from_numpy(r.array())
+    return out
 
 
 def sampling_settings(traj) -> tuple[float, float]:

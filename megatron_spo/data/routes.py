@@ -24,7 +24,11 @@ FIELD = "routed_experts"
 
 
 class RoutesError(ValueError):
-    """Routes that do not fit their trajectory or the model; the message names the trajectory and the field."""
+    """Routes that do not fit their trajectory or the model: "WHERE: field 'routed_experts': DETAIL"."""
+
+    def __init__(self, where: str, detail: str):
+        self.where, self.detail = where, detail
+        super().__init__(f"{where}: field '{FIELD}': {detail}")
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class RoutedExperts:
     def from_array(cls, ids) -> RoutedExperts:
         ids = np.ascontiguousarray(np.asarray(ids), dtype=np.int32)
         if ids.ndim != 3:
-            raise RoutesError(f"{FIELD}: expected [tokens, layers, top_k], got shape {list(ids.shape)}")
+            raise RoutesError("from_array", f"expected [tokens, layers, top_k], got shape {list(ids.shape)}")
         return cls(*ids.shape, base64.b64encode(ids.tobytes()).decode("ascii"))
 
     @classmethod
@@ -55,7 +59,7 @@ class RoutedExperts:
         ids = _decode(b64, where)
         per_token = tokens * top_k
         if tokens <= 0 or ids.size % per_token:
-            raise RoutesError(f"{where}: field '{FIELD}': {ids.size} expert ids do not split into {tokens} tokens "
+            raise RoutesError(where, f"{ids.size} expert ids do not split into {tokens} tokens "
                               f"x layers x top_k {top_k}")
         return cls(tokens, ids.size // per_token, top_k, b64)
 
@@ -66,51 +70,51 @@ class RoutedExperts:
     def from_json(cls, obj: Any, where: str, tokens: int) -> RoutedExperts:
         """From a trajectory record; ``tokens`` = prompt + response - 1, the positions an engine routes."""
         if not isinstance(obj, dict) or set(obj) != {"tokens", "layers", "top_k", "b64"}:
-            raise RoutesError(f"{where}: field '{FIELD}': must be {{tokens, layers, top_k, b64}}, got "
+            raise RoutesError(where, f"must be {{tokens, layers, top_k, b64}}, got "
                               f"{str(obj)[:60]}")
         shape = [obj["tokens"], obj["layers"], obj["top_k"]]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape):
-            raise RoutesError(f"{where}: field '{FIELD}': tokens, layers and top_k must be positive integers, "
+            raise RoutesError(where, f"tokens, layers and top_k must be positive integers, "
                               f"got {shape}")
         if obj["tokens"] != tokens:
-            raise RoutesError(f"{where}: field '{FIELD}': routes for {obj['tokens']} tokens, but prompt + response "
+            raise RoutesError(where, f"routes for {obj['tokens']} tokens, but prompt + response "
                               f"- 1 = {tokens} tokens went through the model")
         if not isinstance(obj["b64"], str):
-            raise RoutesError(f"{where}: field '{FIELD}': b64 must be a base64 string")
+            raise RoutesError(where, "b64 must be a base64 string")
         n = _decode(obj["b64"], where).size
         if n != obj["tokens"] * obj["layers"] * obj["top_k"]:
-            raise RoutesError(f"{where}: field '{FIELD}': {n} expert ids for shape {shape}")
+            raise RoutesError(where, f"{n} expert ids for shape {shape}")
         return cls(obj["tokens"], obj["layers"], obj["top_k"], obj["b64"])
 
     def check_model(self, *, num_layers: int, num_experts: int, top_k: int, where: str) -> np.ndarray:
         """The ids int32 [tokens, layers, top_k] if they can be this model's routes, else RoutesError naming
         ``where`` (the trajectory) and the field: layer count, top_k, ids in [0, num_experts), k distinct ids."""
         if (self.layers, self.top_k) != (num_layers, top_k):
-            raise RoutesError(f"{where}: field '{FIELD}': routes of {self.layers} layers x top_k {self.top_k}, "
+            raise RoutesError(where, f"routes of {self.layers} layers x top_k {self.top_k}, "
                               f"the model has {num_layers} MoE layers x top_k {top_k} (routes from another model?)")
         ids = self.array()
         bad = (ids < 0) | (ids >= num_experts)
         if bad.any():
             t, layer, j = (int(i) for i in np.argwhere(bad)[0])
-            raise RoutesError(f"{where}: field '{FIELD}': expert id {int(ids[t, layer, j])} at token {t}, layer "
+            raise RoutesError(where, f"expert id {int(ids[t, layer, j])} at token {t}, layer "
                               f"{layer} is outside [0, {num_experts})")
         if top_k > 1:
             ordered = np.sort(ids, axis=-1)
             dup = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
             if dup.any():
                 t, layer = (int(i) for i in np.argwhere(dup)[0])
-                raise RoutesError(f"{where}: field '{FIELD}': token {t}, layer {layer} routes to expert "
+                raise RoutesError(where, f"token {t}, layer {layer} routes to expert "
                                   f"{ids[t, layer].tolist()} more than once")
         return ids
 
 
 def _decode(b64: Any, where: str) -> np.ndarray:
     if not isinstance(b64, str):
-        raise RoutesError(f"{where}: field '{FIELD}': must be a base64 string, got {type(b64).__name__}")
+        raise RoutesError(where, f"must be a base64 string, got {type(b64).__name__}")
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):
-        raise RoutesError(f"{where}: field '{FIELD}': not valid base64") from None
+        raise RoutesError(where, "not valid base64") from None
     if len(raw) % 4:
-        raise RoutesError(f"{where}: field '{FIELD}': {len(raw)} bytes are not whole int32 ids")
+        raise RoutesError(where, f"{len(raw)} bytes are not whole int32 ids")
     return np.frombuffer(raw, dtype=np.int32)

@@ -13,6 +13,8 @@ One record per sampled response (a JSONL line, or a row of the offline store):
     mc_targets          [{t, success_prob}] | None   t: 0-based response position, success_prob in [0, 1]
     provenance          {kind, model?, run_id?, temperature?, top_p?, created?, origin?} | None
                         where the trajectory came from (see Provenance); None in records written before it
+    routed_experts      {tokens, layers, top_k, b64} | None   the experts the sampling engine's MoE routers chose
+                        for each of the prompt + response - 1 tokens it ran (data/routes.py; routing replay)
 
 Bad records raise RecordError naming file, line and field (a line that is not valid UTF-8 or JSON, or nested
 too deeply, too; token ids must fit int32 and other integers int64, as the offline store keeps them);
@@ -33,12 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_spo.config import DuplicateKeyError, loads_json, quote
+from megatron_spo.data.routes import RoutedExperts, RoutesError
 from megatron_spo.fsutil import write_lines_atomic
 
 logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("prompt_id", "prompt_tokens", "response_tokens", "reward", "source", "policy_version")
-OPTIONAL_FIELDS = ("behaviour_logprobs", "q0", "mc_targets", "provenance")
+OPTIONAL_FIELDS = ("behaviour_logprobs", "q0", "mc_targets", "provenance", "routed_experts")
 FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
 LOGPROB_SLACK = 1e-4  # samplers report log-probs a hair above 0 in low precision
 TOKEN_ID_LIMIT = 2**31  # the offline store keeps token ids as int32
@@ -96,12 +99,15 @@ class Trajectory:
     q0: float | None = None
     mc_targets: list[dict] | None = None
     provenance: Provenance | None = None
+    routed_experts: RoutedExperts | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form; absent optional fields are omitted."""
         out = {k: v for k, v in asdict(self).items() if k in REQUIRED_FIELDS or v is not None}
         if self.provenance is not None:
             out["provenance"] = self.provenance.to_dict()
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts.to_json()
         return out
 
 
@@ -239,13 +245,19 @@ def validate_record(obj: Any, where: str) -> Trajectory:
     provenance = obj.get("provenance")
     if provenance is not None:
         provenance = validate_provenance(provenance, where)
+    routes = obj.get("routed_experts")
+    if routes is not None:
+        try:
+            routes = RoutedExperts.from_json(routes, where, len(prompt_tokens) + len(response_tokens) - 1)
+        except RoutesError as err:
+            raise RecordError(where, "routed_experts", err.detail) from None
     return Trajectory(
         prompt_id=prompt_id, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
         reward=float(obj["reward"]), source=obj["source"], policy_version=obj["policy_version"],
         behaviour_logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
         q0=float(q0) if q0 is not None else None,
         mc_targets=[{"t": m["t"], "success_prob": float(m["success_prob"])} for m in mc] if mc is not None else None,
-        provenance=provenance,
+        provenance=provenance, routed_experts=routes,
     )
 
 

@@ -70,7 +70,8 @@ def tp_share(flat: Tensor) -> Tensor:
 @contextlib.contextmanager
 def replayed(chunks, routes: Tensor | None) -> Iterator[None]:
     """Within: the MoE routers of ``chunks`` take ``routes`` [N, layers, k] (N tokens in router order, every
-    layer of the model) as their top-k. routes None: the routers choose (nothing changes)."""
+    layer of the model) as their top-k; a token whose route holds -1 (a row without routes, padding) is routed
+    by the router itself. routes None: the routers choose (nothing changes)."""
     if routes is None:
         yield
         return
@@ -81,14 +82,32 @@ def replayed(chunks, routes: Tensor | None) -> Iterator[None]:
         raise ValueError(f"routing replay: routes of {routes.shape[1]} layers for a model with layer "
                          f"{max(layer for layer, _ in routers)}")
     for layer, replay in routers:
-        replay.set_target_indices(routes[:, layer].to(torch.long))
+        target = routes[:, layer].to(torch.long)
+        own = target[:, 0] < 0
+        if bool(own.any()):  # megatron's REPLAY_FORWARD replays every token: choose, then overwrite the routed
+            replay.get_replay_topk = _partial_topk(target, own)
+        else:
+            replay.set_target_indices(target)
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         yield
     finally:
         for _, replay in routers:
+            replay.__dict__.pop("get_replay_topk", None)
             replay.clear_indices()
             replay.clear_router_replay_action()
+
+
+def _partial_topk(target: Tensor, own: Tensor) -> Callable:
+    """RouterReplay.get_replay_topk for routes with gaps: the router's own top-k where ``own`` [N] is set, the
+    target's elsewhere; the probabilities gathered from the router's scores as REPLAY_FORWARD gathers them."""
+
+    def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        _, chosen = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        indices = torch.where(own.to(scores.device)[:, None], chosen, target.to(scores.device))
+        return scores.gather(1, indices), indices
+
+    return get_replay_topk
 
 
 @contextlib.contextmanager

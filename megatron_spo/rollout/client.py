@@ -90,7 +90,7 @@ class EngineClient:
 
     async def generate(self, prompts: list[list[int]], sampling_params: SamplingParams, *,
                        return_logprob: bool = True, rid: str | None = None, lora_path: str | None = None,
-                       timeout_s: float | None = None) -> list[list[Completion]]:
+                       timeout_s: float | None = None, return_routed_experts: bool = False) -> list[list[Completion]]:
         """Completions per prompt ([prompt][sample], n = sampling_params.n). One sampling_params object for
         the whole batch (the router refuses lists); ``lora_path`` the loaded adapter to sample from (None: the
         base). A malformed response raises EngineError."""
@@ -98,7 +98,8 @@ class EngineClient:
             return []
         single = len(prompts) == 1
         req = GenerateRequest(input_ids=prompts[0] if single else prompts, sampling_params=sampling_params,
-                              return_logprob=return_logprob, rid=rid if single else None, lora_path=lora_path)
+                              return_logprob=return_logprob, rid=rid if single else None, lora_path=lora_path,
+                              return_routed_experts=return_routed_experts)
         body = await self.request("POST", "/generate", req.to_json(), timeout_s)
         try:
             return parse_generate_response(body, len(prompts), sampling_params.n)

@@ -402,6 +402,15 @@ class TrainConfig(StrictModel):
         "with the squared loss (where Q0 cancels from the gradient): offline data's Q0 is of the first reference. "
         "The reference is checkpointed with the policy")
     init: InitConfig = Field(default_factory=InitConfig)
+    routing_replay: Literal["engine", "off"] = Field(
+        "engine", description="mixture-of-experts models (model.moe): engine = rollouts carry the experts the engine "
+        "routed each token to (engines started with --enable-return-routed-experts) and the policy's routers replay "
+        "them in its forward and backward passes, so its log-probs of the engine's tokens are computed through the "
+        "same experts; trajectories without routes (offline data, an earlier run's experience) route themselves. "
+        "pi_0's log-probs (the reference model, or the policy with its LoRA adapters off) replay the same routes: "
+        "the log-ratio log pi - log pi_0 then measures how the weights moved, not where two routings disagree (at "
+        "the initial weights it is exactly 0; a reference routing itself makes it nonzero wherever routes differ). "
+        "The PPO value model routes itself. off = every pass routes itself. Dense models: no effect")
     lora: LoraConfig | None = Field(
         None, description="train LoRA adapters on the policy's linears instead of the whole model (models/lora.py): "
         "the base is frozen, the optimizer holds the adapters only, and pi_0 is the policy with its adapters off "

@@ -79,10 +79,10 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
 
 
 def pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    """[b, L] -> [rows, L], the new rows filled with value."""
+    """[b, L, ...] -> [rows, L, ...], the new rows filled with value."""
     if t.shape[0] == rows:
         return t
-    return torch.cat([t, t.new_full((rows - t.shape[0], t.shape[1]), value)])
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
 
 
 def split_to_count(parts: list[list[int]], n: int, groups: list | None) -> list[list[int]]:

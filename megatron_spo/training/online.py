@@ -96,6 +96,19 @@ def q0_from_own_groups(trajectories: list, beta: float) -> None:
             t.q0 = q0
 
 
+def replayed_top_k(cfg: TrainConfig) -> int | None:
+    """The experts per token the engines are asked to report (routing_replay: engine on a MoE model), else None."""
+    if cfg.routing_replay != "engine":
+        return None
+    if cfg.model is not None:
+        model = cfg.model
+    else:
+        from megatron_spo.models.hf_checkpoint import read_hf_config
+
+        model = read_hf_config(cfg.init.hf)
+    return None if model.moe is None else model.moe.router_topk
+
+
 class OnlineSource:
     """RolloutManager running on its own event loop thread; take(k) is thread-safe and blocking."""
 
@@ -152,7 +165,8 @@ class OnlineSource:
         async def reward_fn(problem, text: str) -> float:
             return (await rewards.score(problem, text)).reward
 
-        manager = RolloutManager(cfg.rollout, prompts, reward_fn, endpoints=urls)
+        manager = RolloutManager(cfg.rollout, prompts, reward_fn, endpoints=urls,
+                                 routed_experts_top_k=replayed_top_k(cfg))
         broadcaster = None
         if endpoints.engine_urls:
             from megatron_spo.rollout.weight_sync import WeightBroadcaster

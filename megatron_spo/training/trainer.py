@@ -33,6 +33,7 @@ from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import (
     TrainBatch,
 )
+from megatron_spo.models.routing_replay import replayed
 from megatron_spo.run_layout import CheckpointDir, PreemptionHandler, Stopped
 from megatron_spo.training import checkpoint
 from megatron_spo.training import loss as losses
@@ -104,6 +105,12 @@ class Trainer:
         # first of all: a SLURM warning signal during the (long) model build must not kill the rank
         self.preemption = PreemptionHandler()
         self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
+        # routing replay: the policy's MoE routers take the engines' routes (models/routing_replay.py)
+        self.replay_routes = cfg.routing_replay == "engine" and self.model_cfg.moe is not None
+        if self.replay_routes:
+            from megatron_spo.models.routing_replay import check_replay_layout
+
+            check_replay_layout(cfg.parallel.recompute_granularity)
         self._deterministic_before = enable_deterministic() if cfg.deterministic else None
         init_parallel(cfg.parallel, self.model_cfg, seed=cfg.seed)
         self.ps = parallel_state
@@ -314,6 +321,8 @@ class Trainer:
         gap = None  # the first policy log-prob pass of a step measures the engines' log-prob gap
         if output == "logp" and chunks is self.policy and measure_gap and self._gap_pass is not None:
             gap, self._gap_pass = self._gap_pass, None
+        # log-prob passes replay the engines' routes, pi_0's too (TrainConfig.routing_replay); the value model routes itself
+        replay = self.replay_routes and output == "logp"
         layouts = self._layouts(mbs)
         packed = self.cfg.batch.pack_sequences
         seq_len = max(lay.num_tokens for lay in layouts) if packed else max(mb.input_ids.shape[1] for mb in mbs)
@@ -332,7 +341,9 @@ class Trainer:
                                 None), {}
             else:
                 args, kwargs = (mb.input_ids, mb.position_ids, None), {}
-            with output_hidden_states(model) if output == "logp" else contextlib.nullcontext():
+            rows = mbs_size if virtual else mb.num_sequences
+            routes = self._router_routes(mb, layout, rows) if replay and mb.routes is not None else None
+            with output_hidden_states(model) if output == "logp" else contextlib.nullcontext(), replayed(model, routes):
                 out = model(*args, **kwargs)
             if not _is_last(model):
                 return out, None
@@ -370,6 +381,18 @@ class Trainer:
                        num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs_size,
                        forward_only=forward_only)
         return store if self.is_last_stage else []
+
+    def _router_routes(self, mb: TrainBatch, layout, rows: int) -> torch.Tensor:
+        """The micro-batch's routes [N, layers, k] in its routers' token order (this TP rank's share under sequence
+        parallelism): the packed stream's order, or the padded rows' (rows: the rows the model is fed)."""
+        from megatron_spo.models.packing import Packed
+        from megatron_spo.models.routing_replay import router_order, tp_share
+
+        sp = self.cfg.parallel.sequence_parallel
+        if isinstance(layout, Packed):
+            flat = layout.gather(mb.routes, fill=-1)
+            return tp_share(flat) if sp else flat
+        return router_order(pad_rows(mb.routes, rows, -1), sequence_parallel=sp)
 
     def _measure_gap(self, gap: GapPass, chunk, hidden: torch.Tensor, mb: TrainBatch, logp: torch.Tensor,
                      layout) -> None:
@@ -418,6 +441,7 @@ class Trainer:
         and the seconds waited for rollouts."""
         cfg = self.cfg
         trajs, t_wait = self._global_batch()
+        check_routes(trajs, self.model_cfg)
         if self.reference_step and self.algorithm.uses_q0:
             q0_from_own_groups(trajs, cfg.beta)  # the Q0 table is of the first reference
         mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
@@ -761,6 +785,22 @@ class Trainer:
             parallel_state.destroy_model_parallel()
         else:
             destroy_parallel()
+
+
+def check_routes(trajs: list, model_cfg) -> None:
+    """Every trajectory's routed_experts can be this model's (layer count, top_k, expert ids): else one line naming
+    the trajectory and the field (routes from another model, or a corrupted record)."""
+    from megatron_spo.data.routes import RoutesError
+
+    for i, t in enumerate(trajs):
+        routes = getattr(t, "routed_experts", None)
+        if routes is None:
+            continue
+        where = f"trajectory {i} of the step (prompt_id {t.prompt_id!r}, source {t.source!r})"
+        if model_cfg.moe is None:
+            raise RoutesError(where, "routes for a model without experts (routes from another model?)")
+        routes.check_model(num_layers=model_cfg.num_layers, num_experts=model_cfg.moe.num_experts,
+                           top_k=model_cfg.moe.router_topk, where=where)
 
 
 def _is_last(model) -> bool:
