@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_spo.config import ConfigError
-from megatron_spo.rollout.client import get_json, post_json
+from megatron_spo.rollout.client import get_json, post_json, post_json_bytes
 from megatron_spo.rollout.protocol import (
     LoadLoraAdapterFromTensorsRequest,
     UnloadLoraAdapterRequest,
@@ -271,7 +271,7 @@ def adapter_version(name: str) -> int | None:
 class AdapterPushReport:
     version: str
     lora_name: str
-    bytes_sent: int  # the JSON bodies' payloads, all engines (base64; tp_size copies per engine)
+    bytes_sent: int  # the JSON bodies, all engines (base64; tp_size copies of the adapter per engine)
     adapter_bytes: int  # the adapter's tensors, once
     num_tensors: int
     seconds: float
@@ -333,12 +333,15 @@ class AdapterPusher:
         payload = base64.b64encode(serialize_adapter(tensors)).decode("ascii")
         adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         failed: dict[str, str] = {}
+        bodies: dict[int, bytes] = {}  # one JSON encoding per engine TP size, sent to every engine of that size
+        for tp in sorted({self.engines[u].tp_size for u in self.engine_urls}):
+            request = LoadLoraAdapterFromTensorsRequest(lora_name=name, config_dict=self.config_dict,
+                                                        serialized_named_tensors=[payload] * tp)
+            bodies[tp] = json.dumps(request.to_json()).encode()
 
         def one(url: str) -> int:
-            tp = self.engines[url].tp_size
-            body = LoadLoraAdapterFromTensorsRequest(lora_name=name, config_dict=self.config_dict,
-                                                     serialized_named_tensors=[payload] * tp).to_json()
-            status, reply = post_json(f"{url}/load_lora_adapter_from_tensors", body, self.timeout_s)
+            body = bodies[self.engines[url].tp_size]
+            status, reply = post_json_bytes(f"{url}/load_lora_adapter_from_tensors", body, self.timeout_s)
             if status != 200 or not (isinstance(reply, dict) and reply.get("success")):
                 why = reply.get("error_message") if isinstance(reply, dict) else reply
                 raise AdapterPushError(f"/load_lora_adapter_from_tensors: HTTP {status}: {why}")
@@ -346,11 +349,11 @@ class AdapterPusher:
             if isinstance(loaded, dict):  # names a previous trainer process left there are retired too
                 self.loaded[url] |= {n for n in loaded if adapter_version(n) is not None}
             self.loaded[url].add(name)
-            body = UpdateWeightVersionRequest(new_version=version, abort_all_requests=False).to_json()
-            status, reply = post_json(f"{url}/update_weight_version", body, self.timeout_s)
+            bump = UpdateWeightVersionRequest(new_version=version, abort_all_requests=False).to_json()
+            status, reply = post_json(f"{url}/update_weight_version", bump, self.timeout_s)
             if status != 200:
                 raise AdapterPushError(f"/update_weight_version: HTTP {status}: {reply}")
-            return len(payload) * tp
+            return len(body)
 
         futures = {url: self.pool.submit(one, url) for url in self.engine_urls}
         sent, updated = 0, []

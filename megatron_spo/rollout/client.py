@@ -137,6 +137,12 @@ def post_json(url: str, body: Any, timeout_s: float = 60.0) -> tuple[int, Any]:
     return _send(req, timeout_s)
 
 
+def post_json_bytes(url: str, data: bytes, timeout_s: float = 60.0) -> tuple[int, Any]:
+    """POST an already encoded JSON body (one encoding sent to many engines) -> (status, parsed JSON or text)."""
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    return _send(req, timeout_s)
+
+
 def get_json(url: str, timeout_s: float = 10.0) -> tuple[int, Any]:
     return _send(urllib.request.Request(url, method="GET"), timeout_s)
 
