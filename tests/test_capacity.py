@@ -180,3 +180,29 @@ def test_plan_takes_its_throughput_from_a_measured_step_benchmark(tmp_path, caps
     assert cli_main(["plan", "--measured", str(path)]) == 2
     assert ("config error: plan --measured: '" + str(path) + "' is not a readable step benchmark report"
             in capsys.readouterr().err)
+
+
+def test_lora_plan_holds_the_adapters_gradients_and_state_and_pushes_them_alone():
+    """lora_rank: the frozen base keeps its bf16 weights, gradients and Adam state are the adapters' (megatron's
+    split), no reference weights, 4N + 2N training FLOPs per token, and a push is worker_gpus base64 copies of the
+    bf16 adapter in HF PEFT names (q/k/v, gate/up each with their own A)."""
+    model, parallel = capacity.load_preset("llama3.1-70b")  # TP 8 x PP 2, DP 4 on 64 GPUs
+    shape = CapacityConfig(lora_rank=16, overhead_gb=0)
+    h, f, q, kv, r = 8192, 28672, 8192, 1024, 16
+    per_gpu = 40 * (r * 4 * h + r * (q + 2 * kv + q + 3 * f) // 8)
+    assert capacity.lora_parameters(model, 16, 8, 2) == per_gpu
+    assert capacity.lora_parameters(model, 16) == 80 * r * (4 * h + q + 2 * kv + q + 3 * f) == 175_636_480
+    m = capacity.memory_per_gpu(model, shape, parallel, distributed_optimizer=True, recompute="none")
+    params = capacity.stage_parameters(model, 8, 2)
+    assert (m.weights, m.gradients, m.optimizer, m.reference) == (2 * (params + per_gpu), 4 * per_gpu,
+                                                                   12 * per_gpu / 4, 0.0)
+    pushed = 80 * r * (3 * h + q + 2 * h + f + q + 2 * kv + h + 2 * f + h)
+    ws = capacity.weight_sync(model, shape)
+    assert ws.bytes == 64 * 4 * math.ceil(pushed * 2 / 3) and ws.buckets == 1
+    assert ws.sequential_s == pytest.approx(0.010 + ws.bytes / (0.9 * 50e9))
+    full = capacity.make_plan(model, parallel, CapacityConfig())
+    lora = capacity.make_plan(model, parallel, CapacityConfig(lora_rank=16))
+    n = model.num_parameters()
+    assert lora["throughput"]["step_s"] / full["throughput"]["step_s"] == pytest.approx(
+        (6 * n + 6 * 80 * 4096 * 8192) / (8 * n + 6 * 80 * 4096 * 8192))
+    assert lora["memory_gb"]["plain opt, no recompute"]["fits"] and not full["memory_gb"]["plain opt, no recompute"]["fits"]

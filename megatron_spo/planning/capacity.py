@@ -28,6 +28,13 @@ fixed cost per bucket (gather + HTTP update call + NCCL launch + engine copy-in)
 n x latency + bytes / (efficiency x bandwidth); with double buffering the latency hides behind the
 previous bucket's transfer when a bucket takes longer to send than its fixed cost.
 
+LoRA (lora_rank > 0, adapters on every linear): the frozen base keeps its bf16 weights; gradients (4 B) and
+optimizer state (12 B) are the adapters' (megatron's split: a column linear's A and a row linear's B replicated over
+TP); no reference weights; the backward skips the base's weight gradients (4N + 2N for pi_0's forward with the
+adapters off, instead of 6N + 2N). A push sends the adapters in HF PEFT names (q/k/v and gate/up each carry their
+own copy of A), bf16, base64 in one HTTP body per engine with one copy per engine TP rank: trainer rank 0's NIC
+sends worker_gpus copies (adapter_push.py).
+
 Rollout throughput: trainer step time from model FLOPs (6N per token for forward + backward, +2N with full
 recompute, +2N reference forward, attention 6 L s h per token causal) at an assumed achieved TFLOP/s per
 GPU; the engines must generate online_fraction x global_batch x response tokens per step in that time.
@@ -146,6 +153,27 @@ class MemoryBreakdown:
 stage_parameters = ModelConfig.stage_parameters  # (model, tp, pp): one GPU of the largest pipeline stage
 
 
+def lora_parameters(model: ModelConfig, rank: int, tp: int = 1, pp: int = 1) -> int:
+    """Adapter parameters on one GPU of the largest pipeline stage (models/lora.py's layout, every target); tp = pp
+    = 1: the whole model's."""
+    if model.moe is not None:
+        raise ConfigError("plan: lora_rank prices adapters on dense layers; this model's MLP is experts")
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    replicated = rank * (h + h + h + h)  # A of linear_qkv / linear_fc1 [r, h], B of linear_proj / linear_fc2 [h, r]
+    split = rank * ((q + 2 * kv) + q + 2 * f + f)  # B of qkv [q+2kv, r], A of proj [r, q], B of fc1, A of fc2
+    return math.ceil(model.num_layers / pp) * (replicated + split // tp)
+
+
+def lora_push_parameters(model: ModelConfig, rank: int) -> int:
+    """Parameters of a pushed adapter in HF PEFT names: q, k, v (gate, up) each with its own A."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    a = rank * (3 * h + q + 2 * h + f)  # q/k/v [r, h] x 3, o [r, q], gate/up [r, h] x 2, down [r, f]
+    b = rank * (q + 2 * kv + h + 2 * f + h)
+    return model.num_layers * (a + b)
+
+
 def layer_activation_elements(model: ModelConfig, tp: int, sequence_parallel: bool,
                               implementation: Literal["megatron", "transformers"] = "megatron") -> float:
     """Activation elements one transformer layer saves for backward, per token, on one GPU.
@@ -215,14 +243,17 @@ def memory_per_gpu(model: ModelConfig, shape: CapacityConfig, parallel: Parallel
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     dp = parallel.data_parallel_size(shape.trainer_gpus)
     params = stage_parameters(model, tp, pp)
-    optimizer = params * precision.optimizer / (dp if distributed_optimizer else 1)
-    trained = params * (precision.weight + precision.grad) + optimizer
+    adapters = lora_parameters(model, shape.lora_rank, tp, pp) if shape.lora_rank else 0
+    trained_params = adapters or params  # what has gradients and optimizer state
+    optimizer = trained_params * precision.optimizer / (dp if distributed_optimizer else 1)
+    trained = params * (precision.weight + precision.grad) + params * precision.optimizer / (
+        dp if distributed_optimizer else 1)
     return MemoryBreakdown(
-        weights=params * precision.weight,
-        gradients=params * precision.grad,
+        weights=(params + adapters) * precision.weight,
+        gradients=trained_params * precision.grad,
         optimizer=optimizer,
         activations=activation_bytes(model, shape, parallel, recompute, precision),
-        reference=params * precision.reference if shape.reference_model else 0.0,
+        reference=params * precision.reference if shape.reference_model and not shape.lora_rank else 0.0,
         value_model=trained if shape.value_model else 0.0,
         logprob_workspace=logprob_workspace_bytes(model, shape, tp, precision),
         overhead=shape.overhead_gb * GB,
@@ -250,6 +281,8 @@ class WeightSync:
 
 
 def weight_sync(model: ModelConfig, shape: CapacityConfig, bucket_mb: float | None = None) -> WeightSync:
+    if shape.lora_rank:
+        return adapter_sync(model, shape)
     total = model.num_parameters() * 2  # bf16, HF names, unpadded vocabulary
     bucket = (bucket_mb or shape.weight_sync_bucket_mb) * 1e6
     buckets = math.ceil(total / bucket)
@@ -262,6 +295,16 @@ def weight_sync(model: ModelConfig, shape: CapacityConfig, bucket_mb: float | No
         sequential_s=buckets * latency + total / effective,
         overlapped_s=latency + buckets * max(send_one, latency) - max(0.0, buckets * bucket - total) / effective,
     )
+
+
+def adapter_sync(model: ModelConfig, shape: CapacityConfig) -> WeightSync:
+    """A LoRA push: one body per engine (a base64 copy of the bf16 adapter per engine TP rank), all from trainer
+    rank 0: worker_gpus copies through its NIC; no buckets, one fixed cost."""
+    payload = 4 * math.ceil(lora_push_parameters(model, shape.lora_rank) * 2 / 3)
+    total = shape.worker_gpus * payload
+    bandwidth = shape.weight_sync_bandwidth_gbps * 1e9 / 8
+    seconds = shape.weight_sync_bucket_latency_ms / 1e3 + total / (bandwidth * shape.weight_sync_efficiency)
+    return WeightSync(bytes=total, buckets=1, floor_s=total / bandwidth, sequential_s=seconds, overlapped_s=seconds)
 
 
 @dataclass
@@ -278,7 +321,8 @@ class Throughput:
 def throughput(model: ModelConfig, shape: CapacityConfig, recompute: str, sync_s: float) -> Throughput:
     n = model.num_parameters()
     tokens = shape.global_batch_size * shape.seq_length
-    per_token = 6 * n + (2 * n if recompute == "full" else 0) + (2 * n if shape.reference_model else 0)
+    train = 4 * n if shape.lora_rank else 6 * n  # LoRA: no weight gradients of the frozen base
+    per_token = train + (2 * n if recompute == "full" else 0) + (2 * n if shape.reference_model else 0)
     if shape.value_model:
         per_token += 6 * n
     per_token += 6 * model.num_layers * shape.seq_length * model.hidden_size  # causal attention, fwd + bwd
@@ -312,10 +356,12 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig, shape: CapacityConfi
         m = memory_per_gpu(model, shape, parallel, distributed_optimizer=distributed, recompute=recompute)
         memory[scenario_name(distributed, recompute)] = {**m.as_gb(), "fits": m.total <= shape.gpu_memory_gb * GB}
     tput = throughput(model, shape, chosen_recompute, sync.overlapped_s)
-    bucket_sweep = {mb: weight_sync(model, shape, mb).overlapped_over_floor for mb in (64, 128, 256, 512, 1024, 2048)}
+    bucket_sweep = {} if shape.lora_rank else {mb: weight_sync(model, shape, mb).overlapped_over_floor
+                                                for mb in (64, 128, 256, 512, 1024, 2048)}
     return {
         "model": {"parameters": model.num_parameters(), "layers": model.num_layers, "hidden": model.hidden_size,
-                  "vocab": model.vocab_size},
+                  "vocab": model.vocab_size,
+                  "lora_parameters": lora_parameters(model, shape.lora_rank) if shape.lora_rank else 0},
         "layout": {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
                    "vpp": parallel.virtual_pipeline_model_parallel_size or 1,
                    "dp": parallel.data_parallel_size(shape.trainer_gpus),
@@ -353,6 +399,19 @@ def print_plan(plan: dict, title: str) -> None:
     console.print(mem)
 
     ws = plan["weight_sync"]
+    if shape["lora_rank"]:
+        console.print(f"LoRA rank {shape['lora_rank']}: {plan['model']['lora_parameters'] / 1e6:.1f}M adapter "
+                      f"parameters; a push sends {ws['bytes'] / GB:.2f} GB from trainer rank 0 (bf16 base64, a copy "
+                      f"per engine GPU) at {shape['weight_sync_bandwidth_gbps']:.0f} Gb/s: {ws['sequential_s']:.2f} s, "
+                      "no pause")
+    else:
+        print_sync_table(console, ws, shape)
+    print_throughput(console, plan, shape)
+
+
+def print_sync_table(console, ws: dict, shape: dict) -> None:
+    from rich.table import Table
+
     sync = Table(title=f"Weight sync: {ws['bytes'] / GB:.1f} GB bf16 at {shape['weight_sync_bandwidth_gbps']:.0f} Gb/s")
     for col in ("", "seconds", "x floor"):
         sync.add_column(col, justify="right")
@@ -364,6 +423,10 @@ def print_plan(plan: dict, title: str) -> None:
     sweep = ", ".join(f"{mb} MB: {r:.2f}x" for mb, r in ws["overlapped_over_floor_by_bucket_mb"].items())
     console.print(f"  double-buffered vs floor by bucket size ({shape['weight_sync_bucket_latency_ms']:.0f} ms per "
                   f"bucket, {shape['weight_sync_efficiency']:.0%} of link bandwidth): {sweep}")
+
+
+def print_throughput(console, plan: dict, shape: dict) -> None:
+    from rich.table import Table
 
     t = plan["throughput"]
     source = plan.get("throughput_source", "assumed")

@@ -24,6 +24,10 @@ class CapacityConfig(StrictModel):
     recompute: Literal["none", "full"] = Field("none", description="activation recompute used for throughput")
     reference_model: bool = True
     value_model: bool = Field(False, description="PPO critic of the same size (weights, grads, optimizer)")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank on every layer's linears (the trainer's lora, all four "
+                           "targets); 0: full training. With LoRA the base is frozen (no gradients or optimizer "
+                           "state of its own), pi_0 is the policy with the adapters off (no reference weights), "
+                           "and a push sends the adapters alone")
     logprob_block_mb: float = Field(512.0, gt=0, description="one fp32 logits block of the fused log-prob op, "
                                     "MiB (train.logprobs.max_block_bytes; 512 is its default on a GPU)")
     overhead_gb: float = Field(4.0, ge=0, description="CUDA context, NCCL buffers, fragmentation (assumed)")
