@@ -259,6 +259,13 @@ def test_engine_returns_routed_experts_in_sglangs_format(hf_dir):
         bad = GenerateRequest(input_ids=prompts[1], return_routed_experts=True, routed_experts_start_len=3)
         status, refused = post_json(f"{server.url}/generate", bad.to_json(), 60)
         assert status == 400 and "routed_experts_start_len=3 is higher than the number of input tokens" in str(refused)
+        group, metrics = _manager_group(server.url)  # the rollout manager's trajectories carry them
+    assert metrics.failed_requests == 0 and len(group) == 2
+    for t in group:
+        r = t.routed_experts
+        assert (r.tokens, r.layers, r.top_k) == (len(t.prompt_tokens) + len(t.response_tokens) - 1, 2, 2)
+        own = _own_routes(hf_dir, t.prompt_tokens + t.response_tokens)
+        assert torch.equal(torch.from_numpy(r.array()).long().sort(-1).values, own.sort(-1).values)
     for prompt, group in zip(prompts, groups):
         for c in group:
             seq = prompt + c.output_ids
@@ -275,7 +282,30 @@ def test_engine_returns_routed_experts_in_sglangs_format(hf_dir):
     assert torch.equal(torch.from_numpy(late_routes.array()).long().sort(-1).values, whole[2:].sort(-1).values)
 
 
-def test_engine_without_the_flag_returns_no_routes(hf_dir):
+def _manager_group(url: str):
+    """One group of 2 samples from the rollout manager asking for routes (top_k 2), and its metrics."""
+    import asyncio
+
+    from megatron_spo.rollout.config import RolloutConfig
+    from megatron_spo.rollout.manager import Prompt, RolloutManager
+
+    async def go():
+        manager = RolloutManager(RolloutConfig(samples_per_prompt=2, max_new_tokens=5, max_inflight_requests=1,
+                                               max_retries=0), [Prompt("p", [3, 4, 5], problem=0)],
+                                 lambda problem, text: 0.0, endpoints=[url], routed_experts_top_k=2)
+        await manager.start(max_requests=1)
+        await manager.join()
+        group = manager.buffer.get_nowait() if not manager.buffer.empty() else []
+        await manager.stop()
+        return group, manager.metrics
+
+    return asyncio.run(go())
+
+
+def test_engine_without_the_flag_returns_no_routes_and_the_manager_says_so(hf_dir, caplog):
+    from rollout_helpers import ServerThread
+
+    from megatron_spo.net import free_port
     from megatron_spo.rollout.local_engine import LocalEngine, Req
     from megatron_spo.rollout.protocol import SamplingParams
 
@@ -283,6 +313,11 @@ def test_engine_without_the_flag_returns_no_routes(hf_dir):
     assert engine.routes is None
     (req,) = engine.generate([Req([3, 4], SamplingParams(max_new_tokens=2), "r", routes=None)])
     assert req.routes is None and len(req.output_ids) == 2
+    with ServerThread(engine, free_port()) as server, caplog.at_level("ERROR", logger="megatron_spo.rollout"):
+        group, metrics = _manager_group(server.url)
+    assert group == [] and metrics.failed_requests == 1  # not retried
+    assert "returned no routed_experts: start the engines with --enable-return-routed-experts, or set " \
+           "routing_replay: off" in caplog.text
     dense = models_helpers.make_tiny_family(hf_dir.parent / "qwen3-dense", "qwen3", num_layers=1)
     with pytest.raises(ValueError, match="--enable-return-routed-experts: the model has no mixture-of-experts routers"):
         LocalEngine(str(dense), return_routed_experts=True)
