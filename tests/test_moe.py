@@ -377,3 +377,20 @@ def test_routes_that_cannot_be_the_models_stop_the_step_in_one_line(hf_dir):
         validate_record({**record, "response_tokens": [4, 5, 6]}, "t.jsonl:2")
     assert str(info.value) == ("t.jsonl:2: field 'routed_experts': routes for 4 tokens, but prompt + response - 1 = "
                                "5 tokens went through the model")
+
+
+def test_the_offline_store_says_it_does_not_keep_routes(tmp_path, caplog):
+    import numpy as np
+
+    from megatron_spo.data.offline_store import iter_records, write_store
+    from megatron_spo.data.routes import RoutedExperts
+    from megatron_spo.data.trajectory import Trajectory
+
+    record = Trajectory(prompt_id="p", prompt_tokens=[1, 2], response_tokens=[3], reward=0.0, source="online",
+                        policy_version=0, routed_experts=RoutedExperts.from_array(np.array([[[0, 1]], [[2, 3]]])))
+    with caplog.at_level("WARNING", logger="megatron_spo.data.offline_store"):
+        write_store([record], tmp_path / "store")
+    assert "the routed_experts of 1 record(s) are not stored (offline trajectories train with the policy's own " \
+           "routing)" in caplog.text
+    (back,) = list(iter_records(tmp_path / "store"))
+    assert back.routed_experts is None and back.response_tokens == [3]

@@ -160,6 +160,10 @@ class OfflineStoreWriter:
         while (self.path / name).exists():  # a leftover of an interrupted write: never overwrite it
             name += "x"
         columns, provenance = _columns(self.buffer)  # before any file: a record that cannot be stored leaves none
+        routed = sum(getattr(r, "routed_experts", None) is not None for r in self.buffer)
+        if routed:  # no column for them yet: said, not dropped silently
+            logger.warning("offline store %s: the routed_experts of %d record(s) are not stored (offline "
+                           "trajectories train with the policy's own routing)", self.path, routed)
         tmp = self.path / f".{name}.{uuid.uuid4().hex}.tmp"
         tmp.mkdir()
         try:
