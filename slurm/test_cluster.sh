@@ -8,6 +8,8 @@
 #
 # Needs root and Debian's slurmctld slurmd slurm-client munge (Slurm 22.05). Optional environment:
 #   PORT_BASE       slurmctld port; slurmds use PORT_BASE+1..PORT_BASE+N (default: a free block)
+#   FIRST_JOB_ID    the first job's id (default 1): spo.sbatch derives its ports from the job id, so clusters
+#                   running at once on one host need job ids apart (tests/slurm_helpers.py gives each its own)
 #   CPUS_PER_NODE   CPUs each emulated node advertises (default 8)
 set -euo pipefail
 
@@ -87,6 +89,7 @@ JobCompType=jobcomp/none
 MailProg=/bin/true
 MpiDefault=none
 MinJobAge=600
+FirstJobId=${FIRST_JOB_ID:-1}
 JobRequeue=1
 ReturnToService=2
 KillWait=5

@@ -57,15 +57,12 @@ NEWEST_MEGATRON = {
 # per file, --no-loadscope-reorder: else it orders groups by their number of tests) hands groups to its workers in
 # collection order, so the long ones start first and the short ones fill in (tools/bootstrap.sh).
 DEAREST_FIRST = (
-    "test_slurm_trainer.py", "test_trainer.py", "test_check_conversion.py", "test_spo_drift.py",
-    "test_arch_families.py", "test_quickstart.py", "test_algorithms_tabular.py", "test_models.py",
+    "test_slurm_trainer.py", "test_trainer.py", "test_slurm_flow.py", "test_check_conversion.py", "test_spo_drift.py",
+    "test_slurm.py", "test_arch_families.py", "test_quickstart.py", "test_algorithms_tabular.py", "test_models.py",
     "test_rollout_fleet.py", "test_trainer_resume.py", "test_q0_pts_eval.py", "test_lora.py",
     "test_convert_trainer_ckpt.py", "test_faults.py", "test_checkpoint_digest.py", "test_async_baselines.py",
     "test_resume_config.py", "test_gpu_check.py", "test_archive.py", "test_extensions.py",
 )
-# Files that share one worker: their SLURM test clusters all number jobs from 1, and spo.sbatch derives its ports
-# from the job id (PORT_BASE), so two clusters at once would start ranks and routers on the same ports.
-SHARED_WORKER = {"test_slurm.py": "slurm", "test_slurm_flow.py": "slurm", "test_slurm_trainer.py": "slurm"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
@@ -73,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
     first = {name: i for i, name in enumerate(DEAREST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
     for item in items:  # module fixtures are built once per worker: a file never spans two
-        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.name, item.path.name)))
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
     matched = set()
     for item in items:
         for prefix in NEWEST_MEGATRON:

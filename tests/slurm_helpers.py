@@ -30,8 +30,14 @@ def _missing_slurm() -> str | None:
     return None
 
 
+# Each test module's cluster numbers its jobs from its own first id: spo.sbatch derives its ports from the job id
+# (20000 + (id % 400) * 100), so the modules' clusters can run at once (on two pytest-xdist workers) without two
+# jobs taking the same ports. A module submits far fewer than 100 jobs.
+FIRST_JOB_IDS = {"test_slurm": 1, "test_slurm_flow": 101, "test_slurm_trainer": 201}
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(request, tmp_path_factory):
     """Environment (dict) for SLURM client commands against a fresh 4-node cluster; stopped at the end."""
     reason = _missing_slurm()
     if reason:
@@ -41,8 +47,10 @@ def cluster(tmp_path_factory):
     # Nothing of an enclosing SLURM job (when CI itself runs under SLURM) may leak into the test jobs.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPO_"))}
     env.update(SLURM_CONF=str(state / "slurm.conf"), OMP_NUM_THREADS="1")
+    first_job_id = FIRST_JOB_IDS[request.module.__name__.rpartition(".")[2]]
     try:
-        subprocess.run(["bash", str(CLUSTER), "start", str(state), "4"], env=env, check=True,
+        subprocess.run(["bash", str(CLUSTER), "start", str(state), "4"], env={**env, "FIRST_JOB_ID": str(first_job_id)},
+                       check=True,
                        capture_output=True, text=True, timeout=60)
         yield {"env": env, "root": root}
     finally:
