@@ -12,8 +12,8 @@ API
 ---
 * :func:`sglang_weight_load_report` ``(architecture, hf_config, named_tensors, *, weight_loader_v2=False)
   -> Report``: ``architecture`` is one of :data:`ARCHITECTURES` (``LlamaForCausalLM``,
-  ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); ``hf_config`` a transformers config
-  or its ``to_dict()``; ``named_tensors`` the pushed (HF name, tensor) pairs, NaN-free.
+  ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``); ``hf_config`` a
+  transformers config or its ``to_dict()``; ``named_tensors`` the pushed (HF name, tensor) pairs, NaN-free.
 * :class:`Report`: ``loaded`` (HF name -> (SGLang parameter, shard id or None): its first write),
   ``writes`` (every weight-loader call, in order), ``skipped`` (names that wrote nothing and raised
   nothing), ``rejected`` (name -> the exception load_weights raised on it: the engine's
@@ -108,6 +108,7 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "sglang.srt.models.mistral",
     "Qwen2ForCausalLM": "sglang.srt.models.qwen2",
     "Qwen3ForCausalLM": "sglang.srt.models.qwen3",
+    "Qwen3MoeForCausalLM": "sglang.srt.models.qwen3_moe",
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -120,6 +121,9 @@ MODEL_REAL_MODULES: tuple[str, ...] = (
     "sglang.srt.models.mistral",  # MistralForCausalLM (a LlamaForCausalLM subclass)
     "sglang.srt.models.qwen2",  # Qwen2ForCausalLM
     "sglang.srt.models.qwen3",  # Qwen3ForCausalLM
+    "sglang.srt.models.qwen3_moe",  # Qwen3MoeForCausalLM
+    "sglang.srt.models.qwen2_moe",  # Qwen2MoeModel (Qwen3MoeModel builds on it)
+    "sglang.srt.eplb.expert_location",  # FusedMoE.weight_loader: physical expert ids (None: identity)
     "sglang.srt.models.utils",  # apply_qk_norm (qwen3), AutoWeightsLoader (the v2 loader)
     "sglang.srt.layers.*",  # linear (QKV/merged/row parallel + weight loaders), embeddings, RMSNorm, rope, ...
     "sglang.srt.layers.quantization",  # package __init__: the method registry (methods stubbed below)
@@ -157,6 +161,16 @@ MODEL_STUBBED_MODULES: dict[str, str] = {
     "sglang.srt.model_executor.*": (
         "the model runner, CUDA-graph runners, forward context and pools, named by attention/logits "
         "layers for forward; forward_batch_info (and sglang_source's real leaves) stay real."
+    ),
+    "sglang.srt.eplb.*": (
+        "expert-parallel load balancing: the expert-distribution recorder and location dispatch, named by the MoE "
+        "layers for forward. Its expert_location leaf is real (FusedMoE.weight_loader asks it for physical "
+        "expert ids; none configured: identity)."
+    ),
+    "sglang.srt.batch_overlap.*": "single / two-batch overlap schedulers named by qwen2_moe.py (forward, off).",
+    "sglang.srt.state_capturer.*": (
+        "routed-experts / indexer top-k capturers named by the MoE top-k layer (forward; return_routed_experts). "
+        "tests/test_moe.py compiles its meta_info decoder from the real file."
     ),
 }
 

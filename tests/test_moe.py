@@ -394,3 +394,27 @@ def test_the_offline_store_says_it_does_not_keep_routes(tmp_path, caplog):
            "routing)" in caplog.text
     (back,) = list(iter_records(tmp_path / "store"))
     assert back.routed_experts is None and back.response_tokens == [3]
+
+
+def test_sglangs_qwen3_moe_loads_every_pushed_expert(hf_dir):
+    """SGLang's own Qwen3MoeForCausalLM (srt/models/qwen3_moe.py, built on CPU by tests/sglang_models.py) takes the
+    names and tensors our push sends (at EP 2 too: the export there is these tensors bitwise,
+    test_matches_transformers_in_every_layout): every name loads, each expert's gate / up into its rows of the fused
+    w13_weight [E, 2F, H] and down into w2_weight [E, H, F], and no SGLang parameter keeps an unwritten element."""
+    import sglang_models as sm
+
+    if not sm.sglang_available():
+        pytest.skip("sglang source not installed")
+    cfg = hfc.read_hf_config(hf_dir)
+    reader = hfc.HFReader(hf_dir, verify=False)
+    pushed = [(name, reader.get(name).clone()) for name in hf_shapes(cfg)]
+    report = sm.sglang_weight_load_report("Qwen3MoeForCausalLM", json.loads((hf_dir / "config.json").read_text()),
+                                          pushed)
+    assert report.load_weights_file == "srt/models/qwen3_moe.py"
+    assert "unlisted" not in report.stubbed_modules.values(), report.stubbed_modules
+    assert report.problems(set()) == []
+    assert set(report.loaded) == {name for name, _ in pushed}
+    layer = "model.layers.1.mlp."
+    assert report.loaded[layer + "experts.5.up_proj.weight"][0] == layer + "experts.w13_weight"
+    assert report.loaded[layer + "experts.5.down_proj.weight"][0] == layer + "experts.w2_weight"
+    assert report.params[layer + "experts.w13_weight"] == (6, 44, 37) and report.params[layer + "gate.weight"] == (6, 37)
