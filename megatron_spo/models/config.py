@@ -236,6 +236,14 @@ class ParallelConfig(StrictModel):
         if world_size is not None:
             self.data_parallel_size(world_size)
 
+    def check_training(self, model: ModelConfig) -> None:
+        """What training adds to ``check``: megatron-core's MoE layer refuses to train at TP > 1 without sequence
+        parallelism (at its first forward); refused here first, in one line."""
+        if model.moe is not None and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            raise ConfigError(f"parallel: a mixture-of-experts model trains at tensor_model_parallel_size "
+                              f"{self.tensor_model_parallel_size} only with parallel.sequence_parallel (megatron-core "
+                              f"refuses MoE + TP without it; sequence parallelism needs a GPU)")
+
     def _check_experts(self, model: ModelConfig, world_size: int | None) -> None:
         tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
         if model.moe is None:

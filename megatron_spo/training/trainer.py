@@ -105,6 +105,7 @@ class Trainer:
         # first of all: a SLURM warning signal during the (long) model build must not kill the rank
         self.preemption = PreemptionHandler()
         self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
+        cfg.parallel.check_training(self.model_cfg)
         # routing replay: the policy's MoE routers take the engines' routes (models/routing_replay.py)
         self.replay_routes = cfg.routing_replay == "engine" and self.model_cfg.moe is not None
         if self.replay_routes:
