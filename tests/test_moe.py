@@ -102,6 +102,9 @@ def test_experts_on_a_dense_family_and_bad_expert_layouts_are_refused(hf_dir):
     with pytest.raises(ConfigError, match=r"parallel: a mixture-of-experts model trains at tensor_model_parallel_size "
                                           r"2 only with parallel.sequence_parallel"):
         ParallelConfig(tensor_model_parallel_size=2).check_training(cfg)
+    with pytest.raises(ConfigError, match=r"parallel.expert_model_parallel_size 2: training with expert parallelism "
+                                          r"is not built yet"):
+        ParallelConfig(expert_model_parallel_size=2).check_training(cfg)
     dense_cfg = hfc.read_hf_config(models_helpers.make_tiny_family(hf_dir.parent / "qwen3", "qwen3", num_layers=1))
     ParallelConfig(tensor_model_parallel_size=2).check_training(dense_cfg)
     with pytest.raises(ConfigError, match="expert_model_parallel_size 2 needs a mixture-of-experts model"):

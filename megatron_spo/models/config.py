@@ -243,6 +243,12 @@ class ParallelConfig(StrictModel):
             raise ConfigError(f"parallel: a mixture-of-experts model trains at tensor_model_parallel_size "
                               f"{self.tensor_model_parallel_size} only with parallel.sequence_parallel (megatron-core "
                               f"refuses MoE + TP without it; sequence parallelism needs a GPU)")
+        if self.expert_model_parallel_size > 1:  # measured: gloo's all-gather of unequal token counts aborts
+            raise ConfigError(
+                f"parallel.expert_model_parallel_size {self.expert_model_parallel_size}: training with expert "
+                f"parallelism is not built yet (the data-parallel ranks of an expert group exchange tokens, so they "
+                f"need the same micro-batch count and token count per micro-batch; the trainer's micro-batches differ "
+                f"per rank). EP > 1 serves conversion, exports and forward passes")
 
     def _check_experts(self, model: ModelConfig, world_size: int | None) -> None:
         tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
