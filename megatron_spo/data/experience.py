@@ -3,7 +3,7 @@
     `megatron-spo offline build IN... --out STORE`   merge stores / JSONL files, keep passing trajectories,
                                                      drop duplicates per prompt, cap per source kind
     `megatron-spo offline stats IN...`               per-source counts, prompts and pass rates
-    `megatron-spo offline import-text | import-codecontests | import-taco`   (megatron_spo.data.importers)
+    `megatron-spo offline import-text | import-codecontests | import-taco | import-expert`   (data/importers.py)
 
     stats = build_store(["runs/a/store", "human/"], "offline/", BuildOptions(cap={"human": 10000}))
 
@@ -404,6 +404,7 @@ def main(argv: list[str]) -> int:
     importers.add_import_args(sub, "import-text", "text responses of any producer (JSONL) -> store, re-scored")
     importers.add_import_args(sub, "import-codecontests", "Python 3 solutions of CodeContests rows -> store")
     importers.add_import_args(sub, "import-taco", "solutions of TACO rows -> store")
+    importers.add_import_args(sub, "import-expert", "expert solutions of a generated task (data/expert.py) -> store")
 
     b = sub.add_parser("build", help="merge, filter, deduplicate and balance stores into a new store")
     b.add_argument("inputs", nargs="+", help="stores and JSONL files, read in this order (the first copy wins)")

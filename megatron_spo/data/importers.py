@@ -375,7 +375,8 @@ def add_import_args(sub, name: str, help_text: str):
     from megatron_spo.cli import non_negative_int, positive_int
 
     p = sub.add_parser(name, help=help_text)
-    p.add_argument("inputs", nargs="+", help="JSONL file(s) of rows")
+    if name != "import-expert":
+        p.add_argument("inputs", nargs="+", help="JSONL file(s) of rows")
     p.add_argument("--store", required=True, help="offline store folder (created, or appended to)")
     p.add_argument("--config", default=None, help="a training config: its tokenizer (init.hf)"
                    + (" and its task's problems" if name == "import-text" else ""))
@@ -398,6 +399,11 @@ def add_import_args(sub, name: str, help_text: str):
         p.add_argument("--toy-seed", type=non_negative_int, default=0)
         p.add_argument("--kind", default="other-model", choices=PROVENANCE_KINDS,
                        help="provenance kind of rows that do not say")
+    elif name == "import-expert":
+        p.add_argument("--task", required=True, choices=["toy_code", "toy_math"], help="the generated task")
+        p.add_argument("--split", default="train", help="toy task split: train | heldout | all (train: the "
+                       "quickstart keeps only its training prompts of it, never its validation ones)")
+        p.add_argument("--toy-seed", type=non_negative_int, default=0)
     else:
         p.add_argument("--max-per-problem", type=positive_int, default=None, help="at most N solutions per problem")
         p.add_argument("--raw", action="store_true", help="the program as is, not in a ```python block")
@@ -405,7 +411,7 @@ def add_import_args(sub, name: str, help_text: str):
 
 
 def run_import_command(args) -> int:
-    """`megatron-spo offline import-text | import-codecontests | import-taco`."""
+    """`megatron-spo offline import-text | import-codecontests | import-taco | import-expert`."""
     import sys
 
     from megatron_spo.rewards.sandbox import SandboxError
@@ -413,12 +419,17 @@ def run_import_command(args) -> int:
     summary = ImportSummary()
     try:
         tokenizer, problems = _tokenizer_and_problems(args)
-        for path in args.inputs:
+        for path in getattr(args, "inputs", ()):
             if Path(path).is_dir():
                 raise FileNotFoundError(f"'{path}' is a folder, not a JSONL file of rows")
             if not Path(path).is_file():
                 raise FileNotFoundError(f"'{path}' not found")
-        if args.op == "import-text":
+        if args.op == "import-expert":
+            from megatron_spo.data.expert import expert_candidates
+
+            def candidates():
+                return expert_candidates(problems)
+        elif args.op == "import-text":
             from megatron_spo.data.prompts import prompt_text
 
             index = ProblemIndex(problems, lambda p: prompt_text(p, tokenizer, args.prompt_format))
@@ -473,11 +484,21 @@ def _tokenizer_and_problems(args) -> tuple[Any, list]:
 
         cfg = load_config(TrainTaskView, args.config)
     path = args.tokenizer or (cfg.init_hf if cfg is not None else None)
-    if not path:
+    if not path and args.op == "import-expert":  # the generated tasks' models all use the character vocabulary
+        from megatron_spo.data.char_tokenizer import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer()
+    elif not path:
         raise ValueError("give --tokenizer DIR (the policy's tokenizer) or --config with init.hf")
-    tokenizer = load_tokenizer(path)
+    else:
+        tokenizer = load_tokenizer(path)
     problems: list = []
-    if args.op == "import-text":
+    if args.op == "import-expert":
+        from megatron_spo.data.problems import load_problems
+        from megatron_spo.data.tasks import GENERATED_TASKS
+
+        problems = load_problems(GENERATED_TASKS[args.task], split=args.split, toy_seed=args.toy_seed)
+    elif args.op == "import-text":
         from megatron_spo.data.problems import load_problems, problems_from_task_config
 
         if args.task is not None:
@@ -517,6 +538,7 @@ def _reward_pool(args, problems: Sequence[Any]):
     from megatron_spo.rewards.sandbox import SandboxPool
 
     sandbox = None
-    if args.op != "import-text" or any(getattr(p, "kind", "code") == "code" for p in problems):
+    if args.op not in ("import-text", "import-expert") or any(getattr(p, "kind", "code") == "code"
+                                                               for p in problems):
         sandbox = SandboxPool(SandboxConfig(slots=args.sandbox_slots, isolation=args.isolation))
     return RewardPool(sandbox, hidden=args.hidden)
