@@ -29,6 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trajectories": ("megatron_spo.data.trajectory:main", "trajectory files: import JSONL -> offline store, export, check"),
     "offline": ("megatron_spo.data.experience:main", "experience store: import text / CodeContests / TACO, build, stats"),
     "pts": ("megatron_spo.engine_tools.pts:main", "pivotal token search: MC-annotated trajectories"),
+    "sample": ("megatron_spo.engine_tools.sample_store:main", "any model's samples, scored, failures kept -> "
+               "offline store (another policy; exploration at high temperature)"),
     "eval": ("megatron_spo.engine_tools.eval:main", "pass@1 / pass@10 of a model on a task"),
     "validate": ("megatron_spo.validate:main", "check a training config (paths, stores, Q0, hooks, layout, memory) "
                  "before an allocation"),
