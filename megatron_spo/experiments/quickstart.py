@@ -37,6 +37,7 @@ from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.data.tasks import GENERATED_TASKS
 from megatron_spo.engine_tools.config import ToolSamplingConfig
 from megatron_spo.experiments.config import QuickstartModelConfig
+from megatron_spo.experiments.sft_stage import SFTStageConfig
 from megatron_spo.models.lora import LoraConfig
 from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rollout.config import RolloutConfig
@@ -129,6 +130,16 @@ class QuickstartConfig(StrictModel):
                                        "(taken out of the offline share)")
     human_solutions_per_prompt: int = Field(2, ge=0, description="the task's own solutions in the offline set "
                                             "(the paper's offline data includes human solutions)")
+    offline_data: list[str] = Field(default_factory=list, description="offline stores / trajectory JSONL of other "
+                                    "data (expert solutions, another policy's samples, exploration decodings: "
+                                    "`megatron-spo offline import-expert`, `megatron-spo sample`), kept to this "
+                                    "run's training prompts: an SPO source of its own (offline_data_fraction) and "
+                                    "the SFT stage's data (sft.steps)")
+    offline_data_fraction: float = Field(0.25, ge=0, lt=1, description="share of each SPO batch from "
+                                         "`offline_data` (taken out of the offline share)")
+    sft: SFTStageConfig = Field(default_factory=SFTStageConfig, description="SFT of the reference on the passing "
+                                "`offline_data` before RL (sft.steps > 0): the SFT'd model is the policy's start "
+                                "and pi_0; the 'before' evaluation stays the reference's")
     eval_n: int = Field(20, gt=0)
     eval_temperature: float = 0.4
     eval_top_p: float = 0.95
@@ -205,6 +216,10 @@ class QuickstartConfig(StrictModel):
             self.train.__dict__["lr"] = QUICKSTART_LRS.get((self.trainer, self.algo), QUICKSTART_LR)
         if self.trainer == "trl" and self.algo != "grpo":
             raise ValueError(f"trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not '{self.algo}'")
+        if self.sft.steps and not self.offline_data:
+            raise ValueError(f"sft.steps {self.sft.steps}: the SFT stage trains on offline_data, which is empty")
+        if self.sft.steps and (self.trainer != "megatron" or self.train.lora is not None):
+            raise ValueError("sft.steps: the SFT stage is built for the megatron trainer without train.lora")
         if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):
             raise ValueError(f"eval_splits {self.eval_splits} with validation_problems {self.validation_problems}: "
                              "nothing would be evaluated")
@@ -222,7 +237,7 @@ class QuickstartConfig(StrictModel):
         endpoints = SimpleNamespace(router_url="http://127.0.0.1:1", engine_urls=["http://127.0.0.1:2"] * self.engines)
         try:
             train_config(self, where, where / "ref", where / "init", endpoints, where / "q0.jsonl",
-                         where / "offline.jsonl")
+                         where / "offline.jsonl", data_path=where / "data.jsonl" if self.offline_data else None)
         except ConfigError as err:
             raise ValueError(f"the trainer would refuse this run (train.* makes its sources.online; "
                              f"train.online_fraction < 1 adds sources.offline): "
@@ -239,10 +254,12 @@ def _console():
 
 
 def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Path, endpoints,
-                 q0_path: Path, offline_path: Path | None, train_problems: int | None = None) -> TrainConfig:
+                 q0_path: Path, offline_path: Path | None, train_problems: int | None = None,
+                 data_path: Path | None = None) -> TrainConfig:
     """The trainer's config for this quickstart run (written to RUN_DIR/config.yaml by the trainer).
     train_problems: how many of the task's first training problems are RL prompts (split_problems' "train":
-    the validation problems, the last ones, stay out); None: cfg.train_limit (the dry build)."""
+    the validation problems, the last ones, stay out); None: cfg.train_limit (the dry build). data_path: the
+    run's `offline_data` (its training prompts only), an SPO source named "data"."""
     from megatron_spo.training.algos import algorithm_class
 
     t = cfg.train
@@ -263,6 +280,10 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
             sources["offline"]["weight"] -= share
             sources[f"experience{i}"] = {"weight": share, "path": path, "select": {"kinds": ["online"]},
                                          "objective": t.objective, "loss": t.loss}
+        if data_path is not None and cfg.offline_data_fraction > 0:  # other data (expert, another policy, exploration) as a source of its own
+            share = min(cfg.offline_data_fraction, sources["offline"]["weight"])
+            sources["offline"]["weight"] -= share
+            sources["data"] = {"weight": share, "path": str(data_path), "objective": t.objective, "loss": t.loss}
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
         sources = {"online": {"weight": 1.0, **online}}
     # on-policy algorithms push every step, unless their behaviour correction takes stale samples (the
@@ -319,6 +340,20 @@ def build_offline_set(samples_path: Path, path: Path, prompts, q0: dict, tokeniz
                                     q0=q0[prompt.prompt_id].q0 if prompt.prompt_id in q0 else None))
     write_jsonl(samples + human, path)
     return len(samples), len(human)
+
+
+def training_data(paths: list[str], train_ids: set[str]) -> tuple[list, int]:
+    """The records of ``paths`` (stores / JSONL) whose prompt is a training prompt of this run, and how many were
+    dropped (validation and held-out problems never reach SFT or training)."""
+    from megatron_spo.data.experience import iter_trajectories
+
+    kept, dropped = [], 0
+    for r in iter_trajectories(paths):
+        if str(r.prompt_id) in train_ids:
+            kept.append(r)
+        else:
+            dropped += 1
+    return kept, dropped
 
 
 def paired_bootstrap(deltas: list[float], *, resamples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
@@ -505,16 +540,32 @@ def run(cfg: QuickstartConfig) -> dict:
     console.print(f"reference: {ref} (weights {identity['sha256'][:12]})")
     wall["reference"] = time.perf_counter() - t0
 
-    t0 = stage("2/6 HF -> Megatron conversion")
-    megatron_init = out / "megatron_init"
-    if cfg.trainer == "megatron":
-        hf_to_megatron(ref, megatron_init)
-    wall["convert"] = time.perf_counter() - t0
-
     problems = split_problems(cfg, task_from_config(cfg.reference))
     tokenizer = AutoTokenizer.from_pretrained(ref)
     prompts = {role: make_prompts(ps, tokenizer) for role, ps in problems.items()}
     train_prompts = prompts["train"]
+    data, data_dropped = training_data(cfg.offline_data, {p.prompt_id for p in train_prompts})
+    if cfg.offline_data:
+        console.print(f"offline_data: {len(data)} trajectories of the training prompts "
+                      f"({sum(r.reward >= 0 for r in data)} pass); {data_dropped} of other problems left out")
+        if not data:
+            raise ValueError(f"offline_data {cfg.offline_data}: no trajectory of this run's training prompts")
+    policy = ref  # the policy's start and pi_0: the reference, or the reference after the SFT stage
+    if cfg.sft.steps:
+        from megatron_spo.experiments.sft_stage import SFT_INFO, sft_on_trajectories
+
+        t0 = stage(f"1b SFT on offline_data: {cfg.sft.steps} steps x {cfg.sft.batch_size} sequences")
+        policy = sft_on_trajectories(ref, data, out / "sft_policy", cfg.sft)
+        sft_info = json.loads((policy / SFT_INFO).read_text())
+        console.print(f"SFT: loss {sft_info['first_loss']:.3f} -> {sft_info['final_loss']:.3f} on "
+                      f"{sft_info['trajectories']} passing trajectories -> {policy}")
+        wall["sft"] = time.perf_counter() - t0
+
+    t0 = stage("2/6 HF -> Megatron conversion")
+    megatron_init = out / "megatron_init"
+    if cfg.trainer == "megatron":
+        hf_to_megatron(policy, megatron_init)
+    wall["convert"] = time.perf_counter() - t0
     evaluated = [name for name in EVAL_SPLITS if prompts[name]]
     sandbox = SandboxPool(cfg.sandbox)
     rewards, eval_rewards = RewardPool(sandbox), RewardPool(sandbox, hidden=True)
@@ -539,6 +590,10 @@ def run(cfg: QuickstartConfig) -> dict:
                        + f" problems x {cfg.eval_n} samples")
             before = {name: asyncio.run(eval_now(eval_file(shared, "before", name), name)) for name in evaluated}
             wall["eval_before"] = time.perf_counter() - t0
+            q0_dir = shared  # Q0 and its samples are pi_0's: the reference's are shared, an SFT'd policy's its own
+            if policy != ref:
+                push_hf_checkpoint(policy, fleet.engine_urls, "sft")
+                q0_dir = out
 
             t0 = stage(f"5/6 Q0: {cfg.q0_samples} reference samples x {len(train_prompts)} training prompts")
 
@@ -546,18 +601,26 @@ def run(cfg: QuickstartConfig) -> dict:
                 async with EngineClient(fleet.router_url) as client:
                     return await estimate_q0(train_prompts, client, rewards, samples=cfg.q0_samples,
                                              beta=cfg.train.beta or QUICKSTART_BETA,  # GRPO's 0: no soft value
-                                             out_path=shared / "q0.jsonl",
+                                             out_path=q0_dir / "q0.jsonl",
                                              sampling=ToolSamplingConfig(temperature=1.0,
                                                                          max_new_tokens=cfg.train.max_new_tokens),
-                                             trajectories_out=shared / "q0_correct_samples.jsonl",
+                                             trajectories_out=q0_dir / "q0_correct_samples.jsonl",
                                              keep_successful=cfg.offline_per_prompt, progress=cfg.progress)
 
             q0 = asyncio.run(q0_now())
             s0 = [e.s0 for e in q0.values()]
-            if shared != out:
-                shutil.copyfile(shared / "q0.jsonl", out / "q0.jsonl")
-            n_samples, n_human = build_offline_set(shared / "q0_correct_samples.jsonl", out / "offline.jsonl",
+            if q0_dir != out:
+                shutil.copyfile(q0_dir / "q0.jsonl", out / "q0.jsonl")
+            n_samples, n_human = build_offline_set(q0_dir / "q0_correct_samples.jsonl", out / "offline.jsonl",
                                                    train_prompts, q0, tokenizer, cfg.human_solutions_per_prompt)
+            data_path = None
+            if data:  # this run's pi_0 Q0 on each record, as the offline set's
+                from megatron_spo.data.trajectory import write_jsonl
+
+                for r in data:
+                    r.q0 = q0[str(r.prompt_id)].q0 if str(r.prompt_id) in q0 else r.q0
+                data_path = out / "data.jsonl"
+                write_jsonl(data, data_path)
             n_offline = n_samples + n_human
             console.print(f"mean S0 {sum(s0) / len(s0):.3f}; offline set: {n_samples} correct reference samples + "
                           f"{n_human} task solutions")
@@ -566,8 +629,9 @@ def run(cfg: QuickstartConfig) -> dict:
             t0 = stage(f"6/6 train {cfg.algo.upper()} for {cfg.train.steps} steps on "
                        + ("megatron-core" if cfg.trainer == "megatron" else "TRL's GRPOTrainer"))
             if cfg.trainer == "megatron":
-                tcfg = train_config(cfg, out, ref, megatron_init, endpoints, out / "q0.jsonl",
-                                    out / "offline.jsonl" if n_offline else None, len(problems["train"]))
+                tcfg = train_config(cfg, out, policy, megatron_init, endpoints, out / "q0.jsonl",
+                                    out / "offline.jsonl" if n_offline else None, len(problems["train"]),
+                                    data_path=data_path)
                 launch(tcfg)
                 logged = read_metrics(out / "train") if (out / "train" / METRICS_FILE).exists() else []
                 done = max((m.get("step", 0) for m in logged), default=0)
@@ -598,6 +662,11 @@ def run(cfg: QuickstartConfig) -> dict:
                    "wall_s": wall,
                    "train_steps": len(train_metrics),
                    "weight_pushes": int(max(m.get("policy_version", 0) for m in train_metrics))})
+    if cfg.offline_data:
+        result["offline_data"] = {"trajectories": len(data), "passing": sum(r.reward >= 0 for r in data),
+                                  "other_problems_dropped": data_dropped}
+    if cfg.sft.steps:
+        result["sft"] = sft_info
     gaps = [m for m in train_metrics if "logprob_gap/mean_abs" in m]
     if gaps:  # engines vs trainer on the same tokens (training/logprob_gap.py): ~1e-6 in fp32 with correct pushes
         result["logprob_gap"] = {

@@ -1,0 +1,111 @@
+"""SFT on an offline source's trajectories: the first stage of "SFT then GRPO" (and of SPO after the same SFT).
+
+    policy = sft_on_trajectories(ref_dir, records, out_dir, SFTStageConfig(steps=60))   # an HF checkpoint
+
+Cross-entropy on the response tokens only (prompt tokens masked), the mean over the batch's response tokens, on
+the records that pass (reward >= 0: SFT imitates, it cannot use failures), drawn uniformly with replacement
+(seeded). AdamW, linear warm-up then constant lr, grad-norm clip 1. The result is a complete HF checkpoint (the
+reference's config and tokenizer, the trained weights, digests.json) that the quickstart converts for the
+trainer and serves as the arm's pi_0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from megatron_spo.config import StrictModel
+
+IGNORE_INDEX = -100
+SFT_INFO = "sft_info.json"
+
+
+class SFTStageConfig(StrictModel):
+    """The SFT budget a study gives every arm that uses it (steps x batch_size sequences)."""
+
+    steps: int = Field(0, ge=0, description="0: no SFT stage")
+    batch_size: int = Field(16, gt=0, description="sequences per step")
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(5, ge=0)
+    seed: int = 0
+    num_threads: int = Field(2, gt=0, description="torch CPU threads during SFT")
+
+
+def sft_batch(records: Sequence, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded [B, T] input_ids / attention_mask and labels = response tokens (IGNORE_INDEX on prompt and
+    padding), T = the longest prompt + response."""
+    seqs = [(list(r.prompt_tokens), list(r.response_tokens)) for r in records]
+    width = max(len(p) + len(a) for p, a in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (p, a) in enumerate(seqs):
+        n = len(p) + len(a)
+        input_ids[i, :n] = torch.tensor(p + a)
+        labels[i, len(p):n] = torch.tensor(a)
+        mask[i, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def response_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean negative log-likelihood per response token (nats): the SFT loss."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                             ignore_index=IGNORE_INDEX)
+
+
+def sft_on_trajectories(ref: str | Path, records: Sequence, out: str | Path, cfg: SFTStageConfig,
+                        pass_reward: float = 0.0) -> Path:
+    """Train a copy of the HF checkpoint ``ref`` for cfg.steps on the passing ``records``; write it to ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_spo.checkpoint_digest import write_manifest
+
+    good = [r for r in records if r.reward >= pass_reward]
+    if not good:
+        raise ValueError(f"sft: none of the {len(records)} trajectories passes (reward >= {pass_reward}): nothing "
+                         "to imitate")
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.num_threads)
+    try:
+        torch.manual_seed(cfg.seed)
+        tokenizer = AutoTokenizer.from_pretrained(str(ref))
+        model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
+        rng = random.Random(cfg.seed)
+        model.train()
+        losses, t0 = [], time.perf_counter()
+        for step in range(cfg.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+            loss = response_nll(model, sft_batch([rng.choice(good) for _ in range(cfg.batch_size)],
+                                                 tokenizer.pad_token_id))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+        model.eval()
+    finally:
+        torch.set_num_threads(before)
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    for name in ("build_info.json",):  # the reference's build info names the recipe (reference_identity reads it)
+        if (Path(ref) / name).is_file():
+            shutil.copyfile(Path(ref) / name, out / name)
+    info = {"from": str(ref), "settings": cfg.model_dump(), "trajectories": len(good), "dropped_failing":
+            len(records) - len(good), "first_loss": losses[0] if losses else None,
+            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])), "seconds": time.perf_counter() - t0}
+    (out / SFT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    write_manifest(out)
+    return out
