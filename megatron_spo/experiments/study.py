@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from megatron_spo.config import ConfigError, StrictModel, apply_overrides, build_config, quote, read_yaml
 from megatron_spo.data.q0 import PAPER_BETA
@@ -49,6 +49,7 @@ class Arm:
     coefficient: str  # dotted quickstart path of the swept KL coefficient (train.beta for every algorithm)
     grid: tuple[float, ...]
     about: str
+    uses: tuple[str, ...] = ()  # the study's data: "data" (an SPO offline source), "sft" (the SFT stage first)
 
 
 ARMS: dict[str, Arm] = {
@@ -76,7 +77,15 @@ ARMS: dict[str, Arm] = {
                     "samples weighted by min(pi_old / mu, 2) (TIS, as slime / AReaL / verl run it)"),
     "trl-grpo": Arm("grpo", ("trainer=trl",), "train.beta", (0.0, 0.04),
                     "TRL's GRPOTrainer (outside reference)"),
+    # issue 48: the study's own data (StudyConfig.data: expert solutions, another policy's samples, ...)
+    "sft-grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "SFT on the study's data (sft_steps), then GRPO: the "
+                    "common recipe", uses=("sft",)),
+    "spo-data": Arm("spo", (), "train.beta", (PAPER_BETA, 0.5), "SPO with the study's data as an offline source "
+                    "(quickstart offline_data_fraction of each batch, out of the offline share)", uses=("data",)),
+    "sft-spo": Arm("spo", ("offline_data_fraction=0",), "train.beta", (PAPER_BETA, 0.5),
+                   "SFT on the study's data (the same sft_steps), then SPO at its usual mix", uses=("sft",)),
 }
+DATA_ARMS = tuple(a for a, arm in ARMS.items() if arm.uses)  # need StudyConfig.data
 
 
 def _known_arms(arms: list[str]) -> list[str]:
@@ -117,7 +126,8 @@ class LongRunConfig(StrictModel):
 
 class StudyConfig(StrictModel):
     out_dir: str = "outputs/compare"
-    arms: list[str] = Field(default_factory=lambda: [a for a in ARMS if a != "trl-grpo"] + ["trl-grpo"])
+    arms: list[str] = Field(default_factory=lambda: [a for a in ARMS if a not in ("trl-grpo", *DATA_ARMS)]
+                            + ["trl-grpo"])
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     sweep: SweepConfig = Field(default_factory=SweepConfig)
     long_run: LongRunConfig = Field(default_factory=LongRunConfig)
@@ -132,8 +142,19 @@ class StudyConfig(StrictModel):
                                              "from an earlier sweep's chosen.json trains on that study's problems)")
     retry_failed: bool = Field(False, description="run failed runs again (they have a FAILED file)")
     progress: bool = True
+    data: list[str] = Field(default_factory=list, description="offline stores / trajectory JSONL of the data the "
+                            f"arms {', '.join(DATA_ARMS)} use (each run keeps its training prompts' records)")
+    sft_steps: int = Field(60, gt=0, description="the SFT budget of every arm with an SFT stage (quickstart "
+                           "sft.steps; the same for all of them)")
 
     _check = field_validator("arms")(classmethod(lambda cls, v: _known_arms(v)))
+
+    @model_validator(mode="after")
+    def _data_arms(self) -> StudyConfig:
+        need = [a for a in self.arms if ARMS[a].uses]
+        if need and not self.data:
+            raise ValueError(f"data: arms {need} learn from the study's data; give data=[STORE, ...]")
+        return self
 
     @field_validator("settings")
     @classmethod
@@ -184,6 +205,10 @@ def quickstart_overrides(study: StudyConfig, spec: RunSpec, root: Path) -> list[
         held_out = study.sweep.enabled if study.validation_held_out is None else study.validation_held_out
         extra.update({"validation_problems": study.sweep.validation_problems if held_out else 0,
                       "eval_splits": ["heldout"]})
+    if arm.uses:  # the same data and SFT budget for every arm that uses them
+        extra["offline_data"] = list(study.data)
+    if "sft" in arm.uses:
+        extra["sft.steps"] = study.sft_steps
     apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in extra.items()])
     apply_overrides(base, [f"{path}={json.dumps(value)}" for path, value in spec.settings])
     return _flat(base)

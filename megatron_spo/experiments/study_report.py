@@ -492,6 +492,10 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
     paired("2b. ... and than GRPO", "spo", grpo, "gap")
     paired("3. SPO benefits from offline data", "spo", "spo-online", "pass@1")
     paired("3b. ... on pass@10", "spo", "spo-online", "pass@10")
+    if "sft-grpo" in by:  # issue 48: the study's own data, SPO against what a user would run with it
+        for a, what in (("spo-data", "pass@1"), ("spo-data", "pass@10"), ("sft-spo", "pass@1"), ("sft-spo", "pass@10")):
+            paired(f"48. {a} (SPO {'with the data as a source' if a == 'spo-data' else 'after the same SFT'}) beats "
+                   f"SFT then GRPO on {what}", a, "sft-grpo", what)
     if "spo" in by and "ppo" in by:
         s, p = _resources(by["spo"]), _resources(by["ppo"])
         common = sorted(set(by["spo"].results) & set(by["ppo"].results))  # paired by seed
