@@ -102,6 +102,7 @@ def _model(cfg: TrainConfig, r: Report):
 
 def _check_layout(cfg: TrainConfig, model, world_size: int, r: Report) -> None:
     r.check("parallel", cfg.parallel.check, model, world_size)
+    r.check("parallel", cfg.parallel.check_training, model)  # MoE: TP needs sequence parallelism, EP not yet
     tp = cfg.fleet.resolved().engine_tp_size
     if tp is not None and (model.num_attention_heads % tp or (model.num_query_groups % tp and tp % model.num_query_groups)):
         r.problems.append(f"fleet.engine_tp_size: {tp} does not divide model.num_attention_heads "
