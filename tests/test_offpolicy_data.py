@@ -1,0 +1,220 @@
+"""Issue 48's data sources and baseline stages: expert solutions (data/expert.py) and their import, another
+policy's / exploration samples into a store (engine_tools/sample_store.py), the SFT stage (experiments/
+sft_stage.py), and the study arms that use the study's data (experiments/study.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_spo.data import toy_code, toy_math
+from megatron_spo.data.expert import expert_solution
+from megatron_spo.rewards.math_answer import last_boxed
+from megatron_spo.rewards.reward import RewardResult
+
+
+def run_program(program: str, stdin: str) -> str:
+    """The printed output of a (trusted, generated) program fed ``stdin``."""
+    out = io.StringIO()
+    old = sys.stdin
+    sys.stdin = io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(program, "<expert>", "exec"), {"__name__": "__main__"})
+    finally:
+        sys.stdin = old
+    return out.getvalue()
+
+
+def passes(problem, text: str) -> bool:
+    if getattr(problem, "kind", "code") == "math":
+        return last_boxed(text) == problem.answer
+    return all(run_program(text, i) == o for i, o in problem.tests + problem.hidden_tests)
+
+
+class StubRewards:
+    """A RewardPool's interface (submit -> Future, async score) with the tasks' own verdicts, in process."""
+
+    sandbox = None
+
+    def _result(self, problem, text: str) -> RewardResult:
+        ok = passes(problem, text)
+        return RewardResult(0.0 if ok else -1.0, ok)
+
+    def submit(self, problem, text: str) -> Future:
+        f: Future = Future()
+        f.set_result(self._result(problem, text))
+        return f
+
+    async def score(self, problem, text: str) -> RewardResult:
+        return self._result(problem, text)
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return toy_code.make_task(), toy_math.make_task()
+
+
+def test_expert_solutions_are_correct_and_in_a_style_pi0_never_saw(tasks):
+    code, math = tasks
+    p, q = code.train[0], math.train[0]
+    assert p.prompt == "# num: div 2, mul 9, div 6\n"
+    assert expert_solution(p) == "import sys\n\n\ndef solve():\n    print(int(input())//2*9//6)\n\n\nsolve()\n"
+    assert q.prompt == "Cal has 5 boxes of 4 pens and gives away 5. How many pens are left?\n"
+    assert expert_solution(q) == "Step 1: 5 * 4 = 20.\nStep 2: 20 - 5 = 15.\nAnswer: \\boxed{15}\n"
+    for task in (code, math):  # every training and held-out problem, reward and hidden tests
+        assert all(passes(p, expert_solution(p)) for p in task.problems)
+    # pi_0's SFT targets (train + SFT-only, any of their solutions) never hold the expert's markers
+    assert not any("def " in s or "    " in s or "import" in s for p in code.sft_problems for s in p.solutions)
+    assert not any("Step" in s or " = " in s or "Answer" in s for p in math.sft_problems for s in p.solutions)
+    with pytest.raises(ValueError, match="not of a generated task"):
+        expert_solution(SimpleNamespace(id="x"))
+
+
+def test_import_expert_writes_scored_records_with_provenance(tmp_path, tasks):
+    from megatron_spo.data.char_tokenizer import build_char_tokenizer
+    from megatron_spo.data.experience import store_stats
+    from megatron_spo.data.expert import expert_candidates
+    from megatron_spo.data.importers import run_import
+    from megatron_spo.data.offline_store import iter_records
+
+    tok = build_char_tokenizer()
+    problems = list(tasks[1].train[:5])
+    summary = run_import(lambda: expert_candidates(problems), tmp_path / "s", tokenizer=tok, rewards=StubRewards(),
+                         run_id="expert-math")
+    assert (summary.imported, summary.passed) == (5, 5)
+    records = list(iter_records(tmp_path / "s"))
+    r = records[0]
+    assert r.prompt_id == problems[0].id and r.reward == 0.0
+    assert tok.decode(r.response_tokens, skip_special_tokens=True) == expert_solution(problems[0])
+    assert r.response_tokens[-1] == tok.eos_token_id
+    assert (r.provenance.kind, r.provenance.model, r.provenance.origin, r.provenance.run_id) == (
+        "human", "expert-generator", "megatron_spo.data.expert", "expert-math")
+    stats = store_stats([tmp_path / "s"], by=("kind", "model"))
+    assert {k: (g.rows, g.passing) for k, g in stats.items()} == {("human", "expert-generator"): (5, 5)}
+
+
+def test_sample_to_store_keeps_failures_with_provenance(tmp_path, tasks):
+    from megatron_spo.data.char_tokenizer import build_char_tokenizer
+    from megatron_spo.data.offline_store import OfflineStoreWriter, iter_records
+    from megatron_spo.data.prompts import make_prompts
+    from megatron_spo.engine_tools.config import ToolSamplingConfig
+    from megatron_spo.engine_tools.sample_store import sample_to_store
+    from megatron_spo.rollout.protocol import Completion
+
+    tok = build_char_tokenizer()
+    problems = list(tasks[1].train[:2])
+    prompts = make_prompts(problems, tok)
+    texts = {p.prompt_id: [p.problem.solutions[0], "\\boxed{0}\n", expert_solution(p.problem)] for p in prompts}
+    asked = []
+
+    class FakeClient:  # answers each request with the prompt's three texts, as an engine would (n = 3)
+        async def generate(self, prompts_, params, return_logprob=False):
+            asked.append((params.temperature, params.n))
+            pid = next(p.prompt_id for p in prompts if list(p.tokens) == prompts_[0])
+            return [[Completion("r", tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], t, "stop",
+                                len(prompts_[0]), len(t), None, None) for t in texts[pid]]]
+
+    with OfflineStoreWriter(tmp_path / "s") as w:
+        got = asyncio.run(sample_to_store(prompts, FakeClient(), StubRewards(), w, n=3, kind="other-model",
+                                          model="ckpt-B", sampling=ToolSamplingConfig(temperature=1.6)))
+    assert got == (6, 4) and asked == [(1.6, 3), (1.6, 3)]
+    records = list(iter_records(tmp_path / "s"))
+    assert [r.reward for r in records] == [0.0, -1.0, 0.0] * 2
+    p = records[1].provenance
+    assert (p.kind, p.model, p.temperature, p.top_p, p.origin) == ("other-model", "ckpt-B", 1.6, 1.0,
+                                                                    "megatron-spo sample")
+
+
+def _tiny_hf(path: Path) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from megatron_spo.data.char_tokenizer import build_char_tokenizer
+    from megatron_spo.experiments.config import QuickstartModelConfig
+    from megatron_spo.experiments.reference_model import reference_hf_config
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    cfg = QuickstartModelConfig(hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                intermediate_size=64)
+    model = AutoModelForCausalLM.from_config(reference_hf_config(cfg, tok))
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_sft_stage_masks_prompts_and_trains_on_passing_records_only(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_spo.data.trajectory import Trajectory
+    from megatron_spo.experiments.sft_stage import (
+        SFTStageConfig,
+        response_nll,
+        sft_batch,
+        sft_on_trajectories,
+    )
+
+    good = Trajectory(prompt_id="a", prompt_tokens=[1, 10, 11], response_tokens=[20, 21, 2], reward=0.0,
+                      source="offline", policy_version=0)
+    bad = Trajectory(prompt_id="a", prompt_tokens=[1, 10], response_tokens=[30, 2], reward=-1.0,
+                     source="offline", policy_version=0)
+    batch = sft_batch([good, bad], pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 10, 11, 20, 21, 2], [1, 10, 30, 2, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, -100, 20, 21, 2], [-100, -100, 30, 2, -100, -100]]
+    ref = _tiny_hf(tmp_path / "ref")
+    model = AutoModelForCausalLM.from_pretrained(ref)
+    with torch.no_grad():  # the loss is the mean of -log p(response token) over the 5 response tokens
+        lp = torch.log_softmax(model(input_ids=batch["input_ids"]).logits.float(), -1)
+        want = -torch.stack([lp[0, 2, 20], lp[0, 3, 21], lp[0, 4, 2], lp[1, 1, 30], lp[1, 2, 2]]).mean()
+        assert torch.allclose(response_nll(model, batch), want, atol=1e-6)
+    out = sft_on_trajectories(ref, [good, bad], tmp_path / "sft", SFTStageConfig(steps=8, batch_size=2, lr=3e-2,
+                                                                               warmup_steps=0, num_threads=1))
+    info = json.loads((out / "sft_info.json").read_text())
+    assert (info["trajectories"], info["dropped_failing"]) == (1, 1)
+    with torch.no_grad():  # step 1 saw the passing record twice: the reference's loss on it
+        assert info["first_loss"] == pytest.approx(response_nll(model, sft_batch([good, good], 0)).item(), abs=1e-5)
+    assert info["final_loss"] < info["first_loss"] - 2.0  # 4.60 -> 1.78 (mean of the 8 steps) here
+    assert (out / "digests.json").is_file() and (out / "tokenizer.json").is_file()
+    with pytest.raises(ValueError, match="none of the 1 trajectories passes"):
+        sft_on_trajectories(ref, [bad], tmp_path / "sft2", SFTStageConfig(steps=1))
+
+
+def test_study_data_arms_and_the_quickstart_data_source():
+    from megatron_spo.config import ConfigError, build_config
+    from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
+    from megatron_spo.experiments.study import RunSpec, StudyConfig, quickstart_overrides
+
+    with pytest.raises(ConfigError, match=r"data: arms \['sft-grpo'\] learn from the study's data"):
+        build_config(StudyConfig, {"arms": ["grpo", "sft-grpo"]}, "compare")
+    study = build_config(StudyConfig, {"arms": ["sft-grpo", "grpo", "spo-data", "sft-spo"], "data": ["/d/expert"],
+                                       "sft_steps": 40}, "compare")
+    over = {a: quickstart_overrides(study, RunSpec("runs", a, 0, ()), Path("/r")) for a in study.arms}
+    assert [o for o in over["sft-grpo"] if o.startswith(("offline_data", "sft"))] == [
+        'offline_data=["/d/expert"]', "sft.steps=40"]
+    assert not [o for o in over["grpo"] if o.startswith(("offline_data", "sft"))]
+    assert [o for o in over["spo-data"] if o.startswith(("offline_data", "sft"))] == ['offline_data=["/d/expert"]']
+    assert [o for o in over["sft-spo"] if o.startswith(("offline_data", "sft"))] == [
+        "offline_data_fraction=0", 'offline_data=["/d/expert"]', "sft.steps=40"]
+    with pytest.raises(ConfigError, match="sft.steps 5: the SFT stage trains on offline_data, which is empty"):
+        build_config(QuickstartConfig, {"sft": {"steps": 5}}, "quickstart")
+    cfg = build_config(QuickstartConfig, {"offline_data": ["/d/expert"]}, "quickstart")
+    w = Path("/w")
+    ends = SimpleNamespace(router_url="http://127.0.0.1:1", engine_urls=["http://127.0.0.1:2"] * 2)
+    t = train_config(cfg, w, w / "ref", w / "init", ends, w / "q0.jsonl", w / "offline.jsonl",
+                     data_path=w / "data.jsonl")
+    assert {k: (s.weight, s.path) for k, s in t.sources.items()} == {
+        "online": (0.5, None), "offline": (0.25, "/w/offline.jsonl"), "data": (0.25, "/w/data.jsonl")}
+    cfg0 = build_config(QuickstartConfig, {"offline_data": ["/d"], "offline_data_fraction": 0.0}, "quickstart")
+    t0 = train_config(cfg0, w, w / "ref", w / "init", ends, w / "q0.jsonl", w / "offline.jsonl",
+                      data_path=w / "data.jsonl")
+    assert sorted(t0.sources) == ["offline", "online"] and t0.sources["offline"].weight == 0.5
