@@ -592,7 +592,7 @@ def run(cfg: QuickstartConfig) -> dict:
             wall["eval_before"] = time.perf_counter() - t0
             q0_dir = shared  # Q0 and its samples are pi_0's: the reference's are shared, an SFT'd policy's its own
             if policy != ref:
-                push_hf_checkpoint(policy, fleet.engine_urls, "sft")
+                push_hf_checkpoint(policy, fleet.engine_urls, "0")  # policy version 0: the run's start
                 q0_dir = out
 
             t0 = stage(f"5/6 Q0: {cfg.q0_samples} reference samples x {len(train_prompts)} training prompts")
