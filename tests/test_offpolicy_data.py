@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import io
 import json
+import math
 import sys
 from concurrent.futures import Future
 from pathlib import Path
@@ -214,7 +215,46 @@ def test_study_data_arms_and_the_quickstart_data_source():
                      data_path=w / "data.jsonl")
     assert {k: (s.weight, s.path) for k, s in t.sources.items()} == {
         "online": (0.5, None), "offline": (0.25, "/w/offline.jsonl"), "data": (0.25, "/w/data.jsonl")}
+    assert t.sources["data"].transform_specs("data") == []
+    cfg1 = build_config(QuickstartConfig, {"offline_data": ["/d"], "offline_data_max_coefficient": 1.0}, "quickstart")
+    t1 = train_config(cfg1, w, w / "ref", w / "init", ends, w / "q0.jsonl", w / "offline.jsonl",
+                      data_path=w / "data.jsonl")
+    assert t1.sources["data"].transform_specs("data") == [("coefficient_clip", {"limit": 1.0})]
     cfg0 = build_config(QuickstartConfig, {"offline_data": ["/d"], "offline_data_fraction": 0.0}, "quickstart")
     t0 = train_config(cfg0, w, w / "ref", w / "init", ends, w / "q0.jsonl", w / "offline.jsonl",
                       data_path=w / "data.jsonl")
     assert sorted(t0.sources) == ["offline", "online"] and t0.sources["offline"].weight == 0.5
+
+
+def test_coefficient_clip_bounds_the_cross_entropy_push_of_a_success():
+    """A success under the cross-entropy loss has c = dL/dQ_T = -1/beta until Q_T reaches 0; clipped to 1 its
+    gradient is exactly beta times the unclipped one and the loss value is unchanged; a squared-loss row already
+    inside the limit is untouched."""
+    from functools import partial
+
+    from megatron_spo.algorithms.spo import SPOInputs, spo_loss
+    from megatron_spo.algorithms.spo_transforms import coefficient_clip
+    from megatron_spo.config import ConfigError, build_config
+    from megatron_spo.training.config import SourceConfig
+
+    beta = 1 / math.log(1e5)
+    ref = torch.tensor([[-4.0, -3.0, -5.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+
+    def grad(loss, transforms=()):
+        logp = ref.clone().requires_grad_(True)
+        inputs = SPOInputs(logp, ref, mask, torch.tensor([0.0]), torch.tensor([-0.181]))
+        value, metrics = spo_loss(inputs, beta=beta, objective="terminal", loss=loss, transforms=transforms)
+        value.backward()
+        return value.item(), logp.grad, metrics
+
+    clip = partial(coefficient_clip, limit=1.0)
+    v0, g0, _ = grad("cross_entropy")
+    v1, g1, m1 = grad("cross_entropy", [clip])
+    assert v1 == v0 and m1["coefficient_clipped"] == 1.0
+    assert torch.allclose(g0, torch.full_like(g0, -1.0)) and torch.allclose(g1, beta * g0, rtol=1e-12)
+    s0, sq0, _ = grad("squared")  # c = 2 (Q0 - 0) = -0.362: inside the limit
+    s1, sq1, ms = grad("squared", [clip])
+    assert (s1, ms["coefficient_clipped"]) == (s0, 0.0) and torch.equal(sq0, sq1)
+    with pytest.raises(ConfigError, match="max_coefficient: needs objective terminal or advantage, not 'reverse_q'"):
+        build_config(SourceConfig, {"path": "x", "objective": "reverse_q", "max_coefficient": 1.0}, "cfg")

@@ -47,6 +47,20 @@ def coefficient_baseline(terms: SPOTerms) -> SPOTerms:
     return _centred_once(terms, "coefficient_baseline").replace(coefficient=c - baseline.to(c).detach())
 
 
+def coefficient_clip(terms: SPOTerms, *, limit: float) -> SPOTerms:
+    """c_i clipped to [-limit, +limit]: a guard for off-policy data (expert text, another model's style) whose pi_0
+    log-probs are very low. Their gradient per unit of coefficient is ~16x that of pi_0-style text, and the
+    cross-entropy loss gives a success c = -1/beta (11.5 at beta 1/log(1e5)) until Q_T reaches 0, so a few such rows
+    steer a whole mixed batch (docs/offpolicy-data.md). The loss value is unchanged; the sign of each push is kept.
+    Metric coefficient_clipped: the share of sequences clipped."""
+    c = terms.need_coefficient("coefficient_clip")
+    if not limit > 0:
+        raise ValueError(f"{terms.where}: coefficient_clip needs a limit > 0, got {limit!r}")
+    clipped = c.clamp(-limit, limit)
+    share = float((clipped != c).to(c.dtype).mean())
+    return terms.replace(coefficient=clipped, metrics={**terms.metrics, "coefficient_clipped": share})
+
+
 def _centred_once(terms: SPOTerms, name: str) -> SPOTerms:
     if terms.centred_by is not None:
         raise ValueError(f"{terms.where}: give centre_groups or coefficient_baseline, not both "
@@ -107,13 +121,14 @@ def policy_gradient(terms: SPOTerms, *, coef: float) -> SPOTerms:
 TRANSFORMS: dict[str, Callable[..., SPOTerms]] = {
     "centre_groups": centre_groups,
     "coefficient_baseline": coefficient_baseline,
+    "coefficient_clip": coefficient_clip,
     "trust_region": trust_region,
     "token_normalise": token_normalise,
     "policy_gradient": policy_gradient,
 }
 CENTRINGS = ("centre_groups", "coefficient_baseline")  # at most one of them per loss
 # the ones that change the coefficient: objectives of Q_T alone only (spo.CENTRABLE_OBJECTIVES)
-NEEDS_COEFFICIENT = (*CENTRINGS, "trust_region")
+NEEDS_COEFFICIENT = (*CENTRINGS, "coefficient_clip", "trust_region")
 
 
 def is_centring(transform: Callable) -> bool:

@@ -106,6 +106,10 @@ class SourceConfig(StrictModel):
         "(the trajectory's behaviour_logprobs) is past +-this in the direction its sequence is pushed (PPO's clip; "
         "terminal / advantage objectives; rows without behaviour log-probs are not clipped). Unset: "
         f"{ONLINE_TRUST_REGION} for the 'online' source, off for the others; 0: off")
+    max_coefficient: float | None = Field(
+        None, gt=0, description="SPO: clip each sequence's loss coefficient dL/dQ_T to +-this (coefficient_clip, "
+        "after any centring): a guard for off-policy data with very low pi_0 log-probs, e.g. expert text under the "
+        "cross-entropy loss (docs/offpolicy-data.md); terminal / advantage objectives. Unset: off")
     pg_coef: float = Field(0.0, ge=0, description="SPO: add this times a policy-gradient term with a leave-one-out "
                            "reward baseline (the paper's suggestion); moves the fixed point from pi* towards higher "
                            "reward")
@@ -128,7 +132,8 @@ class SourceConfig(StrictModel):
         why = UNSUPPORTED.get((self.objective, self.loss))
         if why:
             raise ValueError(f"objective '{self.objective}' with loss '{self.loss}' is not supported ({why})")
-        for name, given in (("centre", self.centre), ("trust_region", bool(self.trust_region))):
+        for name, given in (("centre", self.centre), ("trust_region", bool(self.trust_region)),
+                            ("max_coefficient", self.max_coefficient is not None)):
             if given and self.objective not in CENTRABLE_OBJECTIVES:
                 raise ValueError(f"{name}: needs objective {' or '.join(CENTRABLE_OBJECTIVES)}, not "
                                  f"'{self.objective}' (its loss is not a function of Q_T alone)")
@@ -166,6 +171,7 @@ class SourceConfig(StrictModel):
         centre = self.centre if self.centre is not None else name == "online" and centrable
         on = {"centre_groups": centre and not set(CENTRINGS) & set(names),
               "trust_region": self.clip(name) is not None,
+              "coefficient_clip": self.max_coefficient is not None,
               "token_normalise": self.normalise == "token",
               "policy_gradient": self.pg_coef > 0}
         order = {n: k for k, n in enumerate(TRANSFORMS)}
@@ -175,7 +181,10 @@ class SourceConfig(StrictModel):
         if "trust_region" in names and self.clip(name) is None:
             raise ValueError(f"sources.{name}.transforms: trust_region needs sources.{name}.trust_region > 0 "
                              "(off by default for a source other than 'online')")
-        params = {"trust_region": {"limit": self.clip(name)}, "policy_gradient": {"coef": self.pg_coef}}
+        if "coefficient_clip" in names and self.max_coefficient is None:
+            raise ValueError(f"sources.{name}.transforms: coefficient_clip needs sources.{name}.max_coefficient")
+        params = {"trust_region": {"limit": self.clip(name)}, "policy_gradient": {"coef": self.pg_coef},
+                  "coefficient_clip": {"limit": self.max_coefficient}}
         return [(n, params.get(n, {})) for n in names]
 
     def centred(self, name: str) -> bool:
