@@ -206,3 +206,77 @@ def test_lora_plan_holds_the_adapters_gradients_and_state_and_pushes_them_alone(
     assert lora["throughput"]["step_s"] / full["throughput"]["step_s"] == pytest.approx(
         (6 * n + 6 * 80 * 4096 * 8192) / (8 * n + 6 * 80 * 4096 * 8192))
     assert lora["memory_gb"]["plain opt, no recompute"]["fits"] and not full["memory_gb"]["plain opt, no recompute"]["fits"]
+
+
+def test_moe_presets_are_the_published_qwen3_moe_sizes():
+    """Qwen3-30B-A3B and Qwen3-235B-A22B (their config.json): total and active parameters, exactly, and the model
+    cards' 30.5B / 3.3B and 235B / 22B to the cards' digits (truncated)."""
+    small, big = capacity.moe_counts(capacity.load_preset("qwen3-30b-a3b")[0]), capacity.moe_counts(
+        capacity.load_preset("qwen3-235b-a22b")[0])
+    assert (small.total, small.active) == (30_532_122_624, 3_353_032_704)
+    assert (big.total, big.active) == (235_093_634_560, 22_190_763_520)
+    assert (small.total // 10**8, small.active // 10**8, big.total // 10**9, big.active // 10**9) == (305, 33, 235, 22)
+    # embeddings + L x (attention + q/k norms + 2 norms + router + E experts) + final norm + LM head
+    h, q, kv, e, f = 2048, 32 * 128, 4 * 128, 128, 768
+    assert small.total == 2 * 151936 * h + 48 * (2 * h * q + 2 * h * kv + 256 + 2 * h + e * h + e * 3 * h * f) + h
+    assert (small.router, small.expert_tensors, big.router, big.expert_tensors) == (
+        48 * 128 * 2048, 48 * 128 * 3, 94 * 128 * 4096, 94 * 128 * 3)
+
+
+def test_moe_plan_splits_experts_over_ep_and_prices_active_flops():
+    """30B-A3B on 64 GPUs at EP 8 (TP 1, dist-opt): experts' weights / grads over EP, their Adam state over the
+    8 expert-DP ranks, the rest over DP 64; k dispatched copies per token in the activations; 8 x active
+    parameters in the FLOPs; the push is every tensor (all 18432 expert tensors) in bf16."""
+    model, parallel = capacity.load_preset("qwen3-30b-a3b")
+    plan = capacity.make_plan(model, parallel, CapacityConfig())
+    h, q, kv, e, f, k, layers = 2048, 4096, 512, 128, 768, 8, 48
+    experts = layers * (e // 8) * 3 * h * f
+    dense = layers * (2 * h * q + 2 * h * kv + 256 + 2 * h + e * h) + 2 * 151936 * h + h
+    assert capacity.moe_stage_parameters(model, 1, 1, 8) == capacity.StageParameters(dense=dense, experts=experts)
+    mem = plan["memory_gb"]["dist-opt, no recompute"]
+    assert mem["weights"] * 1e9 == pytest.approx(2 * (dense + experts))
+    assert mem["gradients"] * 1e9 == pytest.approx(4 * (dense + experts))
+    assert mem["optimizer"] * 1e9 == pytest.approx(12 * (dense / 64 + experts / 8))
+    assert mem["reference"] * 1e9 == pytest.approx(2 * (dense + experts))
+    per_layer = (4 * h + 4 * e + q + 2 * kv + q + k * (2 * h + 3 * f)) * 4096 * 2  # bf16, one sequence of 4096
+    assert mem["activations"] * 1e9 == pytest.approx((layers + 1) * per_layer)
+    assert mem["fits"] and round(mem["total"], 1) == 79.6
+    assert (plan["layout"]["dp"], plan["layout"]["ep"], plan["layout"]["expert_dp"]) == (64, 8, 8)
+    moe = plan["model"]["moe"]
+    per_token = 8 * 3_353_032_704 + 6 * layers * 4096 * h
+    assert plan["throughput"]["flops_per_step"] == 256 * 4096 * per_token
+    assert moe["router_share_of_flops"] == pytest.approx(8 * 48 * 128 * 2048 / per_token)
+    assert moe["router_share_of_parameters"] == pytest.approx(48 * 128 * 2048 / 30_532_122_624)
+    assert plan["weight_sync"]["bytes"] == 2 * 30_532_122_624 and moe["expert_tensors"] == 18432
+    assert "the trainer refuses expert_model_parallel_size 8 today" in plan["notes"][0]
+    # 235B-A22B: no expert-DP sharding at 64 GPUs (does not fit); at 256 its Adam state splits 4 ways, fits with
+    # full recompute
+    model, parallel = capacity.load_preset("qwen3-235b-a22b")
+    at64 = capacity.make_plan(model, parallel, CapacityConfig())["memory_gb"]
+    at256 = capacity.make_plan(model, parallel, CapacityConfig(trainer_gpus=256))["memory_gb"]
+    assert not any(v["fits"] for v in at64.values())
+    assert at256["dist-opt, full recompute"]["fits"] and not at256["dist-opt, no recompute"]["fits"]
+    assert at64["dist-opt, full recompute"]["optimizer"] / at256["dist-opt, full recompute"]["optimizer"] == \
+        pytest.approx(4, rel=0.02)
+
+
+def test_validate_checks_a_moe_config_with_the_moe_memory_formula():
+    """`megatron-spo validate`'s memory line for a MoE model is the MoE plan's (experts' activations: k copies of
+    the expert's sizes), not the dense one (which would price the HF intermediate_size as one SwiGLU)."""
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.validate import Report, _check_memory
+
+    model, _ = capacity.load_preset("qwen3-30b-a3b")
+    cfg = TrainConfig.model_validate(dict(init={"hf": "x"}, parallel={"use_distributed_optimizer": True}))
+    r = Report()
+    _check_memory(cfg, model, 8, 80.0, r)
+    shape = CapacityConfig(**capacity.capacity_shape(cfg, 8, 80.0))
+    moe = capacity.memory_per_gpu(model, shape, cfg.parallel, distributed_optimizer=True, recompute="none")
+    h, q, kv, e, f, k = 2048, 4096, 512, 128, 768, 8
+    tokens = shape.micro_batch_size * shape.seq_length
+    assert moe.activations == pytest.approx(49 * (4 * h + 4 * e + 2 * q + 2 * kv + k * (2 * h + 3 * f)) * tokens * 2)
+    assert r.problems == [f"memory: the plan needs {moe.total / 1e9:.1f} GB per GPU (batch 128 x seq 4096, "
+                          "micro-batch 4 x 4096 tokens) > 80 GB (megatron-spo plan --config shows the breakdown; raise "
+                          "TP / PP, use_distributed_optimizer, or lower batch.max_tokens_per_micro_batch)"]
+    dense_activations = 49 * (4 * h + 2 * q + 2 * kv + 3 * 6144) * tokens * 2
+    assert abs(moe.activations - dense_activations) > 50e9

@@ -19,6 +19,14 @@ Memory model (bytes per GPU, worst pipeline stage), megatron-core mixed precisio
                 most micro-batch tokens x V/TP x 4 B), its copy in the model dtype for the gradient GEMMs,
                 and grad_hidden's fp32 accumulator (tokens x h x 4 B)
   overhead      CUDA context, NCCL buffers, allocator fragmentation: a fixed allowance (assumed)
+Mixture of experts (model.moe; presets qwen3-30b-a3b, qwen3-235b-a22b): the experts' weights, gradients and reference
+  copy are split over EP x expert-TP (= TP) x PP, and with the distributed optimizer their Adam state over the
+  expert-data-parallel ranks DP / EP; attention, norms, router and embeddings as a dense model's (TP x PP, state
+  over DP). Activations per token: attention and norms as above plus the router's fp32 logits and probabilities
+  (2 x E) and, for each of the k dispatched copies (balanced routing), the expert input and fc2 output (2h, whole)
+  and fc1 + SwiGLU outputs (3F / TP). FLOPs count the active parameters (all but each layer's E - k unrouted
+  experts); a push sends every tensor, all L x E x 3 expert tensors included. The router's share of parameters
+  and FLOPs is reported. The trainer itself refuses EP > 1 today (ParallelConfig.check_training).
 The same accounting with the dtypes and saved tensors of a transformers Llama on CPU is checked against
 the peak RSS of a real forward + backward + Adam step (`validate_on_cpu`, tests/test_capacity.py).
 
@@ -54,7 +62,7 @@ from typing import Literal
 
 from megatron_spo.cli import non_negative_int, positive_int
 from megatron_spo.config import ConfigError, apply_overrides, build_config, read_yaml
-from megatron_spo.models.config import ModelConfig, ParallelConfig, RopeScaling
+from megatron_spo.models.config import ModelConfig, MoEConfig, ParallelConfig, RopeScaling
 from megatron_spo.planning.config import CapacityConfig
 
 GB = 1e9
@@ -69,6 +77,8 @@ _QWEN25 = dict(architecture="qwen2", vocab_size=152064, max_position_embeddings=
                norm_epsilon=1e-6, params_dtype="bfloat16")
 _QWEN3 = dict(architecture="qwen3", vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
               kv_channels=128, norm_epsilon=1e-6, params_dtype="bfloat16")
+_QWEN3_MOE = dict(architecture="qwen3_moe", vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                  kv_channels=128, norm_epsilon=1e-6, params_dtype="bfloat16")
 # 7-8B: TP 2 (one NVLink pair, no bubble); 32B: TP 8 inside one node (DP 8), as the 70B's TP but no PP.
 _TP2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True)
 _TP8 = ParallelConfig(tensor_model_parallel_size=8, sequence_parallel=True, use_distributed_optimizer=True)
@@ -94,6 +104,21 @@ BUILTIN_PRESETS: dict[str, tuple[ModelConfig, ParallelConfig]] = {
                              num_query_groups=8, **_QWEN3), _TP2),
     "qwen3-32b": (ModelConfig(num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64,
                               num_query_groups=8, **_QWEN3), _TP8),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of 768, top-8, in all 48 layers. EP 8 inside a node, no TP (the
+    # trainer needs sequence parallelism for MoE at TP > 1); experts' optimizer state over the 8 expert-DP ranks.
+    "qwen3-30b-a3b": (ModelConfig(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                                  num_query_groups=4, moe=MoEConfig(num_experts=128, router_topk=8, ffn_hidden_size=768),
+                                  **_QWEN3_MOE),
+                      ParallelConfig(expert_model_parallel_size=8, use_distributed_optimizer=True)),
+    # Qwen/Qwen3-235B-A22B: 128 experts of 1536, top-8, 94 layers (= 2 x 47: PP 2 at most without uneven stages).
+    # TP 4 + SP x PP 2 x EP 8 = 64 GPUs per expert replica: at 64 trainer GPUs no expert-DP sharding (does not fit
+    # 80 GB); trainer_gpus=256 shards the experts' Adam state 4 ways.
+    "qwen3-235b-a22b": (ModelConfig(num_layers=94, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=64,
+                                    num_query_groups=4,
+                                    moe=MoEConfig(num_experts=128, router_topk=8, ffn_hidden_size=1536), **_QWEN3_MOE),
+                        ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2,
+                                       expert_model_parallel_size=8, sequence_parallel=True,
+                                       use_distributed_optimizer=True)),
 }
 
 
@@ -153,6 +178,61 @@ class MemoryBreakdown:
 stage_parameters = ModelConfig.stage_parameters  # (model, tp, pp): one GPU of the largest pipeline stage
 
 
+@dataclass(frozen=True)
+class StageParameters:
+    """Parameters on one GPU of the largest pipeline stage, by how megatron-core shards them.
+
+    dense: attention, norms, router, embedding / LM head: over TP x PP, replicated over DP (the whole model for a
+    dense one). experts: routed experts' weights: over EP x expert-TP (= TP) x PP, replicated over the
+    expert-data-parallel ranks (DP / EP)."""
+
+    dense: int
+    experts: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+def moe_stage_parameters(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> StageParameters:
+    """StageParameters of (model, TP, PP, EP); a dense model's are all dense. The router [E, H] is dense
+    (replicated over TP and EP)."""
+    whole = stage_parameters(model, tp, pp)
+    if model.moe is None:
+        return StageParameters(dense=whole)
+    per_expert = 3 * model.hidden_size * model.moe.ffn_hidden_size  # gate, up [F, H], down [H, F]
+    layers = math.ceil(model.num_layers / pp)
+    all_experts = layers * model.moe.num_experts * per_expert // tp
+    return StageParameters(dense=whole - all_experts, experts=layers * (model.moe.num_experts // ep) * per_expert // tp)
+
+
+@dataclass(frozen=True)
+class MoECounts:
+    """Whole-model parameter counts of a mixture-of-experts model (HF names, unpadded vocabulary)."""
+
+    total: int
+    active: int  # what one token's forward touches: all but the (E - k) unrouted experts of each layer
+    experts: int  # every expert's gate / up / down
+    router: int  # L x E x H
+    expert_tensors: int  # pushed expert tensors: L x E x 3
+
+
+def moe_counts(model: ModelConfig) -> MoECounts:
+    moe, h, layers = model.moe, model.hidden_size, model.num_layers
+    if moe is None:
+        raise ConfigError("plan: moe_counts needs a mixture-of-experts model (model.moe is null)")
+    per_expert = 3 * h * moe.ffn_hidden_size
+    total = model.num_parameters()
+    return MoECounts(total=total, active=total - layers * (moe.num_experts - moe.router_topk) * per_expert,
+                     experts=layers * moe.num_experts * per_expert, router=layers * moe.num_experts * h,
+                     expert_tensors=layers * moe.num_experts * 3)
+
+
+def active_parameters(model: ModelConfig) -> int:
+    """Parameters one token's forward multiplies by (the FLOP count's N): all of a dense model's."""
+    return model.num_parameters() if model.moe is None else moe_counts(model).active
+
+
 def lora_parameters(model: ModelConfig, rank: int, tp: int = 1, pp: int = 1) -> int:
     """Adapter parameters on one GPU of the largest pipeline stage (models/lora.py's layout, every target); tp = pp
     = 1: the whole model's."""
@@ -184,6 +264,20 @@ def layer_activation_elements(model: ModelConfig, tp: int, sequence_parallel: bo
     """
     h, f = model.hidden_size, model.ffn_hidden_size
     q, kv = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
+    if model.moe is not None:
+        if implementation != "megatron":
+            raise ConfigError("plan: the transformers activation accounting is a dense Llama's (the CPU check)")
+        k, fe, e = model.moe.router_topk, model.moe.ffn_hidden_size, model.moe.num_experts
+        # the router's logits and probabilities [E] in fp32 (2 x 2 bf16 elements each), on the sequence-parallel rank
+        replicated = 4 * h + 4 * e
+        split = q + 2 * kv + q
+        # each token's k dispatched copies (balanced routing: an expert group receives k x its ranks' tokens and
+        # each GPU holds 1/EP of them): the expert input h (whole: expert-TP splits F) and the fc2 output h kept
+        # for the probability-weighted sum, fc1 output 2F and SwiGLU output F split over expert-TP
+        routed = k * (2 * h + 3 * fe / tp)
+        if sequence_parallel:
+            return (replicated + split) / tp + routed
+        return replicated + split / tp + routed
     if implementation == "megatron":
         replicated = 4 * h  # fused RMSNorms: inputs and outputs (the outputs are the QKV / fc1 GEMM inputs)
         split = q + 2 * kv + q + 2 * f + f
@@ -240,14 +334,19 @@ def logprob_workspace_bytes(model: ModelConfig, shape: CapacityConfig, tp: int, 
 
 def memory_per_gpu(model: ModelConfig, shape: CapacityConfig, parallel: ParallelConfig, *,
                    distributed_optimizer: bool, recompute: str, precision: Precision = MEGATRON_BF16) -> MemoryBreakdown:
+    """Bytes per GPU of the worst pipeline stage. A MoE model's experts are split over EP x TP x PP and their
+    optimizer state (distributed optimizer) over the expert-data-parallel ranks DP / EP; the dense part's over DP."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     dp = parallel.data_parallel_size(shape.trainer_gpus)
-    params = stage_parameters(model, tp, pp)
+    ep = parallel.expert_model_parallel_size
+    split = moe_stage_parameters(model, tp, pp, ep)
+    params = split.total
     adapters = lora_parameters(model, shape.lora_rank, tp, pp) if shape.lora_rank else 0
     trained_params = adapters or params  # what has gradients and optimizer state
-    optimizer = trained_params * precision.optimizer / (dp if distributed_optimizer else 1)
-    trained = params * (precision.weight + precision.grad) + params * precision.optimizer / (
-        dp if distributed_optimizer else 1)
+    # the full model's optimizer-state parameters on this GPU (a critic of the same size has them too)
+    full_state = split.dense / dp + split.experts / (dp // ep) if distributed_optimizer else params
+    optimizer = (adapters / (dp if distributed_optimizer else 1) if adapters else full_state) * precision.optimizer
+    trained = params * (precision.weight + precision.grad) + full_state * precision.optimizer
     return MemoryBreakdown(
         weights=(params + adapters) * precision.weight,
         gradients=trained_params * precision.grad,
@@ -318,13 +417,18 @@ class Throughput:
     weight_sync_share: float  # of wall time, syncing every model_update_interval steps (trainer blocked)
 
 
+def flops_per_parameter(shape: CapacityConfig, recompute: str) -> int:
+    """Training FLOPs per token per (active) parameter: 6 forward + backward (4 with LoRA: no weight gradients of the
+    frozen base), +2 full recompute, +2 reference forward, +6 a critic of the same size."""
+    per = 4 if shape.lora_rank else 6
+    return per + (2 if recompute == "full" else 0) + (2 if shape.reference_model else 0) + (
+        6 if shape.value_model else 0)
+
+
 def throughput(model: ModelConfig, shape: CapacityConfig, recompute: str, sync_s: float) -> Throughput:
-    n = model.num_parameters()
+    n = active_parameters(model)  # a MoE token multiplies by its k experts only (and the whole router)
     tokens = shape.global_batch_size * shape.seq_length
-    train = 4 * n if shape.lora_rank else 6 * n  # LoRA: no weight gradients of the frozen base
-    per_token = train + (2 * n if recompute == "full" else 0) + (2 * n if shape.reference_model else 0)
-    if shape.value_model:
-        per_token += 6 * n
+    per_token = flops_per_parameter(shape, recompute) * n
     per_token += 6 * model.num_layers * shape.seq_length * model.hidden_size  # causal attention, fwd + bwd
     flops = per_token * tokens
     step_s = flops / (shape.trainer_gpus * shape.achieved_tflops_per_gpu * 1e12)
@@ -347,6 +451,22 @@ def scenario_name(distributed: bool, recompute: str) -> str:
     return f"{'dist-opt' if distributed else 'plain opt'}, {'full recompute' if recompute == 'full' else 'no recompute'}"
 
 
+def moe_summary(model: ModelConfig, shape: CapacityConfig) -> dict | None:
+    """A MoE model's counts for the plan: total / active / expert / router parameters, the router's share of the
+    parameters and of the per-token training FLOPs (flops_per_parameter x router / the step's FLOPs per token),
+    pushed expert tensors; None for a dense model."""
+    if model.moe is None:
+        return None
+    c = moe_counts(model)
+    flops_per_token = throughput(model, shape, shape.recompute, 0.0).flops_per_step / (
+        shape.global_batch_size * shape.seq_length)
+    router_flops = flops_per_parameter(shape, shape.recompute) * c.router
+    return {"num_experts": model.moe.num_experts, "router_topk": model.moe.router_topk,
+            "active_parameters": c.active, "expert_parameters": c.experts, "router_parameters": c.router,
+            "router_share_of_parameters": c.router / c.total, "router_share_of_flops": router_flops / flops_per_token,
+            "expert_tensors": c.expert_tensors}
+
+
 def make_plan(model: ModelConfig, parallel: ParallelConfig, shape: CapacityConfig) -> dict:
     parallel.check(model, shape.trainer_gpus)
     sync = weight_sync(model, shape)
@@ -358,13 +478,15 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig, shape: CapacityConfi
     tput = throughput(model, shape, chosen_recompute, sync.overlapped_s)
     bucket_sweep = {} if shape.lora_rank else {mb: weight_sync(model, shape, mb).overlapped_over_floor
                                                 for mb in (64, 128, 256, 512, 1024, 2048)}
+    dp, ep = parallel.data_parallel_size(shape.trainer_gpus), parallel.expert_model_parallel_size
     return {
         "model": {"parameters": model.num_parameters(), "layers": model.num_layers, "hidden": model.hidden_size,
                   "vocab": model.vocab_size,
-                  "lora_parameters": lora_parameters(model, shape.lora_rank) if shape.lora_rank else 0},
+                  "lora_parameters": lora_parameters(model, shape.lora_rank) if shape.lora_rank else 0,
+                  "moe": moe_summary(model, shape)},
         "layout": {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
                    "vpp": parallel.virtual_pipeline_model_parallel_size or 1,
-                   "dp": parallel.data_parallel_size(shape.trainer_gpus),
+                   "dp": dp, "ep": ep, "expert_dp": dp // ep,
                    "sequence_parallel": parallel.sequence_parallel,
                    "microbatches": num_microbatches(shape, parallel)},
         "shape": shape.model_dump(),
@@ -373,6 +495,9 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig, shape: CapacityConfi
                         "overlapped_over_floor": sync.overlapped_over_floor,
                         "overlapped_over_floor_by_bucket_mb": bucket_sweep},
         "throughput": asdict(tput),
+        "notes": [] if ep == 1 else [
+            f"the trainer refuses expert_model_parallel_size {ep} today (ParallelConfig.check_training: lockstep "
+            "micro-batches over each expert group are not built); this plan prices the layout megatron-core runs"],
     }
 
 
@@ -384,6 +509,7 @@ def print_plan(plan: dict, title: str) -> None:
     lay, shape = plan["layout"], plan["shape"]
     console.print(f"[bold]{title}[/bold]: {plan['model']['parameters'] / 1e9:.2f}B params; trainer "
                   f"{shape['trainer_gpus']} GPUs = TP {lay['tp']} x PP {lay['pp']} (VPP {lay['vpp']}) x DP {lay['dp']}"
+                  f"{'' if lay['ep'] == 1 else ' (EP ' + str(lay['ep']) + ', expert-DP ' + str(lay['expert_dp']) + ')'}"
                   f"{', sequence parallel' if lay['sequence_parallel'] else ''}; micro-batch "
                   f"{shape['micro_batch_size']} x seq {shape['seq_length']}, global batch {shape['global_batch_size']} "
                   f"({lay['microbatches']} micro-batches per DP rank)")
@@ -397,6 +523,17 @@ def print_plan(plan: dict, title: str) -> None:
         mem.add_row(row, *[f"{v[row]:.1f}" for v in plan["memory_gb"].values()])
     mem.add_row("fits", *["[green]yes[/green]" if v["fits"] else "[red]no[/red]" for v in plan["memory_gb"].values()])
     console.print(mem)
+    moe = plan["model"].get("moe")
+    if moe:
+        console.print(f"MoE: {moe['num_experts']} experts, top-{moe['router_topk']}; "
+                      f"{moe['active_parameters'] / 1e9:.2f}B active of {plan['model']['parameters'] / 1e9:.2f}B "
+                      f"(experts {moe['expert_parameters'] / 1e9:.2f}B over EP {lay['ep']} x TP {lay['tp']} x PP "
+                      f"{lay['pp']}, their optimizer state over expert-DP {lay['expert_dp']}); router "
+                      f"{moe['router_parameters'] / 1e6:.1f}M = {moe['router_share_of_parameters']:.3%} of the "
+                      f"parameters, {moe['router_share_of_flops']:.2%} of the training FLOPs; the push carries all "
+                      f"{moe['expert_tensors']} expert tensors")
+    for note in plan.get("notes", []):
+        console.print(f"[yellow]note[/yellow]: {note}")
 
     ws = plan["weight_sync"]
     if shape["lora_rank"]:
