@@ -51,6 +51,10 @@ NEWEST_MEGATRON = {
     "tests/test_bf16_training.py::test_bf16_policy_parameters": "bf16 parameters with fp32 main params",
     "tests/test_gpu_check.py::test_megatron_parity": "the GPU check's megatron parity at tiny size",
     "tests/test_deferred_compile.py": "the torch.compile sites megatron-core applies at import",
+    "tests/test_moe.py::test_matches_transformers_in_every_layout": "megatron-core's MoE layers (router, sequential "
+                                                                   "experts, token dispatcher) at TP, PP and EP",
+    "tests/test_moe.py::test_routing_replay_forces": "RouterReplay (0.16's new module), forward and backward",
+    "tests/test_moe.py::test_spo_step_replays": "the trainer's step replaying a trajectory's routes",
 }
 
 # Test files by measured cost (wall seconds on 2 cores), the dearest first: pytest-xdist (--dist loadgroup, one group
@@ -59,9 +63,9 @@ NEWEST_MEGATRON = {
 DEAREST_FIRST = (
     "test_slurm_trainer.py", "test_trainer.py", "test_slurm_flow.py", "test_check_conversion.py", "test_spo_drift.py",
     "test_slurm.py", "test_arch_families.py", "test_quickstart.py", "test_algorithms_tabular.py", "test_models.py",
-    "test_rollout_fleet.py", "test_trainer_resume.py", "test_q0_pts_eval.py", "test_lora.py",
+    "test_moe.py", "test_rollout_fleet.py", "test_trainer_resume.py", "test_q0_pts_eval.py", "test_lora.py",
     "test_convert_trainer_ckpt.py", "test_faults.py", "test_checkpoint_digest.py", "test_async_baselines.py",
-    "test_resume_config.py", "test_gpu_check.py", "test_archive.py", "test_extensions.py",
+    "test_resume_config.py", "test_gpu_check.py", "test_archive.py", "test_extensions.py", "test_lora_push.py",
 )
 
 
