@@ -220,6 +220,12 @@ def test_study_data_arms_and_the_quickstart_data_source():
     t1 = train_config(cfg1, w, w / "ref", w / "init", ends, w / "q0.jsonl", w / "offline.jsonl",
                       data_path=w / "data.jsonl")
     assert t1.sources["data"].transform_specs("data") == [("coefficient_clip", {"limit": 1.0})]
+    cfg2 = build_config(QuickstartConfig, {"offline_data": ["/d"], "train": {"loss": "cross_entropy"},
+                                           "offline_data_loss": "squared"}, "quickstart")
+    t2 = train_config(cfg2, w, w / "ref", w / "init", ends, w / "q0.jsonl", w / "offline.jsonl",
+                      data_path=w / "data.jsonl")
+    assert {k: s.loss for k, s in t2.sources.items()} == {"online": "cross_entropy", "offline": "cross_entropy",
+                                                           "data": "squared"}
     cfg0 = build_config(QuickstartConfig, {"offline_data": ["/d"], "offline_data_fraction": 0.0}, "quickstart")
     t0 = train_config(cfg0, w, w / "ref", w / "init", ends, w / "q0.jsonl", w / "offline.jsonl",
                       data_path=w / "data.jsonl")

@@ -137,6 +137,9 @@ class QuickstartConfig(StrictModel):
                                     "the SFT stage's data (sft.steps)")
     offline_data_fraction: float = Field(0.25, ge=0, lt=1, description="share of each SPO batch from "
                                          "`offline_data` (taken out of the offline share)")
+    offline_data_loss: LossName | None = Field(None, description="the `offline_data` source's SPO loss (unset: "
+                                               "train.loss). squared under a cross-entropy arm: on expert text "
+                                               "the cross-entropy loss overshoots to Q_T > 0 (docs/offpolicy-data.md)")
     offline_data_max_coefficient: float | None = Field(None, gt=0, description="the `offline_data` source's "
                                                        "max_coefficient (SPO: its loss coefficients clipped to "
                                                        "+-this; docs/offpolicy-data.md). Unset: off")
@@ -286,7 +289,8 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         if data_path is not None and cfg.offline_data_fraction > 0:  # other data (expert, another policy, exploration) as a source of its own
             share = min(cfg.offline_data_fraction, sources["offline"]["weight"])
             sources["offline"]["weight"] -= share
-            sources["data"] = {"weight": share, "path": str(data_path), "objective": t.objective, "loss": t.loss,
+            sources["data"] = {"weight": share, "path": str(data_path), "objective": t.objective,
+                               "loss": cfg.offline_data_loss or t.loss,
                                "max_coefficient": cfg.offline_data_max_coefficient}
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
         sources = {"online": {"weight": 1.0, **online}}
