@@ -387,21 +387,62 @@ def test_routes_that_cannot_be_the_models_stop_the_step_in_one_line(hf_dir):
                                "5 tokens went through the model")
 
 
-def test_the_offline_store_says_it_does_not_keep_routes(tmp_path, caplog):
+def test_the_offline_store_and_the_archive_keep_routes_bit_exactly(tmp_path):
+    """routed_experts survive the offline store and the experience archive: the same int32 ids and base64, rows
+    without routes beside them; ids stored in the smallest dtype (uint8 for < 256 experts, int32 for a negative
+    one); a store without routes stays version 2; a shard whose ids do not fill the row is refused naming the row
+    and field."""
+    import json
+
     import numpy as np
 
-    from megatron_spo.data.offline_store import iter_records, write_store
+    from megatron_spo.data.archive import ExperienceArchive
+    from megatron_spo.data.offline_store import OfflineStore, StoreError, iter_records, write_store
     from megatron_spo.data.routes import RoutedExperts
-    from megatron_spo.data.trajectory import Trajectory
+    from megatron_spo.data.trajectory import RecordError, Trajectory
 
-    record = Trajectory(prompt_id="p", prompt_tokens=[1, 2], response_tokens=[3], reward=0.0, source="online",
-                        policy_version=0, routed_experts=RoutedExperts.from_array(np.array([[[0, 1]], [[2, 3]]])))
-    with caplog.at_level("WARNING", logger="megatron_spo.data.offline_store"):
-        write_store([record], tmp_path / "store")
-    assert "the routed_experts of 1 record(s) are not stored (offline trajectories train with the policy's own " \
-           "routing)" in caplog.text
-    (back,) = list(iter_records(tmp_path / "store"))
-    assert back.routed_experts is None and back.response_tokens == [3]
+    rng = np.random.default_rng(0)
+
+    def traj(i, routes):
+        return Trajectory(prompt_id=f"p{i}", prompt_tokens=[1, 2, 3], response_tokens=[4, 5][: 1 + i % 2],
+                          reward=float(i), source="online", policy_version=i,
+                          routed_experts=None if routes is None else RoutedExperts.from_array(routes))
+
+    ids = [rng.permuted(np.tile(np.arange(6), (3 + i % 2, 2, 1)), axis=-1)[..., :2] for i in range(5)]
+    records = [traj(i, None if i == 2 else ids[i]) for i in range(5)]
+    write_store(records, tmp_path / "s", rows_per_shard=3)
+    for back in (OfflineStore(tmp_path / "s").trajectories(), list(iter_records(tmp_path / "s")),
+                 [OfflineStore(tmp_path / "s").record(i) for i in range(5)]):
+        assert [r.routed_experts for r in back] == [r.routed_experts for r in records]  # b64 strings equal
+        assert all(np.array_equal(b.routed_experts.array(), ids[i]) for i, b in enumerate(back) if i != 2)
+    assert np.load(tmp_path / "s" / "shard-00000" / "routes.npy").dtype == np.uint8
+    assert json.loads((tmp_path / "s" / "index.json").read_text())["version"] == 3
+
+    wide = RoutedExperts.from_array(np.array([[[-1, 300]], [[7, 70000]], [[0, 1]]]))
+    write_store([traj(1, None), traj(0, wide.array())], tmp_path / "w")
+    assert [r.routed_experts for r in iter_records(tmp_path / "w")] == [None, wide]
+    with pytest.raises(StoreError) as err:  # 3 routed positions, prompt + response - 1 = 4
+        write_store([traj(1, wide.array())], tmp_path / "bad")
+    assert str(err.value) == ("offline store: record 0 (prompt_id 'p1'): field 'routed_experts': routes for 3 tokens, "
+                              "but prompt + response - 1 = 4 tokens went through the model")
+    assert np.load(tmp_path / "w" / "shard-00000" / "routes.npy").dtype == np.int32
+    write_store([traj(0, None)], tmp_path / "dense")
+    assert json.loads((tmp_path / "dense" / "index.json").read_text())["version"] == 2
+    assert not (tmp_path / "dense" / "shard-00000" / "routes.npy").exists()
+
+    archive = ExperienceArchive(tmp_path / "exp", run_id="r1", model="m")
+    archive.add(records)
+    archive.close()
+    assert [r.routed_experts for r in iter_records(tmp_path / "exp")] == [r.routed_experts for r in records]
+
+    shard = tmp_path / "s" / "shard-00000"
+    shape = np.load(shard / "routes_shape.npy")
+    shape[1] = (3, 2)  # row 1 claims 3 layers: its ids fill 2
+    np.save(shard / "routes_shape.npy", shape)
+    with pytest.raises(RecordError) as info:
+        OfflineStore(tmp_path / "s", verify=False)
+    assert str(info.value) == (f"{shard} row 1: field 'routed_experts': the expert ids do not fill prompt + response - 1 "
+                               "tokens x layers x top_k")
 
 
 def test_sglangs_qwen3_moe_loads_every_pushed_expert(hf_dir):

@@ -5,7 +5,8 @@
     archive.flush()                # at each checkpoint: what is flushed survives any crash
     archive.close()
 
-Each record keeps its reward, policy version, behaviour log-probs and Q0, with provenance kind "online", the
+Each record keeps its reward, policy version, behaviour log-probs, Q0 and the engine's routed experts (a MoE
+policy's routes: a later run that reads the archive replays them), with provenance kind "online", the
 run id, the producing model, the sampling temperature / top-p and the time it was archived. The store's own
 writer makes it crash-safe: a shard is written to a temporary folder, fsynced, renamed and only then listed
 in the index, so a killed run leaves a readable store whose index lists only complete shards (an interrupted
@@ -40,7 +41,8 @@ class ExperienceArchive:
                           response_tokens=list(t.response_tokens), reward=float(t.reward), source="online",
                           policy_version=int(t.policy_version),
                           behaviour_logprobs=None if t.behaviour_logprobs is None else list(t.behaviour_logprobs),
-                          q0=getattr(t, "q0", None), provenance=provenance)
+                          q0=getattr(t, "q0", None), provenance=provenance,
+                          routed_experts=getattr(t, "routed_experts", None))
 
     def add(self, trajectories: Iterable) -> None:
         for t in trajectories:

@@ -16,6 +16,15 @@ Layout of a store folder:
         temperature.npy, top_p.npy, created.npy float64 (NaN = unknown)          [version 2 shards]
         strings.json      {"prompt_id": [...], "source": [...],
                            "provenance": [{kind, model?, run_id?, origin?}, ...]}  [version 2 shards]
+        routes.npy        every routed row's expert ids [prompt + response - 1, layers, top_k] flattened, in the
+                          smallest of uint8 / uint16 / int32 that holds the shard's ids (4x smaller than the
+                          engine's int32 for up to 256 experts), routes_offsets.npy int64 [rows + 1],
+                          routes_shape.npy int32 [rows, 2] = (layers, top_k), (0, 0) = no routes  [version 3 shards]
+
+A shard holds the route columns (version 3) only when one of its records carries routed_experts (rollout
+routing replay, data/routes.py): a store of dense-model trajectories stays version 2. Routes read back
+bit-exactly (the same int32 ids, the same base64) and are checked on read like a trajectory file's: a row whose
+ids do not fill prompt + response - 1 tokens x layers x top_k is invalid, naming the row and field.
 
 Version 1 (before provenance) shards have neither the provenance columns nor the "provenance" strings;
 they still read (provenance None) and may share a store with version 2 shards: an append to a version 1
@@ -46,6 +55,7 @@ import numpy as np
 
 from megatron_spo.checkpoint_digest import SKIP_HINT, digest_files, verify_enabled
 from megatron_spo.config import DuplicateKeyError, loads_json
+from megatron_spo.data.routes import RoutedExperts
 from megatron_spo.data.trajectory import (
     LOGPROB_SLACK,
     PROVENANCE_NUMBERS,
@@ -61,8 +71,9 @@ from megatron_spo.fsutil import fsync_path, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-FORMAT, VERSION = "megatron-spo-offline-store", 2
-READABLE_VERSIONS = (1, 2)
+FORMAT, VERSION = "megatron-spo-offline-store", 3
+BASE_VERSION = 2  # what a shard without routes is written as (readable by code before version 3)
+READABLE_VERSIONS = (1, 2, 3)
 INDEX = "index.json"
 STRINGS = "strings.json"
 # column -> dtype; "<name>_offsets" columns index the variable-length ones
@@ -76,7 +87,10 @@ COLUMNS_V1 = {
 PROVENANCE_COLUMNS = {"provenance_id": np.int32, "temperature": np.float64, "top_p": np.float64,
                       "created": np.float64}
 COLUMNS = {**COLUMNS_V1, **PROVENANCE_COLUMNS}
+ROUTE_FILES = {"routes.npy", "routes_offsets.npy", "routes_shape.npy"}
+ROUTE_DTYPES = (np.uint8, np.uint16, np.int32)  # routes.npy: the smallest holding the shard's ids
 SHARD_FILES = {1: {f"{c}.npy" for c in COLUMNS_V1} | {STRINGS}, 2: {f"{c}.npy" for c in COLUMNS} | {STRINGS}}
+SHARD_FILES[3] = SHARD_FILES[2] | ROUTE_FILES
 RAGGED = {"prompt_tokens": "prompt_offsets", "response_tokens": "response_offsets",
           "behaviour_logprobs": "behaviour_offsets", "mc_t": "mc_offsets", "mc_p": "mc_offsets"}
 PER_ROW = ("has_behaviour", "reward", "policy_version", "q0", "has_mc")
@@ -125,6 +139,28 @@ def _columns(records: list[Trajectory]) -> tuple[dict[str, np.ndarray], list[dic
     return {name: cols[name].astype(dtype, copy=False) for name, dtype in COLUMNS.items()}, provenance
 
 
+def _route_columns(records: list[Trajectory], first: int = 0) -> dict[str, np.ndarray] | None:
+    """routes / routes_offsets / routes_shape of a shard (module docstring), None when no record has routes;
+    ``first``: the writer's number of the first record (for errors)."""
+    routes = [getattr(r, "routed_experts", None) for r in records]
+    if all(x is None for x in routes):
+        return None
+    for i, (r, x) in enumerate(zip(records, routes)):
+        positions = len(r.prompt_tokens) + len(r.response_tokens) - 1
+        if x is not None and x.tokens != positions:
+            raise StoreError(f"offline store: record {first + i} (prompt_id {r.prompt_id!r}): field 'routed_experts': routes "
+                             f"for {x.tokens} tokens, but prompt + response - 1 = {positions} tokens went through the "
+                             "model")
+    arrays = [np.zeros(0, np.int32) if x is None else x.array().reshape(-1) for x in routes]
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    np.cumsum([a.size for a in arrays], out=offsets[1:])
+    flat = np.concatenate(arrays)
+    low, high = (int(flat.min()), int(flat.max())) if flat.size else (0, 0)
+    dtype = next(d for d in ROUTE_DTYPES if np.iinfo(d).min <= low and high <= np.iinfo(d).max)
+    shape = np.array([(0, 0) if x is None else (x.layers, x.top_k) for x in routes], dtype=np.int32).reshape(-1, 2)
+    return {"routes": flat.astype(dtype), "routes_offsets": offsets, "routes_shape": shape}
+
+
 class StoreError(ValueError):
     """A store that cannot be written or read as asked (a path that is a file, a bad setting); one line."""
 
@@ -141,7 +177,7 @@ class OfflineStoreWriter:
         self.rows_per_shard = rows_per_shard
         self.path.mkdir(parents=True, exist_ok=True)
         self.index = _read_index(self.path) if (self.path / INDEX).exists() else {
-            "format": FORMAT, "version": VERSION, "shards": []}
+            "format": FORMAT, "version": BASE_VERSION, "shards": []}
         self.buffer: list[Trajectory] = []
         self.written = 0
 
@@ -160,10 +196,9 @@ class OfflineStoreWriter:
         while (self.path / name).exists():  # a leftover of an interrupted write: never overwrite it
             name += "x"
         columns, provenance = _columns(self.buffer)  # before any file: a record that cannot be stored leaves none
-        routed = sum(getattr(r, "routed_experts", None) is not None for r in self.buffer)
-        if routed:  # no column for them yet: said, not dropped silently
-            logger.warning("offline store %s: the routed_experts of %d record(s) are not stored (offline "
-                           "trajectories train with the policy's own routing)", self.path, routed)
+        routes = _route_columns(self.buffer, self.written)
+        if routes is not None:
+            columns = {**columns, **routes}
         tmp = self.path / f".{name}.{uuid.uuid4().hex}.tmp"
         tmp.mkdir()
         try:
@@ -173,7 +208,8 @@ class OfflineStoreWriter:
             raise
         os.rename(tmp, self.path / name)
         fsync_path(self.path)
-        self.index["version"] = VERSION  # a version 1 store with a version 2 shard reads only with this code
+        # a version 1 store with a version 2 shard (or any with a version 3 one) reads only with this code
+        self.index["version"] = max(self.index["version"], VERSION if routes is not None else BASE_VERSION)
         self.index["shards"].append({"name": name, "rows": len(self.buffer), "files": files})
         _write_json_atomic(self.path / INDEX, self.index)
         self.written += len(self.buffer)
@@ -270,7 +306,8 @@ class _Shard:
             if digest != files[file]:
                 raise RecordError(where, file, f"checksum mismatch (expected sha256 {str(files[file])[:16]}, found "
                                   f"{digest[:16]}): the file is corrupt or was edited; {SKIP_HINT}")
-        names = COLUMNS if self.version >= 2 else COLUMNS_V1
+        names = [*(COLUMNS if self.version >= 2 else COLUMNS_V1), *(
+            f.removesuffix(".npy") for f in sorted(ROUTE_FILES) if self.version >= 3)]
         self.cols = {}
         for c in names:
             try:
@@ -294,6 +331,10 @@ class _Shard:
             self.cols["provenance_id"] = np.full(self.rows, -1, dtype=np.int32)
             for name in PROVENANCE_NUMBERS:
                 self.cols[name] = np.full(self.rows, np.nan)
+        if self.version < 3:  # no routes: every row routes itself
+            self.cols["routes"] = np.zeros(0, dtype=np.int32)
+            self.cols["routes_offsets"] = np.zeros(self.rows + 1, dtype=np.int64)
+            self.cols["routes_shape"] = np.zeros((self.rows, 2), dtype=np.int32)
         self._check_shapes(where)
 
     def _check_shapes(self, where: str) -> None:
@@ -312,7 +353,13 @@ class _Shard:
                                   f"{type(pid).__name__}")
             if not isinstance(source, str) or not source:
                 raise RecordError(where, STRINGS, f"row {row}: source must be a non-empty string")
-        for values, offsets in RAGGED.items():
+        if self.cols["routes"].dtype not in ROUTE_DTYPES or self.cols["routes"].ndim != 1:
+            raise RecordError(where, "routes.npy", "expected a 1-d uint8, uint16 or int32 array")
+        if self.cols["routes_offsets"].dtype != np.int64 or self.cols["routes_offsets"].ndim != 1:
+            raise RecordError(where, "routes_offsets.npy", "expected a 1-d int64 array")
+        if self.cols["routes_shape"].dtype != np.int32 or self.cols["routes_shape"].shape != (self.rows, 2):
+            raise RecordError(where, "routes_shape.npy", f"expected an int32 array [{self.rows}, 2] (layers, top_k)")
+        for values, offsets in {**RAGGED, "routes": "routes_offsets"}.items():
             off = self.cols[offsets]
             if len(off) != self.rows + 1 or off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != len(self.cols[values]):
                 raise RecordError(where, f"{offsets}.npy", f"offsets do not index {values}.npy")
@@ -342,6 +389,7 @@ class _Shard:
         def known(x: float) -> float | None:
             return None if math.isnan(x) else x
 
+        routed = self.cols["routes_shape"][:, 0] > 0
         for r in range(self.rows) if rows is None else rows:
             q0, k = per_row["q0"][r], ids[r]
             provenance = None
@@ -361,11 +409,19 @@ class _Shard:
                 q0=None if math.isnan(q0) else q0,
                 mc_targets=[{"t": t, "success_prob": p} for t, p in zip(cut("mc_t", r), cut("mc_p", r))]
                 if per_row["has_mc"][r] else None,
-                provenance=provenance,
+                provenance=provenance, routed_experts=self.routes(r) if routed[r] else None,
             )
 
+    def routes(self, row: int) -> RoutedExperts | None:
+        """The row's routed_experts (int32 ids [prompt + response - 1, layers, top_k]), None if it has none."""
+        layers, top_k = (int(x) for x in self.cols["routes_shape"][row])
+        if layers == 0:
+            return None
+        ids = self.slice("routes", row).astype(np.int32)
+        return RoutedExperts.from_array(ids.reshape(-1, layers, top_k))
+
     def slice(self, name: str, row: int) -> np.ndarray:
-        off = self.cols[RAGGED[name]]
+        off = self.cols[RAGGED.get(name, "routes_offsets")]
         return self.cols[name][off[row] : off[row + 1]]
 
     def invalid_rows(self) -> list[tuple[int, str, str]]:
@@ -398,6 +454,15 @@ class _Shard:
         resp_len_per_mc = np.repeat(lengths["response_tokens"], np.diff(c["mc_offsets"]))
         flag(per_row("mc_t", (c["mc_t"] < 0) | (c["mc_t"] >= resp_len_per_mc)), "mc_targets", "t outside the response")
         flag(per_row("mc_p", ~((c["mc_p"] >= 0) & (c["mc_p"] <= 1))), "mc_targets", "success_prob not in [0, 1]")
+        shape = c["routes_shape"]
+        has_r = (shape[:, 0] > 0) | (shape[:, 1] > 0)
+        flag(has_r & ((shape[:, 0] <= 0) | (shape[:, 1] <= 0)), "routed_experts",
+             "layers and top_k must be positive integers")
+        positions = np.maximum(lengths["prompt_tokens"] + lengths["response_tokens"] - 1, 0)
+        n_ids = np.diff(c["routes_offsets"])
+        flag(has_r & (n_ids != positions * shape[:, 0].astype(np.int64) * shape[:, 1]), "routed_experts",
+             "the expert ids do not fill prompt + response - 1 tokens x layers x top_k")
+        flag(~has_r & (n_ids != 0), "routed_experts", "expert ids without a shape (routes_shape 0, 0)")
         pid = c["provenance_id"]
         flag((pid < -1) | (pid >= len(self.provenance_table)), "provenance", "provenance_id is not an entry of "
              f"the shard's table ({len(self.provenance_table)} entries)")
@@ -502,6 +567,7 @@ class OfflineStore:
             source=shard.sources[r], policy_version=int(c["policy_version"][r]),
             behaviour_logprobs=shard.slice("behaviour_logprobs", r).tolist() if c["has_behaviour"][r] else None,
             q0=None if np.isnan(q0) else q0, mc_targets=mc, provenance=shard.provenance(r),
+            routed_experts=shard.routes(r),
         )
 
     def trajectories(self) -> list[Trajectory]:
