@@ -406,6 +406,23 @@ def adapter_sync(model: ModelConfig, shape: CapacityConfig) -> WeightSync:
     return WeightSync(bytes=total, buckets=1, floor_s=total / bandwidth, sequential_s=seconds, overlapped_s=seconds)
 
 
+PATH_BODY_BYTES = 128  # {"lora_name": "policy-v12-ab12cd34", "lora_path": "<run dir>/lora_push/...", "pinned": false}
+
+
+def adapter_path_sync(model: ModelConfig, shape: CapacityConfig) -> dict:
+    """A LoRA push by path (lora.transport=path): trainer rank 0 writes the bf16 adapter once (safetensors, no
+    base64) to the filesystem it shares with the engines and sends each engine GPU's server a JSON body of about
+    PATH_BODY_BYTES (counted per engine GPU, an upper bound); every engine GPU reads the file itself. Seconds: the
+    write through rank 0's link, then the reads, each engine GPU at its own link's rate (a filesystem that serves
+    worker_gpus readers at once; a slower one makes the reads the bound), plus one fixed cost."""
+    adapter = lora_push_parameters(model, shape.lora_rank) * 2
+    effective = shape.weight_sync_bandwidth_gbps * 1e9 / 8 * shape.weight_sync_efficiency
+    return {"bytes_written": adapter, "bytes_read": shape.worker_gpus * adapter,
+            "http_bytes": shape.worker_gpus * PATH_BODY_BYTES,
+            "rank0_bytes": adapter + shape.worker_gpus * PATH_BODY_BYTES,
+            "seconds": shape.weight_sync_bucket_latency_ms / 1e3 + 2 * adapter / effective}
+
+
 @dataclass
 class Throughput:
     flops_per_step: float
@@ -493,7 +510,8 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig, shape: CapacityConfi
         "memory_gb": memory,
         "weight_sync": {**asdict(sync), "sequential_over_floor": sync.sequential_over_floor,
                         "overlapped_over_floor": sync.overlapped_over_floor,
-                        "overlapped_over_floor_by_bucket_mb": bucket_sweep},
+                        "overlapped_over_floor_by_bucket_mb": bucket_sweep,
+                        **({"by_path": adapter_path_sync(model, shape)} if shape.lora_rank else {})},
         "throughput": asdict(tput),
         "notes": [] if ep == 1 else [
             f"the trainer refuses expert_model_parallel_size {ep} today (ParallelConfig.check_training: lockstep "
@@ -541,6 +559,12 @@ def print_plan(plan: dict, title: str) -> None:
                       f"parameters; a push sends {ws['bytes'] / GB:.2f} GB from trainer rank 0 (bf16 base64, a copy "
                       f"per engine GPU) at {shape['weight_sync_bandwidth_gbps']:.0f} Gb/s: {ws['sequential_s']:.2f} s, "
                       "no pause")
+        path = ws["by_path"]
+        console.print(f"  by path (lora.transport=path, a shared filesystem): rank 0 writes the adapter once, "
+                      f"{path['bytes_written'] / GB:.3f} GB, and sends {path['http_bytes'] / 1e3:.1f} kB of JSON; "
+                      f"{shape['worker_gpus']} engine GPUs read it ({path['bytes_read'] / GB:.2f} GB from the "
+                      f"filesystem): {path['seconds']:.2f} s; {ws['bytes'] / path['rank0_bytes']:.0f}x less from "
+                      "rank 0")
     else:
         print_sync_table(console, ws, shape)
     print_throughput(console, plan, shape)
