@@ -4,6 +4,7 @@ weights would, versioned names without a window, and bad input refused in one li
 
 import asyncio
 import json
+import math
 
 import pytest
 import torch
@@ -463,3 +464,249 @@ def test_the_push_order_through_sglangs_own_lora_control_flow(peft, model_cfg):
     assert events == [("LoadLoRAAdapterFromTensorsReqInput", "policy-v1-a"),
                       ("LoadLoRAAdapterFromTensorsReqInput", "policy-v2-b"), ("request on v1 ends", None),
                       ("UnloadLoRAAdapterReqInput", "policy-v1-a")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapter pushes by path (lora.transport=path): written once to a shared directory, /load_lora_adapter
+# ---------------------------------------------------------------------------------------------
+PATH_FILES = ["adapter_config.json", "adapter_model.safetensors", "digests.json"]
+
+
+def test_a_path_push_body_and_directory_pass_sglangs_own_code(peft, model_cfg, tmp_path):
+    """The pushed directory through SGLang's LoRAConfig (what its LoRAManager reads from lora_path) and the
+    /load_lora_adapter body through its FastAPI parse into LoadLoRAAdapterReqInput, then its TokenizerControlMixin
+    load_lora_adapter / unload_lora_adapter with its LoRARegistry (the backend: LoRAConfig on obj.lora_path, the
+    weights read back): v1 and v2 side by side, v1 unloaded after."""
+    sgl = pytest.importorskip("sglang_source")
+    if not sgl.sglang_available():
+        pytest.skip("sglang source not installed")
+    from safetensors.torch import load_file
+
+    from megatron_spo.models.lora import write_peft_dir
+    from megatron_spo.rollout.protocol import LoadLoraAdapterRequest
+
+    config = ap.push_config_dict(LORA, model_cfg, "/models/base")
+    dirs = {v: write_peft_dir(tmp_path / f"policy-v{v}-ab", peft[v - 1], config) for v in (1, 2)}
+    assert sorted(p.name for p in dirs[1].iterdir()) == PATH_FILES  # one *.safetensors: DefaultModelLoader's glob
+    assert not list(tmp_path.glob("*.partial"))
+    namespace = {"json": json, "os": __import__("os"), "Dict": dict, "Optional": __import__("typing").Optional,
+                 "logger": __import__("logging").getLogger("sglang-lora"),
+                 "snapshot_download": lambda *a, **k: pytest.fail("a shared directory is read, not downloaded")}
+    lora_config = sgl.compile_definitions(sgl.sglang_root() + "/srt/lora/lora_config.py", ["LoRAConfig"],
+                                          namespace)["LoRAConfig"]
+    read = lora_config(str(dirs[1]), base_vocab_size=VOCAB)
+    assert (read.r, read.lora_alpha, read.target_modules, read.use_dora, read.lora_added_tokens_size) == (
+        4, 16.0, MODULES, False, 0)
+    assert read.hf_config == config
+    io = sgl.io_struct()
+    req = sgl.parse_http_body(io.LoadLoRAAdapterReqInput,
+                              LoadLoraAdapterRequest(lora_name="policy-v1-ab", lora_path=str(dirs[1])).to_json())
+    assert (req.lora_name, req.lora_path, req.pinned, req.lora_id) == ("policy-v1-ab", str(dirs[1]), False, None)
+
+    rc = sgl.runtime_context()
+    with sgl.sglang_imports(), rc.get_context().override_server_args(), \
+            rc.get_lora().override(enable_lora=True, max_loaded_loras=None), rc.get_parallel().override(dp_size=1):
+        mixin = sgl.load_module("sglang.srt.managers.tokenizer_control_mixin").TokenizerControlMixin
+        registry_cls = sgl.load_module("sglang.srt.lora.lora_registry").LoRARegistry
+        events, backend = [], {}
+
+        async def communicator(obj):  # each TP worker: LoRAConfig(lora_path) + the directory's weights
+            if isinstance(obj, io.LoadLoRAAdapterReqInput):
+                for _rank in range(2):
+                    assert lora_config(obj.lora_path).r == 4
+                    tensors = load_file(f"{obj.lora_path}/adapter_model.safetensors")
+                    version = int(obj.lora_name[len("policy-v")])
+                    assert all(torch.equal(tensors[k], peft[version - 1][k]) for k in peft[0])
+                backend[obj.lora_name] = obj.lora_path
+            else:
+                backend.pop(obj.lora_name)
+            events.append((type(obj).__name__, obj.lora_name))
+            return [io.LoRAUpdateOutput(success=True, loaded_adapters=dict(backend))] * 2
+
+        shell = type("Shell", (), {n: getattr(mixin, n) for n in (
+            "load_lora_adapter", "unload_lora_adapter", "_unload_lora_adapter_locked")})()
+        shell.auto_create_handle_loop = lambda: None
+        shell.update_lora_adapter_communicator = communicator
+
+        async def go():
+            shell.lora_update_lock, shell.pending_lora_unloads, shell.lora_ref_cache = asyncio.Lock(), {}, {}
+            shell.lora_registry = registry = registry_cls()
+            out = []
+            for v in (1, 2):
+                out.append(await shell.load_lora_adapter(sgl.parse_http_body(io.LoadLoRAAdapterReqInput,
+                           LoadLoraAdapterRequest(lora_name=f"policy-v{v}-ab", lora_path=str(dirs[v])).to_json())))
+            assert await registry.acquire("policy-v2-ab")
+            out.append(await shell.unload_lora_adapter(sgl.parse_http_body(
+                io.UnloadLoRAAdapterReqInput, UnloadLoraAdapterRequest("policy-v1-ab").to_json())))
+            return out
+
+        v1, v2, unloaded = asyncio.run(go())
+    assert v1.success and v2.success and unloaded.success
+    assert v2.loaded_adapters == {"policy-v1-ab": str(dirs[1]), "policy-v2-ab": str(dirs[2])}
+    assert events == [("LoadLoRAAdapterReqInput", "policy-v1-ab"), ("LoadLoRAAdapterReqInput", "policy-v2-ab"),
+                      ("UnloadLoRAAdapterReqInput", "policy-v1-ab")]
+
+
+def test_a_path_push_serves_what_a_tensor_push_serves_and_cleans_up(engine, hf, peft, model_cfg, tmp_path):
+    """By path the local engine serves exactly the logits the tensor push gives (same tensors, bitwise), rank 0
+    sends a few hundred bytes of JSON instead of the base64 adapter, the engine reports the adapter's path, and a
+    push directory goes when its adapter is unloaded (the newest stays, no .partial left)."""
+    config = ap.push_config_dict(LORA, model_cfg, hf)
+    push_dir = tmp_path / "lora_push"
+    by_path = ap.AdapterPusher([engine.url], config, base_dir=hf, push_dir=str(push_dir))
+    one = by_path.push(peft[0], version=1)
+    assert one.transport == "path" and one.engines_updated == [engine.url] and not one.failed
+    path = push_dir / one.lora_name
+    assert sorted(p.name for p in path.iterdir()) == PATH_FILES
+    assert one.bytes_written == sum(p.stat().st_size for p in path.iterdir())
+    assert one.bytes_written > one.adapter_bytes == sum(t.numel() * 4 for t in peft[0].values())
+    assert one.bytes_sent == len(json.dumps({"lora_name": one.lora_name, "lora_path": str(path), "pinned": False}))
+    assert one.metrics()["weight_sync/bytes_written"] == float(one.bytes_written)
+    assert get_json(f"{engine.url}/get_weight_version", 10)[1] == {"weight_version": "1"}
+
+    tensors = ap.AdapterPusher([engine.url], config, base_dir=hf)
+    same = tensors.push(peft[0], version=1)
+    assert same.transport == "tensors" and same.bytes_written == 0 and same.bytes_sent > 100 * one.bytes_sent
+    ids = torch.tensor([[3, 7, 11, 5, 2]])
+    with torch.no_grad():
+        with engine.engine.lora.active(one.lora_name):
+            from_path = engine.engine.model(ids).logits
+        with engine.engine.lora.active(same.lora_name):
+            from_tensors = engine.engine.model(ids).logits
+    assert torch.equal(from_path, from_tensors)
+    two = by_path.push(peft[1], version=2)
+    status, reply = post_json(f"{engine.url}/unload_lora_adapter", UnloadLoraAdapterRequest("none").to_json(), 30)
+    assert status == 400 and reply["loaded_adapters"] == {one.lora_name: str(path), same.lora_name: "__tensor__",
+                                                          two.lora_name: str(push_dir / two.lora_name)}
+    retired = by_path.retire()  # every older policy adapter the engine reported, the tensor-pushed one too
+    assert retired == {engine.url: sorted([one.lora_name, same.lora_name])}
+    assert list(engine.engine.lora.adapters) == [two.lora_name]
+    assert sorted(p.name for p in push_dir.iterdir()) == [two.lora_name]  # v1's directory went with its adapter
+    by_path.push(peft[0], version=3)
+    by_path.retire()
+    assert [p.name for p in push_dir.iterdir()] == [by_path.current]
+    by_path.retire()
+    by_path.close()
+    tensors.close()
+
+
+def test_path_push_errors_name_the_field(engine, hf, peft, model_cfg, tmp_path):
+    """A push directory rank 0 cannot write stops at the probe naming lora.push_dir; an engine that cannot read the
+    path refuses it (the pusher's error names lora.push_dir); a corrupted file is refused by its digest; the trainer's
+    lora.transport=path defaults the directory to <run_dir>/lora_push."""
+    from types import SimpleNamespace
+
+    from megatron_spo.models.lora import write_peft_dir
+    from megatron_spo.rollout.protocol import LoadLoraAdapterRequest
+    from megatron_spo.training.online import OnlineSource
+
+    config = ap.push_config_dict(LORA, model_cfg, hf)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ap.AdapterPushError) as err:
+        ap.AdapterPusher([engine.url], config, push_dir=str(tmp_path / "file" / "push")).probe()
+    assert str(err.value) == (f"lora.push_dir: cannot write {tmp_path}/file/push (Not a directory); name a directory "
+                              "the trainer can write and every engine can read")
+    status, reply = post_json(f"{engine.url}/load_lora_adapter",
+                              LoadLoraAdapterRequest("bad-path", str(tmp_path / "elsewhere")).to_json(), 30)
+    assert status == 400 and reply["error_message"] == (
+        f"LoRA adapter path {tmp_path}/elsewhere is not a directory with adapter_config.json (is it on a filesystem "
+        "this engine shares with the trainer?)")
+    pusher = ap.AdapterPusher([engine.url], config, push_dir=str(tmp_path / "push"))
+    pusher.probe()
+    with pytest.MonkeyPatch.context() as mp:  # the engine sees another filesystem: the written path is not there
+        mp.setattr(ap, "LoadLoraAdapterRequest",
+                   lambda lora_name, lora_path: LoadLoraAdapterRequest(lora_name, lora_path + "-elsewhere"))
+        report = pusher.push(peft[0], version=4)
+    assert report.engines_updated == [] and report.failed[engine.url].startswith("/load_lora_adapter: HTTP 400: ")
+    assert report.failed[engine.url].endswith(f"(lora.push_dir: every engine must read {tmp_path}/push)")
+    pusher.close()
+    bad = write_peft_dir(tmp_path / "bad", peft[0], config)
+    data = bytearray((bad / "adapter_model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (bad / "adapter_model.safetensors").write_bytes(bytes(data))
+    status, reply = post_json(f"{engine.url}/load_lora_adapter", LoadLoraAdapterRequest("bad-crc", str(bad)).to_json(),
+                              30)
+    assert status == 400 and "adapter_model.safetensors" in reply["error_message"] and "\n" not in reply[
+        "error_message"]
+    assert not any(n.startswith("bad-") for n in engine.engine.lora.adapters)
+
+    class Manager:
+        cfg = SimpleNamespace(engine_wait_s=30.0)
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+    s = OnlineSource(Manager(), q0=None)
+    s.broadcaster, s._fleet_seen_healthy = SimpleNamespace(engine_urls=[engine.url]), True
+    assert s.push_mode(LoraConfig(rank=4, alpha=8, rslora=True, transport="path"), model_cfg, hf,
+                       run_dir=str(tmp_path / "run")) == "adapter"
+    assert s.adapter_pusher.push_dir == str(tmp_path / "run" / "lora_push")
+    s.close()
+    with pytest.raises(ValueError, match="transport"):
+        LoraConfig(transport="nfs")
+
+
+def test_plan_prices_a_path_push_beside_the_tensor_push():
+    """plan lora_rank=16 at 8B on 64 engine GPUs: by path rank 0 writes the bf16 adapter once (84 MB) and sends
+    128 B of JSON per engine GPU, against 7.16 GB of base64 copies; each engine GPU reads the file."""
+    from megatron_spo.planning import capacity
+    from megatron_spo.planning.config import CapacityConfig
+
+    model, parallel = capacity.load_preset("llama3.1-8b")
+    shape = CapacityConfig(lora_rank=16)
+    h, f, q, kv, r = 4096, 14336, 4096, 1024, 16
+    adapter = 2 * 32 * r * (3 * h + q + 2 * h + f + q + 2 * kv + h + 2 * f + h)
+    assert adapter == 83_886_080
+    path = capacity.make_plan(model, parallel, shape)["weight_sync"]["by_path"]
+    assert path == {"bytes_written": adapter, "bytes_read": 64 * adapter, "http_bytes": 64 * 128,
+                    "rank0_bytes": adapter + 64 * 128, "seconds": pytest.approx(0.010 + 2 * adapter / (0.9 * 50e9))}
+    tensors = capacity.weight_sync(model, shape)
+    assert tensors.bytes == 64 * 4 * math.ceil(adapter / 3) == 7_158_278_912
+    assert round(tensors.bytes / path["rank0_bytes"], 1) == 85.3
+    assert "by_path" not in capacity.make_plan(model, parallel, CapacityConfig())["weight_sync"]
+
+
+def test_the_slurm_job_starts_its_engines_with_the_lora_flags(hf, tmp_path):
+    """slurm/spo.sbatch with a LoRA config (scontrol and srun stand-ins that record the commands): ENGINE_CMD carries
+    --enable-lora --max-lora-rank --lora-target-modules and TRAIN_CMD lora.transport=path; without LoRA neither."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && echo node1\nexit 0\n')
+    (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$ENGINE_CMD" > "$OUT/engine"\n'
+                                  'printf "%s\\n" "$TRAIN_CMD" > "$OUT/train"\nexit 0\n')
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    commands = {}
+    for name, text in (("lora", "lora:\n  rank: 4\n"), ("full", "steps: 3\n")):
+        (tmp_path / f"{name}.yaml").write_text(text)
+        out = tmp_path / name
+        out.mkdir()
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_JOB_ID": "7",
+               "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "n0", "SLURM_JOB_NODELIST_HET_GROUP_1": "n1",
+               "SPO_HOME": str(repo), "RUN_DIR": str(out / "run"), "MODE": "cpu",
+               "CONFIG": str(tmp_path / f"{name}.yaml"), "SPO_TRAIN_ARGS": f"init.hf={hf}", "OUT": str(out)}
+        subprocess.run(["bash", str(repo / "slurm" / "spo.sbatch")], env=env, capture_output=True, text=True,
+                       timeout=120)
+        commands[name] = ((out / "engine").read_text().strip(), (out / "train").read_text().strip())
+    engine_cmd, train_cmd = commands["lora"]
+    assert engine_cmd.endswith('--port "$ENGINE_PORT" --enable-lora --max-lora-rank 4 --lora-target-modules '
+                               + " ".join(MODULES))
+    assert train_cmd.endswith(f"init.hf={hf} lora.transport=path")
+    assert "lora" not in commands["full"][0] + commands["full"][1]
+    assert ap.slurm_lora_launch(__import__("types").SimpleNamespace(
+        lora=LoraConfig(rank=4, transport="tensors"), model=model_cfg_of(hf), init=None)) == (
+        ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", *MODULES], [])
+
+
+def model_cfg_of(hf):
+    from megatron_spo.models.hf_checkpoint import read_hf_config
+
+    return read_hf_config(hf)

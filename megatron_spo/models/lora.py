@@ -68,6 +68,15 @@ class LoraConfig(StrictModel):
         "auto", description="what a weight push sends the rollout engines: adapter (the adapters alone, to engines "
         "started with --enable-lora: rollout/adapter_push.py), merged (full weights W + s B A, to any engine), auto "
         "(adapter when every engine was started with --enable-lora, else merged)")
+    transport: Literal["auto", "tensors", "path"] = Field(
+        "auto", description="how an adapter push reaches the engines: tensors (a base64 copy per engine GPU in the "
+        "HTTP body, /load_lora_adapter_from_tensors, all from trainer rank 0), path (rank 0 writes the PEFT adapter "
+        "once under lora.push_dir, a directory every engine can read, and each engine loads it with "
+        "/load_lora_adapter), auto (tensors; slurm/spo.sbatch sets path, its run directory being shared)")
+    push_dir: str | None = Field(
+        None, description="lora.transport=path: the directory shared by the trainer and every engine where adapter "
+        "pushes are written (one subdirectory per push, removed once the engines unloaded it); default "
+        "<run_dir>/lora_push")
 
     @field_validator("targets")
     @classmethod
@@ -463,6 +472,13 @@ def write_peft_adapter(out_dir: str | Path, adapters: dict[str, torch.Tensor], l
                        base_model: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write the adapters as an HF PEFT directory (atomically: out_dir appears complete or not at all), with the
     digest manifest every export carries."""
+    tensors = {k: v.to(dtype) for k, v in peft_tensors(adapters, model_cfg).items()}
+    return write_peft_dir(out_dir, tensors, peft_config(lora, model_cfg, base_model))
+
+
+def write_peft_dir(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """An HF PEFT directory from tensors already in PEFT names and their adapter_config.json: written under
+    out_dir.partial with the digest manifest, then renamed (out_dir appears complete or not at all)."""
     import os
     import shutil
 
@@ -475,9 +491,8 @@ def write_peft_adapter(out_dir: str | Path, adapters: dict[str, torch.Tensor], l
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    tensors = {k: v.to(dtype) for k, v in peft_tensors(adapters, model_cfg).items()}
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps(peft_config(lora, model_cfg, base_model), indent=2) + "\n")
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_manifest(tmp)
     if out.exists():
         shutil.rmtree(out)

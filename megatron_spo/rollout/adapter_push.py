@@ -20,6 +20,17 @@ loaded again). SGLang scales an adapter by lora_alpha / r and ignores use_rslora
 lora_alpha = scaling * r (the same output for rsLoRA). Only trainer rank 0 calls this module; adapters go to each
 engine directly (sglang-router does not forward these endpoints).
 
+By path (lora.transport=path, ``AdapterPusher(..., push_dir=DIR)``): when the engines share a filesystem with the
+trainer (a SLURM cluster's run directory), rank 0 writes the adapter once as an HF PEFT directory
+DIR/policy-v{v}-{tag} (adapter_config.json + adapter_model.safetensors + digests.json, written under a .partial
+name and renamed) and each engine loads it with
+
+    /load_lora_adapter {lora_name, lora_path DIR/policy-v{v}-{tag}, pinned false}    (sglang LoadLoRAAdapterReqInput)
+
+in the same order (load new, version, switch, unload old); a push directory goes once no engine holds its adapter.
+Rank 0 then sends the adapter's bytes once (to the filesystem) and a few hundred bytes of JSON per engine, against
+a base64 copy per engine GPU over HTTP; every engine TP rank reads the file from the shared filesystem.
+
 A payload is SGLang's FlattenedTensorBucket pickled BY VALUE (the tensors' bytes inside; SGLang's
 MultiprocessingSerializer would pass CUDA IPC handles, which only a colocated engine can open): {"flattened_tensor":
 uint8 [N], "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]}, base64 in the JSON
@@ -48,6 +59,7 @@ from megatron_spo.config import ConfigError
 from megatron_spo.rollout.client import get_json, post_json, post_json_bytes
 from megatron_spo.rollout.protocol import (
     LoadLoraAdapterFromTensorsRequest,
+    LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
     UpdateWeightVersionRequest,
 )
@@ -277,10 +289,13 @@ class AdapterPushReport:
     seconds: float
     engines_updated: list[str]
     failed: dict[str, str] = field(default_factory=dict)
+    bytes_written: int = 0  # by path: the adapter directory's files, written once to the shared filesystem
+    transport: str = "tensors"
 
     def metrics(self) -> dict[str, float]:
         return {"weight_sync/seconds": self.seconds, "weight_sync/bytes": float(self.bytes_sent),
                 "weight_sync/adapter_bytes": float(self.adapter_bytes),
+                "weight_sync/bytes_written": float(self.bytes_written),
                 "weight_sync/engines_updated": float(len(self.engines_updated)),
                 "weight_sync/engines_failed": float(len(self.failed)), "weight_sync/failed": float(bool(self.failed)),
                 "weight_sync/pause_seconds": 0.0}
@@ -294,15 +309,19 @@ class AdapterPusher:
         report = pusher.push(peft_tensors, version=3)    # loaded + weight_version 3 on report.engines_updated
         ...                                  # rollouts switch to lora_path=report.lora_name
         pusher.retire()                      # older policy adapters unloaded
+
+    push_dir: a directory every engine can read (lora.push_dir): the adapter is written there once and loaded by
+    path (/load_lora_adapter); None: tensors in the HTTP body (/load_lora_adapter_from_tensors).
     """
 
     def __init__(self, engine_urls: list[str], config_dict: dict, *, base_dir: str | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, push_dir: str | None = None):
         if not engine_urls:
             raise ValueError("AdapterPusher needs at least one engine url")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.config_dict, self.timeout_s = config_dict, timeout_s
         self.base_dims = hf_dims(base_dir) if base_dir else None
+        self.push_dir = None if push_dir is None else os.path.abspath(push_dir)
         self.engines: dict[str, EngineLoraSettings] = {}
         self.current: str | None = None  # the newest adapter's name
         self.loaded: dict[str, set[str]] = {u: set() for u in self.engine_urls}  # policy adapters per engine
@@ -318,6 +337,16 @@ class AdapterPusher:
                 raise AdapterPushError(f"lora.push: {url}/server_info answered HTTP {status}")
             return EngineLoraSettings.from_server_info(url, info)
 
+        if self.push_dir is not None:
+            try:
+                os.makedirs(self.push_dir, exist_ok=True)
+                probe = os.path.join(self.push_dir, f".probe-{uuid.uuid4().hex[:8]}")
+                with open(probe, "w"):
+                    pass
+                os.remove(probe)
+            except OSError as err:
+                raise AdapterPushError(f"lora.push_dir: cannot write {self.push_dir} ({err.strerror or err}); name a "
+                                       "directory the trainer can write and every engine can read") from None
         for engine in self.pool.map(one, self.engine_urls):
             check_engine(engine, self.config_dict, self.base_dims)
             self.engines[engine.url] = engine
@@ -330,21 +359,34 @@ class AdapterPusher:
         if not self.engines:
             self.probe()
         version, name = str(version), adapter_name(version)
-        payload = base64.b64encode(serialize_adapter(tensors)).decode("ascii")
         adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         failed: dict[str, str] = {}
         bodies: dict[int, bytes] = {}  # one JSON encoding per engine TP size, sent to every engine of that size
-        for tp in sorted({self.engines[u].tp_size for u in self.engine_urls}):
-            request = LoadLoraAdapterFromTensorsRequest(lora_name=name, config_dict=self.config_dict,
-                                                        serialized_named_tensors=[payload] * tp)
-            bodies[tp] = json.dumps(request.to_json()).encode()
+        written = 0
+        if self.push_dir is not None:  # one PEFT directory on the shared filesystem, its path to every engine
+            from megatron_spo.models.lora import write_peft_dir
+
+            out = write_peft_dir(os.path.join(self.push_dir, name), tensors, self.config_dict)
+            written = sum(f.stat().st_size for f in out.iterdir())
+            endpoint = "/load_lora_adapter"
+            body = json.dumps(LoadLoraAdapterRequest(lora_name=name, lora_path=str(out)).to_json()).encode()
+            bodies = {tp: body for tp in {self.engines[u].tp_size for u in self.engine_urls}}
+        else:
+            endpoint = "/load_lora_adapter_from_tensors"
+            payload = base64.b64encode(serialize_adapter(tensors)).decode("ascii")
+            for tp in sorted({self.engines[u].tp_size for u in self.engine_urls}):
+                request = LoadLoraAdapterFromTensorsRequest(lora_name=name, config_dict=self.config_dict,
+                                                            serialized_named_tensors=[payload] * tp)
+                bodies[tp] = json.dumps(request.to_json()).encode()
 
         def one(url: str) -> int:
             body = bodies[self.engines[url].tp_size]
-            status, reply = post_json_bytes(f"{url}/load_lora_adapter_from_tensors", body, self.timeout_s)
+            status, reply = post_json_bytes(f"{url}{endpoint}", body, self.timeout_s)
             if status != 200 or not (isinstance(reply, dict) and reply.get("success")):
                 why = reply.get("error_message") if isinstance(reply, dict) else reply
-                raise AdapterPushError(f"/load_lora_adapter_from_tensors: HTTP {status}: {why}")
+                hint = (f" (lora.push_dir: every engine must read {self.push_dir})"
+                        if self.push_dir is not None else "")
+                raise AdapterPushError(f"{endpoint}: HTTP {status}: {why}{hint}")
             loaded = reply.get("loaded_adapters")
             if isinstance(loaded, dict):  # names a previous trainer process left there are retired too
                 self.loaded[url] |= {n for n in loaded if adapter_version(n) is not None}
@@ -369,7 +411,7 @@ class AdapterPusher:
         if updated:
             self.current = name
         return AdapterPushReport(version, name, sent, adapter_bytes, len(tensors), time.perf_counter() - start,
-                                 updated, failed)
+                                 updated, failed, written, "path" if self.push_dir is not None else "tensors")
 
     def retire(self) -> dict[str, list[str]]:
         """Unload every policy adapter but the newest on the engines that hold the newest ({url: names unloaded});
@@ -389,7 +431,20 @@ class AdapterPusher:
                     done.setdefault(url, []).append(old)
                 else:
                     log.warning("unloading adapter %s from %s: HTTP %s %s", old, url, status, reply)
+        self._clean_push_dir()
         return done
+
+    def _clean_push_dir(self) -> None:
+        """Remove the push directories (and .partial leftovers) of policy adapters no engine holds any more."""
+        if self.push_dir is None or self.current is None or not os.path.isdir(self.push_dir):
+            return
+        import shutil
+
+        held = set().union(*self.loaded.values()) | {self.current}
+        for entry in os.listdir(self.push_dir):
+            name = entry.removesuffix(".partial")
+            if adapter_version(name) is not None and (entry != name or name not in held):
+                shutil.rmtree(os.path.join(self.push_dir, entry), ignore_errors=True)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -400,3 +455,49 @@ class AdapterPusher:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+
+# ---------------------------------------------------------------------------------------------
+# What a SLURM job adds (slurm/spo.sbatch)
+# ---------------------------------------------------------------------------------------------
+def slurm_lora_launch(cfg) -> tuple[list[str], list[str]]:
+    """(engine flags, trainer overrides) slurm/spo.sbatch adds for a training config with LoRA adapter pushes: the
+    engines start with its LoRA shape (engine_lora_args), and lora.transport=auto becomes path (the job's run
+    directory, where lora.push_dir defaults, is on a filesystem every node of the job shares). ([], []) without
+    LoRA or with lora.push=merged; an explicit lora.transport is left as it is."""
+    from megatron_spo.models.hf_checkpoint import read_hf_config
+
+    lora = cfg.lora
+    if lora is None or lora.push == "merged":
+        return [], []
+    if cfg.model is None and not cfg.init.hf:
+        raise ConfigError("init.hf: the engines' LoRA flags need the model's layers (init.hf or model)")
+    model_cfg = cfg.model or read_hf_config(cfg.init.hf)
+    return engine_lora_args(lora, model_cfg), (["lora.transport=path"] if lora.transport == "auto" else [])
+
+
+def main(argv: list[str]) -> int:
+    """python -m megatron_spo.rollout.adapter_push slurm-args CONFIG [KEY=VALUE ...]: two lines, the engines' LoRA
+    flags and the trainer's added overrides, each shell-quoted (empty lines without LoRA); a bad config: one line
+    on stderr, exit 2."""
+    import shlex
+    import sys
+
+    from megatron_spo.config import load_config
+    from megatron_spo.training.config import TrainConfig
+
+    if len(argv) < 2 or argv[0] != "slurm-args":
+        print("usage: python -m megatron_spo.rollout.adapter_push slurm-args CONFIG [KEY=VALUE ...]", file=sys.stderr)
+        return 2
+    try:
+        engine, train = slurm_lora_launch(load_config(TrainConfig, argv[1], argv[2:]))
+    except (ConfigError, OSError, ValueError) as err:
+        print(f"spo.sbatch: LoRA engine flags: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(shlex.join(engine))
+    print(shlex.join(train))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(__import__("sys").argv[1:]))

@@ -40,6 +40,32 @@ class _Delta:
         return out + scaling * torch.nn.functional.linear(torch.nn.functional.linear(inputs[0], a), b)
 
 
+def read_peft_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An HF PEFT directory as SGLang reads one for /load_lora_adapter: adapter_config.json (LoRAConfig) and the
+    tensors of every *.safetensors in it (DefaultModelLoader's weight iterator); its digest manifest (digests.json,
+    when present) checked first."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from megatron_spo.checkpoint_digest import verify_checkpoint
+
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise ValueError(f"LoRA adapter path {path} is not a directory with adapter_config.json (is it on a "
+                         "filesystem this engine shares with the trainer?)")
+    verify_checkpoint(path)
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not shards:
+        raise ValueError(f"LoRA adapter path {path} holds no *.safetensors")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(os.path.join(path, shard)))
+    return config, tensors
+
+
 class EngineLora:
     """The adapters one engine holds, on the target linears of its HF model."""
 

@@ -6,7 +6,8 @@ Endpoints: /generate, /health, /health_generate, /model_info, /server_info (and 
 /get_model_info, /get_server_info), /get_weight_version, /flush_cache, /abort_request, /pause_generation,
 /continue_generation, /begin_weight_update, /end_weight_update, /update_weights_from_disk,
 /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
-/update_weight_version, and with --enable-lora /load_lora_adapter_from_tensors and /unload_lora_adapter
+/update_weight_version, and with --enable-lora /load_lora_adapter (a PEFT directory), /load_lora_adapter_from_tensors
+and /unload_lora_adapter
 (engine_lora.py; /generate's lora_path picks an adapter). Request and response shapes are SGLang's (protocol.py).
 
 What the front enforces, as SGLang's tokenizer manager does (sglang 0.5.23, managers/tokenizer_manager.py and
@@ -38,6 +39,7 @@ from megatron_spo.rollout.protocol import (
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     LoadLoraAdapterFromTensorsRequest,
+    LoadLoraAdapterRequest,
     ProtocolError,
     UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
@@ -70,6 +72,7 @@ class EngineServer:
         self.live_rids: set[str] = set()
         self.unloading: set[str] = set()  # adapters being unloaded: new requests can no longer select them
         self.lora_lock: asyncio.Lock | None = None
+        self.lora_paths: dict[str, str] = {}  # adapters loaded by path (/load_lora_adapter): name -> path
         self.startup_time = time.time()
 
     async def on_startup(self, app) -> None:
@@ -107,6 +110,7 @@ class EngineServer:
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
         r.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
         r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         return app
@@ -384,7 +388,8 @@ class EngineServer:
     def _lora_reply(self, success: bool, error: str = ""):
         from aiohttp import web
 
-        loaded = {} if self.engine.lora is None else {n: "__tensor__" for n in self.engine.lora.adapters}
+        loaded = {} if self.engine.lora is None else {n: self.lora_paths.get(n, "__tensor__")
+                                                      for n in self.engine.lora.adapters}
         (log.info if success else log.error)("lora adapters: %s", error or f"loaded {sorted(loaded)}")
         return web.json_response({"success": success, "error_message": error, "loaded_adapters": loaded},
                                  status=200 if success else 400)
@@ -413,6 +418,27 @@ class EngineServer:
                 return self._lora_reply(False, str(err))
         return self._lora_reply(True)
 
+    async def load_lora_adapter(self, request):
+        """SGLang's /load_lora_adapter from an HF PEFT directory (LoRAConfig reads its adapter_config.json, each TP
+        rank its *.safetensors); the directory's digest manifest, when it has one, is checked first. Loaded between
+        two decode steps, no pause."""
+        from megatron_spo.rollout.engine_lora import read_peft_dir
+
+        try:
+            body = parse_body(LoadLoraAdapterRequest, await _json(request), "/load_lora_adapter")
+        except ProtocolError as err:
+            return self._lora_reply(False, str(err))
+        if self.engine.lora is None:
+            return self._lora_reply(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        async with self.lora_lock:
+            try:
+                config, tensors = await asyncio.to_thread(read_peft_dir, body.lora_path)
+                await self.on_scheduler(self.engine.lora.load, body.lora_name, config, tensors)
+            except Exception as err:  # a refused adapter leaves the loaded ones as they were
+                return self._lora_reply(False, str(err))
+            self.lora_paths[body.lora_name] = body.lora_path
+        return self._lora_reply(True)
+
     async def unload_lora_adapter(self, request):
         """New requests can no longer select it at once; it goes when the requests using it have finished."""
         try:
@@ -432,6 +458,7 @@ class EngineServer:
                 while any(r.lora == name for r in await self.on_scheduler(self.scheduler.live_reqs)):
                     await asyncio.sleep(0.02)
                 await self.on_scheduler(lora.unload, name)
+                self.lora_paths.pop(name, None)
             finally:
                 self.unloading.discard(name)
         return self._lora_reply(True)

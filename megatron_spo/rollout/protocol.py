@@ -361,6 +361,19 @@ class LoadLoraAdapterFromTensorsRequest:
 
 
 @dataclass
+class LoadLoraAdapterRequest:
+    """POST /load_lora_adapter (sglang io_struct LoadLoRAAdapterReqInput): load the HF PEFT directory ``lora_path``
+    (adapter_config.json + *.safetensors; every TP rank of the engine reads it) under ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
 class UnloadLoraAdapterRequest:
     """POST /unload_lora_adapter: new requests can no longer select it; it goes once its requests finished."""
 

@@ -285,17 +285,21 @@ class OnlineSource:
         self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
         return metrics
 
-    def push_mode(self, lora, model_cfg, base_dir: str | None) -> str:
+    def push_mode(self, lora, model_cfg, base_dir: str | None, run_dir: str | None = None) -> str:
         """'adapter' or 'merged', for lora.push (auto: adapter when every engine was started with --enable-lora).
         Asks the engines once (rank 0); an engine that cannot take the adapter it must take is an AdapterPushError
-        naming the field (lora.rank, lora.targets, init.hf, lora.push)."""
+        naming the field (lora.rank, lora.targets, init.hf, lora.push, lora.push_dir). Adapters go by path
+        (lora.transport=path: written once under lora.push_dir, default <run_dir>/lora_push) or as tensors."""
         from megatron_spo.rollout.adapter_push import AdapterPusher, AdapterPushError, push_config_dict
 
         if self.broadcaster is None or lora.push == "merged":  # router only: nothing is pushed anyway
             return "merged"
         self._await_fleet(())
+        push_dir = None
+        if lora.transport == "path":
+            push_dir = lora.push_dir or os.path.join(run_dir or ".", "lora_push")
         pusher = AdapterPusher(self.broadcaster.engine_urls, push_config_dict(lora, model_cfg, base_dir),
-                               base_dir=base_dir)
+                               base_dir=base_dir, push_dir=push_dir)
         try:
             pusher.probe()
         except AdapterPushError as err:

@@ -634,7 +634,8 @@ class Trainer:
             decided: list = ["merged"]
             if self.rank == 0 and hasattr(self.online, "push_mode"):
                 try:
-                    decided = [self.online.push_mode(self.cfg.lora, self.model_cfg, self.cfg.init.hf)]
+                    decided = [self.online.push_mode(self.cfg.lora, self.model_cfg, self.cfg.init.hf,
+                                                     run_dir=self.cfg.run_dir)]
                 except Exception as err:  # raised on every rank below
                     decided = [err]
             dist.broadcast_object_list(decided, src=0)
@@ -643,6 +644,8 @@ class Trainer:
             self._decided_push_mode = decided[0]
             if self.rank == 0 and hasattr(self.online, "push_mode"):
                 sends = "the adapters alone" if decided[0] == "adapter" else "merged full weights"
+                if decided[0] == "adapter" and self.cfg.lora.transport == "path":
+                    sends += " by path (written once to lora.push_dir, /load_lora_adapter)"
                 print(f"[megatron-spo] lora: weight pushes send {sends} (lora.push={self.cfg.lora.push})", flush=True)
         return self._decided_push_mode
 
