@@ -467,3 +467,29 @@ def test_sglangs_qwen3_moe_loads_every_pushed_expert(hf_dir):
     assert report.loaded[layer + "experts.5.up_proj.weight"][0] == layer + "experts.w13_weight"
     assert report.loaded[layer + "experts.5.down_proj.weight"][0] == layer + "experts.w2_weight"
     assert report.params[layer + "experts.w13_weight"] == (6, 44, 37) and report.params[layer + "gate.weight"] == (6, 37)
+
+
+def test_quickstart_runs_a_tiny_moe_by_one_field(tmp_path):
+    """reference.architecture=qwen3_moe: the reference is a tiny Qwen3-MoE (TINY_MOE: 6 experts of 96, top-2), the
+    trainer config it makes passes the trainer's rules, and the fleet's engines get --enable-return-routed-experts
+    (the run's routing_replay is engine); a dense reference gets no flag, and moe on a dense family is refused."""
+    from pydantic import ValidationError
+
+    from megatron_spo.data.char_tokenizer import build_char_tokenizer
+    from megatron_spo.experiments.config import TINY_MOE, QuickstartModelConfig
+    from megatron_spo.experiments.quickstart import QuickstartConfig, engine_routing_flags
+    from megatron_spo.experiments.reference_model import cache_key, reference_hf_config
+
+    cfg = QuickstartConfig.model_validate({"reference": {"architecture": "qwen3_moe"}})
+    assert cfg.reference.moe == TINY_MOE and (TINY_MOE.num_experts, TINY_MOE.router_topk) == (6, 2)
+    tokenizer = build_char_tokenizer()
+    for name, quick in (("moe", cfg), ("dense", QuickstartConfig())):
+        hf = reference_hf_config(quick.reference, tokenizer)
+        hf.save_pretrained(tmp_path / name)
+    hf = reference_hf_config(cfg.reference, tokenizer)
+    assert (hf.model_type, hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size) == ("qwen3_moe", 6, 2, 96)
+    assert engine_routing_flags(cfg, tmp_path / "moe") == ["--enable-return-routed-experts"]
+    assert engine_routing_flags(QuickstartConfig(), tmp_path / "dense") == []
+    assert cache_key(cfg.reference) != cache_key(QuickstartModelConfig(architecture="qwen3"))
+    with pytest.raises(ValidationError, match="moe: architecture 'llama' has no experts"):
+        QuickstartModelConfig(moe={"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 8})

@@ -9,7 +9,10 @@ from pydantic import Field, model_validator
 
 from megatron_spo.config import StrictModel
 from megatron_spo.data.config import ToyCodeTaskConfig
+from megatron_spo.models.config import MoEConfig
 
+# the tiny MoE a mixture-of-experts family gets when reference.moe is unset: odd sizes, top-2 of 6 (issue 47)
+TINY_MOE = MoEConfig(num_experts=6, router_topk=2, ffn_hidden_size=96)
 MATH_SFT_STEPS = 1200  # the math reference's default: its arithmetic needs twice the code task's SFT
 
 
@@ -46,6 +49,10 @@ class QuickstartModelConfig(StrictModel):
                                  "input-parsing slip; toy_math: the last step dropped): a generic error RL can "
                                  "remove on unseen problems too")
     num_threads: int = Field(2, gt=0, description="torch CPU threads during SFT (not part of the cache key)")
+    moe: MoEConfig | None = Field(None, description="the experts of a mixture-of-experts family (architecture="
+                                  "qwen3_moe): unset there, TINY_MOE (6 experts of 96, top-2); must stay unset for "
+                                  "a dense family. The quickstart then starts its engines with "
+                                  "--enable-return-routed-experts and trains with routing replay")
 
     @model_validator(mode="before")
     @classmethod
@@ -63,9 +70,14 @@ class QuickstartModelConfig(StrictModel):
         from megatron_spo.models.arch import architecture
 
         try:
-            architecture(self.architecture)
+            family = architecture(self.architecture)
         except ValueError as err:  # the registry's message lists the known families
             raise ValueError(f"architecture: {err}") from None
+        if family.experts and self.moe is None:
+            object.__setattr__(self, "moe", TINY_MOE)
+        elif not family.experts and self.moe is not None:
+            raise ValueError(f"moe: architecture {self.architecture!r} has no experts (a mixture-of-experts family: "
+                             f"architecture=qwen3_moe)")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"

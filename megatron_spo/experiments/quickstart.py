@@ -496,6 +496,16 @@ def engine_lora_flags(cfg: QuickstartConfig, ref: Path) -> list[str]:
     return engine_lora_args(lora, read_hf_config(ref))
 
 
+def engine_routing_flags(cfg: QuickstartConfig, ref: Path) -> list[str]:
+    """--enable-return-routed-experts for a mixture-of-experts reference trained by megatron-core (the quickstart's
+    trainer config keeps routing_replay: engine, so the rollouts ask the engines for their routes); none else."""
+    from megatron_spo.models.hf_checkpoint import read_hf_config
+
+    if cfg.trainer != "megatron" or read_hf_config(ref).moe is None:
+        return []
+    return ["--enable-return-routed-experts"]
+
+
 def push_hf_checkpoint(hf_dir: Path, engine_urls: list[str], version: str) -> None:
     """The weights of an HF checkpoint to the engines through the same /update_weights_from_disk path a trainer
     uses (for a policy trained outside megatron-core: trainer=trl)."""
@@ -580,7 +590,7 @@ def run(cfg: QuickstartConfig) -> dict:
     t0 = stage(f"3/6 fleet: {cfg.engines} engines behind sglang-router")
     try:
         with Fleet(str(ref), cfg.engines, log_dir=str(out / "fleet"), threads_per_engine=1,
-                   engine_args=engine_lora_flags(cfg, ref)) as fleet:
+                   engine_args=engine_lora_flags(cfg, ref) + engine_routing_flags(cfg, ref)) as fleet:
             endpoints = type("E", (), {"router_url": fleet.router_url, "engine_urls": fleet.engine_urls})()
             console.print(f"router {fleet.router_url}, engines {', '.join(fleet.engine_urls)}")
 

@@ -60,7 +60,7 @@ def with_slip(problem, text: str) -> str:
 
 def cache_key(cfg: QuickstartModelConfig) -> str:
     """12 hex digits of a hash over everything that changes the saved weights (not num_threads)."""
-    settings = cfg.model_dump(mode="json", exclude={"num_threads"})
+    settings = cfg.model_dump(mode="json", exclude={"num_threads"} | ({"moe"} if cfg.moe is None else set()))
     math_task = settings["task"].pop("kind") == "toy_math"  # toy_code keys stay what they were before kinds
     blob = json.dumps(
         {
@@ -103,6 +103,7 @@ def reference_hf_config(cfg: QuickstartModelConfig, tokenizer):
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta,
         norm_epsilon=cfg.norm_epsilon,
+        moe=cfg.moe,
     )
     token_ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id)
