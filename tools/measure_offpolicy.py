@@ -52,16 +52,21 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--beta", type=float, default=PAPER_BETA)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-coefficient", type=float, default=None, help="coefficient_clip's limit (off: unset)")
     ap.add_argument("--loss", default="squared", help="the SPO regression loss (algorithms/spo.py REGRESSION_LOSSES)")
     args = ap.parse_args()
+    from functools import partial
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from megatron_spo.algorithms.spo_transforms import coefficient_clip
     from megatron_spo.data import toy_code, toy_math
     from megatron_spo.data.prompts import make_prompts
     from megatron_spo.rewards.math_answer import last_boxed
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    guard = [partial(coefficient_clip, limit=args.max_coefficient)] if args.max_coefficient else []
     tok = AutoTokenizer.from_pretrained(args.ref)
     ref = AutoModelForCausalLM.from_pretrained(args.ref, dtype=torch.float32).eval()
     task = (toy_code if args.task == "toy_code" else toy_math).make_task()
@@ -137,11 +142,12 @@ def main() -> int:
         per_tok = per_seq / mask.sum(1)
         reward = torch.tensor([r for *_, r in rows])
         inputs = SPOInputs(lp, lp.detach(), mask, reward, torch.tensor([q for *_, q, _ in rows]))
-        loss, _ = spo_loss(inputs, beta=args.beta, objective="terminal", loss=args.loss)
+        loss, _ = spo_loss(inputs, beta=args.beta, objective="terminal", loss=args.loss, transforms=guard)
         ref.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in ref.parameters() if p.grad is not None))
-        coef = float(terminal_coefficients(inputs, beta=args.beta, objective="terminal", loss=args.loss).abs().mean())
+        coef = terminal_coefficients(inputs, beta=args.beta, objective="terminal", loss=args.loss).abs()
+        coef = float(coef.clamp(max=args.max_coefficient or math.inf).mean())
         print(f"{name:13s} {len(rows):2d}  {per_seq.mean():12.1f}  {per_tok.mean():14.3f}  "
               f"{lp[mask].min():9.2f}  {coef:9.3f}  {gnorm:10.3f}")
     ref.zero_grad(set_to_none=True)
@@ -150,7 +156,7 @@ def main() -> int:
         lp, mask, _ = batch_terms(ref, rows)
         reward = torch.tensor([r for *_, r in rows])
         inputs = SPOInputs(lp, lp.detach(), mask, reward, torch.tensor([q for *_, q, _ in rows]))
-        loss, _ = spo_loss(inputs, beta=args.beta, objective="terminal", loss=args.loss)
+        loss, _ = spo_loss(inputs, beta=args.beta, objective="terminal", loss=args.loss, transforms=guard)
         ref.zero_grad(set_to_none=True)
         (loss * len(rows)).backward()  # a sum over sequences: mixed batches add
         return torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None])
@@ -168,12 +174,13 @@ def main() -> int:
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
     rows = kinds["expert"]
     own = kinds["own sample"]
-    print(f"SPO (terminal, {args.loss}) on the expert batch alone, Adam lr {args.lr}:")
+    print(f"SPO (terminal, {args.loss}, max_coefficient {args.max_coefficient}) on the expert batch alone, Adam lr "
+          f"{args.lr}:")
     print("step  loss      Q_T = residual (r = 0)  expert log-ratio/seq  own-sample log-ratio/seq  grad norm")
     for step in range(args.steps + 1):
         lp, mask, rl = batch_terms(policy, rows, ref)
         inputs = SPOInputs(lp, rl, mask, torch.zeros(len(rows)), torch.tensor([q for *_, q, _ in rows]))
-        loss, metrics = spo_loss(inputs, beta=args.beta, objective="terminal", loss=args.loss)
+        loss, metrics = spo_loss(inputs, beta=args.beta, objective="terminal", loss=args.loss, transforms=guard)
         ratio = ((lp - rl) * mask).sum(1).detach()
         q_t = torch.tensor([q for *_, q, _ in rows]) + args.beta * ratio
         opt.zero_grad(set_to_none=True)
