@@ -576,10 +576,10 @@ def test_a_path_push_serves_what_a_tensor_push_serves_and_cleans_up(engine, hf, 
     assert torch.equal(from_path, from_tensors)
     two = by_path.push(peft[1], version=2)
     status, reply = post_json(f"{engine.url}/unload_lora_adapter", UnloadLoraAdapterRequest("none").to_json(), 30)
-    assert status == 400 and reply["loaded_adapters"] == {one.lora_name: str(path), same.lora_name: "__tensor__",
-                                                          two.lora_name: str(push_dir / two.lora_name)}
+    assert status == 400 and {one.lora_name: str(path), same.lora_name: "__tensor__",  # + earlier tests' adapters
+                              two.lora_name: str(push_dir / two.lora_name)}.items() <= reply["loaded_adapters"].items()
     retired = by_path.retire()  # every older policy adapter the engine reported, the tensor-pushed one too
-    assert retired == {engine.url: sorted([one.lora_name, same.lora_name])}
+    assert {one.lora_name, same.lora_name} <= set(retired[engine.url]) and two.lora_name not in retired[engine.url]
     assert list(engine.engine.lora.adapters) == [two.lora_name]
     assert sorted(p.name for p in push_dir.iterdir()) == [two.lora_name]  # v1's directory went with its adapter
     by_path.push(peft[0], version=3)
