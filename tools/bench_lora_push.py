@@ -10,8 +10,11 @@ embeddings; zero weights: a push does not look at the values), starts ``megatron
   adapter: the adapters (rank --rank on q/k/v/o/gate/up/down of every layer, HF PEFT names, as the trainer's
            peft_tensors makes them) through the AdapterPusher (/load_lora_adapter_from_tensors, then
            /update_weight_version, then the older adapter unloaded);
-and prints bytes on the wire and seconds of each (the median over repeats) and their ratios. Nothing is kept but
-the checkpoint in --dir (delete it after).
+  path:    the same adapters by path (lora.transport=path): written once as an HF PEFT directory under
+           --dir/lora_push (safetensors + digests, renamed into place), loaded with /load_lora_adapter {lora_name,
+           lora_path}, the older adapter unloaded and its directory removed;
+and prints bytes on the wire (HTTP bodies; path also the bytes written to the filesystem) and seconds of each (the
+median over repeats) and their ratios. Nothing is kept but the checkpoint in --dir (delete it after).
 """
 
 from __future__ import annotations
@@ -105,29 +108,45 @@ def main(argv: list[str] | None = None) -> int:
         if model_cfg.tie_word_embeddings:
             full.pop("lm_head.weight", None)  # tied: the engine's state_dict names it, the push sends it once
         tensors = adapters(model_cfg, lora, dtype)
-        rows = {"full": [], "adapter": []}
+        rows = {"full": [], "adapter": [], "path": []}
+        written = []
+        config = push_config_dict(lora, model_cfg, str(hf))
         with WeightBroadcaster([url], mode="broadcast", backend="gloo") as sender, \
-                AdapterPusher([url], push_config_dict(lora, model_cfg, str(hf)), base_dir=str(hf)) as pusher:
+                AdapterPusher([url], config, base_dir=str(hf)) as pusher, \
+                AdapterPusher([url], config, base_dir=str(hf), push_dir=str(Path(args.dir) / "lora_push")) as by_path:
             for i in range(args.repeats):
-                r = sender.push(full.items(), version=str(2 * i + 1))
+                r = sender.push(full.items(), version=str(3 * i + 1))
                 rows["full"].append((r.bytes_sent, r.seconds, r.pause_seconds))
-                a = pusher.push(tensors, version=2 * i + 2)
+                a = pusher.push(tensors, version=3 * i + 2)
                 pusher.retire()
                 if a.failed:
                     raise RuntimeError(f"adapter push failed: {a.failed}")
                 rows["adapter"].append((a.bytes_sent, a.seconds, 0.0))
-        params = {k: sum(t.numel() for t in v.values()) for k, v in (("full", full), ("adapter", tensors))}
+                b = by_path.push(tensors, version=3 * i + 3)
+                by_path.retire()
+                if b.failed:
+                    raise RuntimeError(f"adapter push by path failed: {b.failed}")
+                rows["path"].append((b.bytes_sent, b.seconds, 0.0))
+                written.append(b.bytes_written)
+        params = {k: sum(t.numel() for t in v.values()) for k, v in (("full", full), ("adapter", tensors),
+                                                                       ("path", tensors))}
         print(f"\nLlama-3.2-1B-shaped, {args.dtype}, LoRA rank {args.rank} on q/k/v/o/gate/up/down, one local engine "
               f"(TP 1), median of {args.repeats}:")
         med = {k: (statistics.median(b for b, _, _ in v), statistics.median(s for _, s, _ in v),
                    statistics.median(p for _, _, p in v)) for k, v in rows.items()}
-        for kind in ("full", "adapter"):
+        for kind in ("full", "adapter", "path"):
             nbytes, seconds, pause = med[kind]
-            print(f"  {kind:8s} {params[kind]:>13,} params  {nbytes / 2**20:10.1f} MiB on the wire  "
-                  f"{seconds:7.3f} s  (generation paused {pause:.3f} s)")
+            extra = f", {statistics.median(written) / 2**20:.1f} MiB written once" if kind == "path" else ""
+            print(f"  {kind:8s} {params[kind]:>13,} params  {nbytes / 2**20:12.4f} MiB on the wire  "
+                  f"{seconds:7.3f} s  (generation paused {pause:.3f} s{extra})")
         print(f"  ratio full / adapter: bytes {med['full'][0] / med['adapter'][0]:.1f}x, "
               f"seconds {med['full'][1] / med['adapter'][1]:.1f}x")
-        print(json.dumps({"rank": args.rank, "dtype": args.dtype, "params": params, "runs": rows}))
+        print(f"  ratio adapter / path: HTTP bytes {med['adapter'][0] / med['path'][0]:,.0f}x "
+              f"({med['adapter'][0] / statistics.median(written):.2f}x counting the file written), "
+              f"seconds {med['adapter'][1] / med['path'][1]:.2f}x; full / path seconds "
+              f"{med['full'][1] / med['path'][1]:.1f}x")
+        print(json.dumps({"rank": args.rank, "dtype": args.dtype, "params": params, "runs": rows,
+                          "path_bytes_written": written}))
     finally:
         engine.terminate()
         engine.wait(30)
