@@ -701,7 +701,9 @@ def test_the_slurm_job_starts_its_engines_with_the_lora_flags(hf, tmp_path):
                                + " ".join(MODULES))
     assert train_cmd.endswith(f"init.hf={hf} lora.transport=path")
     assert "lora" not in commands["full"][0] + commands["full"][1]
-    assert ap.slurm_lora_launch(__import__("types").SimpleNamespace(
+    from megatron_spo.training.slurm_lora import slurm_lora_launch
+
+    assert slurm_lora_launch(__import__("types").SimpleNamespace(
         lora=LoraConfig(rank=4, transport="tensors"), model=model_cfg_of(hf), init=None)) == (
         ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", *MODULES], [])
 
