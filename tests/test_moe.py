@@ -493,3 +493,47 @@ def test_quickstart_runs_a_tiny_moe_by_one_field(tmp_path):
     assert cache_key(cfg.reference) != cache_key(QuickstartModelConfig(architecture="qwen3"))
     with pytest.raises(ValidationError, match="moe: architecture 'llama' has no experts"):
         QuickstartModelConfig(moe={"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 8})
+
+
+def test_the_local_engine_takes_per_expert_pushes_into_transformers_fused_experts(tmp_path):
+    """A push names each expert (model.layers.i.mlp.experts.e.gate_proj.weight ...); transformers 5 keeps them fused
+    (gate_up_proj [E, 2F, H], down_proj [E, H, F]). The local engine writes each into its slice: the model then
+    equals transformers' own loading of the same per-expert checkpoint, bitwise; a bad expert index is refused."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_spo.data.char_tokenizer import build_char_tokenizer
+    from megatron_spo.experiments.quickstart import QuickstartConfig
+    from megatron_spo.experiments.reference_model import reference_hf_config
+    from megatron_spo.rollout.local_engine import LocalEngine
+
+    hf = reference_hf_config(QuickstartConfig.model_validate({"reference": {"architecture": "qwen3_moe"}}).reference,
+                             build_char_tokenizer())
+    torch.manual_seed(0)
+    source, engine = AutoModelForCausalLM.from_config(hf), AutoModelForCausalLM.from_config(hf)
+    named = []
+    for name, t in source.state_dict().items():
+        prefix, _, kind = name.rpartition(".")
+        if kind == "gate_up_proj":
+            f = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                named += [(f"{prefix}.{e}.gate_proj.weight", t[e, :f].clone()),
+                          (f"{prefix}.{e}.up_proj.weight", t[e, f:].clone())]
+        elif kind == "down_proj" and t.ndim == 3:
+            named += [(f"{prefix}.{e}.down_proj.weight", t[e].clone()) for e in range(t.shape[0])]
+        else:
+            named.append((name, t.clone()))
+    assert sum(".experts." in n for n, _ in named) == 3 * 6 * 3  # layers x experts x (gate, up, down)
+    LocalEngine.load_named_tensors(SimpleNamespace(model=engine), named)
+    hf.save_pretrained(tmp_path)
+    save_file({n: t.contiguous() for n, t in named if n != "lm_head.weight" or not hf.tie_word_embeddings},
+              str(tmp_path / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)  # transformers' own per-expert -> fused loading
+    for name, t in reference.state_dict().items():
+        assert torch.equal(engine.state_dict()[name], t), name
+    with pytest.raises(ValueError, match="unknown weight name 'model.layers.0.mlp.experts.6.up_proj.weight'"):
+        LocalEngine.load_named_tensors(SimpleNamespace(model=engine), [
+            ("model.layers.0.mlp.experts.6.up_proj.weight", torch.zeros(96, 128))])

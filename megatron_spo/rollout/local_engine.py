@@ -29,6 +29,7 @@ import glob
 import inspect
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +98,27 @@ class Req:
 
 def _is_moe(config) -> bool:
     return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
+_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def expert_target(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The view of a fused expert tensor (transformers 5: ``mlp.experts.gate_up_proj`` [E, 2F, H], gate rows first
+    as its forward chunks them; ``mlp.experts.down_proj`` [E, H, F]) that an HF per-expert name fills: gate_proj
+    [F, H] -> gate_up_proj[e, :F], up_proj -> gate_up_proj[e, F:], down_proj [H, F] -> down_proj[e]; None if the
+    name is not one of them."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    fused = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    if fused is None or fused.ndim != 3 or e >= fused.shape[0]:
+        return None
+    if proj == "down_proj":
+        return fused[e]
+    half = fused.shape[1] // 2
+    return fused[e, :half] if proj == "gate_proj" else fused[e, half:]
 
 
 class RouteCapture:
@@ -223,18 +245,24 @@ class LocalEngine:
     # ---------------------------------------------------------------------------------------------
     # weights
     # ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors into the model. All names and shapes are checked before the first
-        copy, so a bad update leaves the old weights intact."""
+        copy, so a bad update leaves the old weights intact. Per-expert names (every push's and SGLang's) land
+        in transformers' fused experts (expert_target)."""
         params = self.model.state_dict(keep_vars=True)  # has both names of tied weights (lm_head / embed)
+        targets = []
         for name, tensor in named:
-            if name not in params:
+            target = params.get(name)
+            if target is None:
+                target = expert_target(params, name)
+            if target is None:
                 raise ValueError(f"unknown weight name '{name}'")
-            if tuple(params[name].shape) != tuple(tensor.shape):
-                raise ValueError(f"weight '{name}': shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-        with torch.no_grad():
-            for name, tensor in named:
-                params[name].copy_(tensor.to(params[name].dtype))
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight '{name}': shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+            targets.append(target)
+        for target, (_, tensor) in zip(targets, named):
+            target.copy_(tensor.to(target.dtype))
 
     def load_from_disk(self, model_path: str) -> None:
         from safetensors.torch import load_file
