@@ -93,7 +93,7 @@ def test_the_trainer_prints_the_decline_warning_after_its_held_out_eval_and_surv
         return score
 
     watch.run = run
-    trainer = SimpleNamespace(held_out=watch, step=0)
+    trainer = SimpleNamespace(held_out=watch, step=0, online=None)  # no online source: the base weights
     said = []
     for step in (90, 180, 270):
         trainer.step = step
