@@ -31,9 +31,10 @@ def _missing_slurm() -> str | None:
 
 
 # Each test module's cluster numbers its jobs from its own first id: spo.sbatch derives its ports from the job id
-# (20000 + (id % 400) * 100), so the modules' clusters can run at once (on two pytest-xdist workers) without two
-# jobs taking the same ports. A module submits far fewer than 100 jobs.
-FIRST_JOB_IDS = {"test_slurm": 1, "test_slurm_flow": 101, "test_slurm_trainer": 201}
+# (20000 + (id % 127) * 100), so the modules' clusters can run at once (on two pytest-xdist workers) without two
+# jobs taking the same ports. A module submits far fewer than 40 jobs, and every job's ports stay below Linux's
+# ephemeral range (32768 and up), where any connection of any test may hold a port as its local end.
+FIRST_JOB_IDS = {"test_slurm": 1, "test_slurm_flow": 41, "test_slurm_trainer": 81}
 
 
 @pytest.fixture(scope="module")
