@@ -67,6 +67,10 @@ DEAREST_FIRST = (
     "test_convert_trainer_ckpt.py", "test_faults.py", "test_checkpoint_digest.py", "test_async_baselines.py",
     "test_resume_config.py", "test_gpu_check.py", "test_archive.py", "test_extensions.py", "test_lora_push.py",
 )
+# Files that share one worker: the SLURM test files. Their clusters number jobs apart (tests/slurm_helpers.py
+# FIRST_JOB_IDS), but with two clusters at once test_slurm_trainer's two jobs failed in two of four runs (not yet
+# understood: docs/engineering-notes.md), and one after another they have passed every time.
+SHARED_WORKER = {"test_slurm.py": "slurm", "test_slurm_flow.py": "slurm", "test_slurm_trainer.py": "slurm"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
@@ -74,7 +78,7 @@ def pytest_collection_modifyitems(config, items):
     first = {name: i for i, name in enumerate(DEAREST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
     for item in items:  # module fixtures are built once per worker: a file never spans two
-        item.add_marker(pytest.mark.xdist_group(item.path.name))
+        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.name, item.path.name)))
     matched = set()
     for item in items:
         for prefix in NEWEST_MEGATRON:
