@@ -68,8 +68,8 @@ DEAREST_FIRST = (
     "test_resume_config.py", "test_gpu_check.py", "test_archive.py", "test_extensions.py", "test_lora_push.py",
 )
 # Files that share one worker: the SLURM test files. Their clusters number jobs apart (tests/slurm_helpers.py
-# FIRST_JOB_IDS), but with two clusters at once test_slurm_trainer's two jobs failed in two of four runs (not yet
-# understood: docs/engineering-notes.md), and one after another they have passed every time.
+# FIRST_JOB_IDS) and passed two at once in two runs, but three at once failed test_slurm_trainer's two jobs once,
+# not understood (docs/engineering-notes.md); one after another they have passed every time.
 SHARED_WORKER = {"test_slurm.py": "slurm", "test_slurm_flow.py": "slurm", "test_slurm_trainer.py": "slurm"}
 
 

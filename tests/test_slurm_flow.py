@@ -107,7 +107,7 @@ def test_every_registry_preset_is_taken_with_its_engine_tp(tiny, capsys):
         assert preset.main([name]) == 0
         tps[name] = int(capsys.readouterr().out.split()[0])
     assert tps == {"llama3.1-8b": 1, "llama3.1-70b": 8, "qwen2.5-7b": 1, "qwen2.5-32b": 4, "qwen3-8b": 1,
-                   "qwen3-32b": 4}
+                   "qwen3-32b": 4, "qwen3-30b-a3b": 2, "qwen3-235b-a22b": 8}  # MoE: every expert's weights
     root, model, _, _, config = tiny
     out = flow(model, config, root / "dry", "--dry-run", "--preset", "qwen3-32b").stdout
     assert out.splitlines()[0] == f"preset qwen3-32b: engine TP 4, config {config}, model {model}"
@@ -119,7 +119,8 @@ def test_bad_flow_arguments_fail_before_anything_in_one_line(tiny):
         (["--model-path", "", "--dry-run"], "submit.sh: --model-path is required: the HF directory the engines "
                                             "serve and the trainer starts from"),
         (["--dry-run", "--preset", "gpt5"], "submit.sh: --preset: unknown model preset 'gpt5' (known: llama3.1-70b, "
-                                            "llama3.1-8b, qwen2.5-32b, qwen2.5-7b, qwen3-32b, qwen3-8b)"),
+                                            "llama3.1-8b, qwen2.5-32b, qwen2.5-7b, qwen3-235b-a22b, qwen3-30b-a3b, "
+                                            "qwen3-32b, qwen3-8b)"),
         (["--dry-run", "--q0"], "submit.sh: --flow already has its Q0 stage: drop --q0 / --q0-only"),
         (["--dry-run", "--offline-data", "/no/such.jsonl"], "submit.sh: --offline-data: no such file or store "
                                                            "'/no/such.jsonl'"),
