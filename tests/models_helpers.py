@@ -86,6 +86,14 @@ def make_tiny_family(out_dir: str | Path, case: str, seed: int = 0, num_layers: 
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
         **{"tie_word_embeddings": False, **fields},
     )
+    return save_random_checkpoint(config, out_dir, seed)
+
+
+def save_random_checkpoint(config, out_dir: str | Path, seed: int = 0, noise: dict[str, float] | None = None) -> Path:
+    """A random fp32 transformers model of ``config`` in 40 KB shards with a tokenizer file. Norm weights are
+    1 + noise and biases noise; a parameter whose name ends in a key of ``noise`` is N(0, value^2)."""
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
@@ -94,6 +102,8 @@ def make_tiny_family(out_dir: str | Path, case: str, seed: int = 0, num_layers: 
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif stds := [std for suffix, std in (noise or {}).items() if name.endswith(suffix)]:
+                p.copy_(stds[0] * torch.randn_like(p))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, max_shard_size="40KB")
     (out_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}) + "\n")
@@ -194,7 +204,12 @@ def hf_reference(hf_dir: str | Path, ids: torch.Tensor) -> tuple[torch.Tensor, d
     """Logits [B, S, V] and gradients (by HF name) of the mean next-token cross-entropy."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return logits_and_grads(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), ids)
+
+
+def logits_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A transformers model's logits [B, S, V] and gradients (by parameter name) of the mean next-token
+    cross-entropy."""
     logits = model(ids).logits
     loss = next_token_loss(logits, ids)
     loss.backward()

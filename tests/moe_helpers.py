@@ -3,11 +3,13 @@ per-expert gradients, and the multi-process worker (one spawn, every layout)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
 from pathlib import Path
 
+import models_helpers
 import torch
 
 VOCAB, SEQ = 203, 24
@@ -24,18 +26,7 @@ def make_tiny_moe(out_dir: str | Path, seed: int = 0, router_std: float = 1.0, *
     import transformers
 
     config = transformers.Qwen3MoeConfig(**{**SHAPE, "norm_topk_prob": True, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(router_std * torch.randn_like(p))
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, max_shard_size="40KB")
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}) + "\n")
-    return out_dir
+    return models_helpers.save_random_checkpoint(config, out_dir, seed, noise={"mlp.gate.weight": router_std})
 
 
 def hf_model(hf_dir):
@@ -45,8 +36,7 @@ def hf_model(hf_dir):
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, experts_implementation="eager").eval()
 
 
-def tokens(batch: int = 4, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+tokens = functools.partial(models_helpers.tokens, seq=SEQ, vocab=VOCAB)  # tokens(batch=4, seed=1): [batch, SEQ]
 
 
 def per_expert(name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -64,16 +54,18 @@ def per_expert(name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: grad}
 
 
+def checkpoint_logits_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """models_helpers.logits_and_grads with the gradients by checkpoint name (per expert)."""
+    logits, grads = models_helpers.logits_and_grads(model, ids)
+    by_name = {}
+    for n, g in grads.items():
+        by_name.update(per_expert(n, g))
+    return logits, by_name
+
+
 def hf_reference(hf_dir, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits [B, S, V] and the mean next-token cross-entropy's gradients by checkpoint name."""
-    model = hf_model(hf_dir)
-    logits = model(ids).logits
-    v = logits.shape[-1]
-    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1)).backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        grads.update(per_expert(n, p.grad.detach().clone()))
-    return logits.detach(), grads
+    return checkpoint_logits_and_grads(hf_model(hf_dir), ids)
 
 
 def forced_routes(batch: int = 4, seq: int = SEQ, seed: int = 2) -> torch.Tensor:
@@ -100,13 +92,7 @@ def hf_forced(hf_dir, ids: torch.Tensor, routes: torch.Tensor) -> tuple[torch.Te
             return logits, top.to(logits.dtype), chosen
 
         gate.forward = forward
-    logits = model(ids).logits
-    v = logits.shape[-1]
-    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1)).backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        grads.update(per_expert(n, p.grad.detach().clone()))
-    return logits.detach(), grads
+    return checkpoint_logits_and_grads(model, ids)
 
 
 def moe_worker(hf_dir: str, result_path: str) -> None:
@@ -215,7 +201,17 @@ def moe_worker(hf_dir: str, result_path: str) -> None:
     dist.destroy_process_group()
 
 
-class EngineSource:
+class DrawCountedSource:
+    """An online source whose resumable state is how many trajectories it has drawn (self.drawn)."""
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = state["drawn"]
+
+
+class EngineSource(DrawCountedSource):
     """Online trajectories sampled by the local engine (rollout/local_engine.py) from ``hf_dir``, with the engine's
     log-probs and routed experts, as the rollout manager builds them: groups of 4 samples per prompt at T = 1."""
 
@@ -249,12 +245,6 @@ class EngineSource:
         self.drawn += k
         return out
 
-    def state_dict(self) -> dict:
-        return {"drawn": self.drawn}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.drawn = state["drawn"]
-
 
 def train_cfg(run_dir: str, hf_dir: str, replay: str, *, steps: int = 1, pack: bool = True) -> dict:
     return dict(run_dir=run_dir, steps=steps, algo="spo", beta=0.5, init={"hf": hf_dir}, routing_replay=replay,
@@ -280,7 +270,7 @@ def train_gap_worker(runs: list[tuple[dict, str]], engine_dtype: str | None) -> 
             trainer.close(keep_process_group=i < len(runs) - 1)
 
 
-class ForcedRoutesSource:
+class ForcedRoutesSource(DrawCountedSource):
     """Online trajectories with random routes (k distinct experts per token and layer) and, as behaviour log-probs,
     transformers' log-probs of the response under exactly those routes (fp32, T = 1): a trainer that replays the
     routes reproduces them to rounding; one that routes itself does not."""
@@ -305,9 +295,3 @@ class ForcedRoutesSource:
                                   temperature=1.0, top_p=1.0, routed_experts=RoutedExperts.from_array(routes[0].numpy())))
         self.drawn += k
         return out
-
-    def state_dict(self) -> dict:
-        return {"drawn": self.drawn}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.drawn = state["drawn"]
