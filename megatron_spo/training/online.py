@@ -254,23 +254,7 @@ class OnlineSource:
         if self.broadcaster is None:  # nothing to push to (router only); the gather's owner drains it
             self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
             return {}
-        if not self._fleet_seen_healthy:
-            # the first push may come before a freshly (re)started fleet is up (a resumed run re-sends its
-            # weights at once): an engine missing it would stay gated off with nothing left to train on
-            def stopped(_url: str) -> None:  # asked at every poll: SIGTERM ends the wait (Stopped)
-                raise_if_stopped("the rollout engines to answer")
-
-            try:
-                # /model_info: an engine a stopped run's push left paused must still be found (and resynced)
-                wait_healthy(self.broadcaster.engine_urls, self.manager.cfg.engine_wait_s, dead=stopped,
-                             path="/model_info")
-            except (RuntimeError, Stopped) as err:
-                for _ in named_tensors:  # a collective gather: the other ranks see it through
-                    pass
-                if isinstance(err, Stopped):
-                    raise
-                raise FleetUnavailable(f"{err} (rollout.engine_wait_s)") from None
-            self._fleet_seen_healthy = True
+        self._await_fleet(named_tensors)
         try:
             metrics = self.broadcaster.push(named_tensors, version=str(version)).metrics()
             self.last_sync_error = None
@@ -278,8 +262,7 @@ class OnlineSource:
             # a stop signal made the push give up on engines that did not answer (weight_sync._failures): stop
             # now rather than let the trainer send it again (rollout.weight_sync_attempts)
             raise_if_stopped("the weight push")
-            log.error("%s", err)
-            self.last_sync_error = str(err)
+            self._push_failed(str(err))
             metrics = {"weight_sync/failed": 1.0, "weight_sync/engines_updated": 0.0,
                        "weight_sync/engines_failed": float(len(self.broadcaster.engine_urls))}
         self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
@@ -313,7 +296,9 @@ class OnlineSource:
         return "adapter"
 
     def _await_fleet(self, named_tensors) -> None:
-        """Before the first push, wait for the engines to answer (a collective's tensors drained on failure)."""
+        """Before the first push, wait for the engines to answer (a collective's tensors drained on failure): the
+        first push may come before a freshly (re)started fleet is up (a resumed run re-sends its weights at once),
+        and an engine missing it would stay gated off with nothing left to train on."""
         if self._fleet_seen_healthy:
             return
 
@@ -321,6 +306,7 @@ class OnlineSource:
             raise_if_stopped("the rollout engines to answer")
 
         try:
+            # /model_info: an engine a stopped run's push left paused must still be found (and resynced)
             wait_healthy(self.broadcaster.engine_urls, self.manager.cfg.engine_wait_s, dead=stopped, path="/model_info")
         except (RuntimeError, Stopped) as err:
             for _ in named_tensors:  # a collective gather: the other ranks see it through
@@ -330,14 +316,18 @@ class OnlineSource:
             raise FleetUnavailable(f"{err} (rollout.engine_wait_s)") from None
         self._fleet_seen_healthy = True
 
+    def _push_failed(self, error: str) -> None:
+        """A push that reached no engine: its one-line error logged and kept for the rollout-wait message."""
+        log.error("%s", error)
+        self.last_sync_error = error
+
     def push_adapter(self, version: int, tensors: dict) -> dict[str, float]:
         """Load the adapters ({HF PEFT name: full tensor}) on every engine as a new adapter, switch new requests to
         it (their samples are then exactly this version), then unload the older adapters (adapter_push.py)."""
         self._await_fleet(())
         report = self.adapter_pusher.push(tensors, version)
         if not report.engines_updated:
-            self.last_sync_error = f"adapter push reached no engine: {report.failed}"
-            log.error("%s", self.last_sync_error)
+            self._push_failed(f"adapter push reached no engine: {report.failed}")
             return report.metrics()
         self.last_sync_error = None
 
