@@ -290,7 +290,7 @@ class _Worker:
     @classmethod
     def get(cls) -> _Worker:
         if not sgl.sglang_available():
-            raise sgl.SGLangNotInstalled("sglang is not installed (pip install --no-deps sglang==0.5.23)")
+            raise sgl.SGLangNotInstalled(sgl.SGLANG_NOT_INSTALLED)
         with cls._lock:
             if cls._instance is None or not cls._instance.process.is_alive():
                 cls._instance = cls()

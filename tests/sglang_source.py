@@ -253,6 +253,10 @@ HOLLOW_PACKAGES: dict[str, str] = {
 }
 
 
+SGLANG_NOT_INSTALLED = ("sglang's source is not installed (tools/bootstrap.sh test installs it: "
+                        "pip install --no-deps sglang==0.5.23)")  # the tests' skip reason
+
+
 class SGLangNotInstalled(ImportError):
     """``sglang`` is not installed (tests should skip)."""
 
@@ -288,7 +292,7 @@ def sglang_available() -> bool:
 def _require_root() -> str:
     root = sglang_root()
     if root is None:
-        raise SGLangNotInstalled("sglang is not installed (pip install --no-deps sglang==0.5.23)")
+        raise SGLangNotInstalled(SGLANG_NOT_INSTALLED)
     return root
 
 

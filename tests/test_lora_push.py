@@ -77,12 +77,12 @@ def engine(hf, model_cfg):
 def test_engine_flags_are_sglangs_own(hf, model_cfg):
     """SGLang's launcher parses the flags to the LoRA shape the trainer's config has (`serve` takes the same: the
     engine fixture), and the pusher reads that shape back under SGLang's server-arg names."""
-    from sglang_source import parse_sglang_server_argv, sglang_available
+    from sglang_source import SGLANG_NOT_INSTALLED, parse_sglang_server_argv, sglang_available
 
     flags = ap.engine_lora_args(LORA, model_cfg)
     assert flags == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", *MODULES]
     if not sglang_available():
-        pytest.skip("sglang source not installed")
+        pytest.skip(SGLANG_NOT_INSTALLED)
     args = parse_sglang_server_argv(["--model-path", hf, "--tp-size", "2", *flags])
     assert (args.enable_lora, args.max_lora_rank, sorted(args.lora_target_modules)) == (True, 4, MODULES)
     # SGLang's /server_info is its server args by field name: what the pusher reads from it
@@ -98,7 +98,7 @@ def test_push_bodies_pass_sglangs_io_struct_and_its_deserializer(peft, model_cfg
     the config through SGLang's target-module normalisation and scaling rule."""
     sglang_source = pytest.importorskip("sglang_source")
     if not sglang_source.sglang_available():
-        pytest.skip("sglang source not installed")
+        pytest.skip(sglang_source.SGLANG_NOT_INSTALLED)
     io = sglang_source.io_struct()
     config = ap.push_config_dict(LORA, model_cfg, "/models/base")
     payload = __import__("base64").b64encode(ap.serialize_adapter(peft[0])).decode()
@@ -403,7 +403,7 @@ def test_the_push_order_through_sglangs_own_lora_control_flow(peft, model_cfg):
     side; unloading v1 refuses new requests for it at once but completes only when the request holding it ends."""
     sgl = pytest.importorskip("sglang_source")
     if not sgl.sglang_available():
-        pytest.skip("sglang source not installed")
+        pytest.skip(sgl.SGLANG_NOT_INSTALLED)
     rc = sgl.runtime_context()
     config = ap.push_config_dict(LORA, model_cfg)
     payload = __import__("base64").b64encode(ap.serialize_adapter(peft[0])).decode()
@@ -479,7 +479,7 @@ def test_a_path_push_body_and_directory_pass_sglangs_own_code(peft, model_cfg, t
     weights read back): v1 and v2 side by side, v1 unloaded after."""
     sgl = pytest.importorskip("sglang_source")
     if not sgl.sglang_available():
-        pytest.skip("sglang source not installed")
+        pytest.skip(sgl.SGLANG_NOT_INSTALLED)
     from safetensors.torch import load_file
 
     from megatron_spo.models.lora import write_peft_dir

@@ -248,7 +248,7 @@ def test_engine_returns_routed_experts_in_sglangs_format(hf_dir):
     from megatron_spo.rollout.protocol import GenerateRequest, SamplingParams, parse_generate_response
 
     if not sglang_source.sglang_available():
-        pytest.skip("sglang source not installed")
+        pytest.skip(sglang_source.SGLANG_NOT_INSTALLED)
     prompts = [[5, 6, 7, 8, 9], [11, 12]]
     req = GenerateRequest(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=7, n=2, temperature=1.0),
                           return_routed_experts=True)
@@ -451,9 +451,10 @@ def test_sglangs_qwen3_moe_loads_every_pushed_expert(hf_dir):
     test_matches_transformers_in_every_layout): every name loads, each expert's gate / up into its rows of the fused
     w13_weight [E, 2F, H] and down into w2_weight [E, H, F], and no SGLang parameter keeps an unwritten element."""
     import sglang_models as sm
+    from sglang_source import SGLANG_NOT_INSTALLED
 
     if not sm.sglang_available():
-        pytest.skip("sglang source not installed")
+        pytest.skip(SGLANG_NOT_INSTALLED)
     cfg = hfc.read_hf_config(hf_dir)
     reader = hfc.HFReader(hf_dir, verify=False)
     pushed = [(name, reader.get(name).clone()) for name in hf_shapes(cfg)]

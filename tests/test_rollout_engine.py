@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import FaultyServer, ServerThread, make_tiny_llama, perturbed_state_dict  # noqa: E402
+from sglang_source import SGLANG_NOT_INSTALLED  # noqa: E402
 
 from megatron_spo.config import ConfigError, build_config  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
@@ -45,7 +46,7 @@ def sglang_api():
     """sglang's generated /generate schema (api/v1/api_types.py), loaded by file path with only msgspec."""
     root = _sglang_dir()
     if root is None:
-        pytest.skip("sglang is not installed (bash tools/bootstrap.sh test installs it with --no-deps)")
+        pytest.skip(SGLANG_NOT_INSTALLED)
     spec = importlib.util.spec_from_file_location("sglang_api_types", os.path.join(root, "api", "v1", "api_types.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

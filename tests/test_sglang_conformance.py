@@ -37,8 +37,7 @@ from megatron_spo.rollout.rwlock import RWLock  # noqa: E402
 from megatron_spo.rollout.weight_sync import Bucket, WeightBroadcaster, iter_buckets
 
 if not sgl.sglang_available():
-    pytest.skip("sglang is not installed (bash tools/bootstrap.sh test installs it with --no-deps)",
-                allow_module_level=True)
+    pytest.skip(sgl.SGLANG_NOT_INSTALLED, allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,7 @@ import pytest
 import sglang_source as sgl
 
 if not sgl.sglang_available():
-    pytest.skip(
-        "sglang is not installed (its source is needed: pip install --no-deps sglang==0.5.23)",
-        allow_module_level=True,
-    )
+    pytest.skip(sgl.SGLANG_NOT_INSTALLED, allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
