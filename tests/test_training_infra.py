@@ -53,6 +53,16 @@ def test_plot_writes_one_png_per_panel_with_data(tmp_path, capsys):
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert names == ["loss.png", "overview.png", "reward.png", "step_time_split_s.png"]
     assert (tmp_path / "plots" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # one figure drawn once: each panel is its cell of overview.png (3 panels: one row of 3 cells of 5 x 3.2 in)
+    import matplotlib.image
+    import numpy as np
+
+    overview = matplotlib.image.imread(tmp_path / "plots" / "overview.png")
+    assert overview.shape[:2] == (320, 1500)
+    for col, name in enumerate(["loss", "reward", "step_time_split_s"]):
+        panel = matplotlib.image.imread(tmp_path / "plots" / f"{name}.png")
+        np.testing.assert_array_equal(panel, overview[:, 500 * col:500 * (col + 1)])
+        assert (panel[..., :3] < 0.5).any(axis=-1).mean() > 0.01  # drawn on: lines, ticks, title
     assert plot_main([str(tmp_path / "missing")]) == 1
     assert "no such metrics file" in capsys.readouterr().err  # errors go to stderr (issue 28)
 

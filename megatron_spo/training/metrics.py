@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Iterable
@@ -23,6 +24,9 @@ from megatron_spo import extras
 from megatron_spo.cli import positive_int
 
 METRICS_FILE = "metrics.jsonl"
+PLOT_DPI = 100  # overview.png and every panel cut from it
+PANEL_INCHES = (5.0, 3.2)  # one panel's cell: width, height
+PANEL_MARGINS = (0.9, 0.5, 0.15, 0.5)  # inches of a cell outside its axes: left (tick labels), bottom (x label), right, top (title)
 
 # Plot panels: title -> the metrics drawn together. "prefix/*" stands for every logged name under that prefix
 # (per data source, per time bucket, ...); names a run did not log are skipped, and so is a panel with none.
@@ -235,6 +239,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, smooth: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     records = read_metrics(run_dir)
     out = Path(out_dir) if out_dir else Path(run_dir) / "plots"
@@ -257,7 +262,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, smooth: 
             xs, ys = zip(*pts)
             ys = _moving_average(ys, smooth)
             ax.plot(xs, ys, label=name, lw=1.4)
-        ax.set_title(title)
+        ax.set_title(textwrap.fill(title, 50), fontsize=11)  # two lines at most: the cell's top margin holds them
         if title in LOG_PANELS and all(y > 0 for pts in series.values() for _, y in pts):
             ax.set_yscale("log")
         ax.set_xlabel("step")
@@ -265,26 +270,31 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, smooth: 
         if len(series) > 1:
             ax.legend(fontsize=7)
 
-    written = []
-    for title, series in panels.items():
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        draw(ax, title, series)
-        fig.tight_layout()
-        path = out / (_slug(title) + ".png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    cols = 3
+    # One figure drawn once, a grid of equal cells: overview.png is the figure and each panel's PNG its cell's
+    # pixels. Drawing every panel as a figure of its own, and tight_layout, cost 10x more (0.3 s per panel).
+    cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
-    for ax, (title, series) in zip(axes.flat, panels.items()):
+    fig = plt.figure(figsize=(PANEL_INCHES[0] * cols, PANEL_INCHES[1] * rows), dpi=PLOT_DPI)
+    width, height = PANEL_INCHES
+    left, bottom, right, top = PANEL_MARGINS
+    cells = []
+    for i, (title, series) in enumerate(panels.items()):
+        row, col = divmod(i, cols)
+        ax = fig.add_axes(((col * width + left) / (width * cols), ((rows - 1 - row) * height + bottom) / (height * rows),
+                           (width - left - right) / (width * cols), (height - bottom - top) / (height * rows)))
         draw(ax, title, series)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.tight_layout()
-    path = out / "overview.png"
-    fig.savefig(path, dpi=100)
+        cells.append((title, row, col))
+    fig.canvas.draw()
+    pixels = np.array(fig.canvas.buffer_rgba())  # a copy: the buffer goes with the figure
     plt.close(fig)
+    cell_h, cell_w = pixels.shape[0] // rows, pixels.shape[1] // cols
+    written = []
+    for title, row, col in cells:
+        path = out / (_slug(title) + ".png")
+        plt.imsave(path, pixels[row * cell_h:(row + 1) * cell_h, col * cell_w:(col + 1) * cell_w], dpi=PLOT_DPI)
+        written.append(path)
+    path = out / "overview.png"
+    plt.imsave(path, pixels, dpi=PLOT_DPI)
     written.append(path)
     return written
 
