@@ -1,7 +1,9 @@
-"""How much memory this process may use, and a preflight that refuses a load that will not fit.
+"""How much memory this process may use and has used, and a preflight that refuses a load that will not fit.
 
     avail = available_memory()            # Available(bytes, "MemAvailable" | "cgroup memory limit ...")
     preflight("check-conversion", need_bytes, hint="--vocab-chunk 8192 lowers it")   # MemoryPreflightError
+    peak_rss_gb()                         # this process's peak resident set so far (the trainer's metric)
+    result, peak = peak_anon_bytes(fn, *args)   # one call's peak private memory above its level before
 
 The kernel's OOM killer gives no message of ours; a one-line refusal before the load does. The available
 amount is the smallest of /proc/meminfo's MemAvailable and the room left under this process's cgroup
@@ -13,8 +15,12 @@ the kernel reclaims it.
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 GB = 1e9
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge number
@@ -166,3 +172,35 @@ def peak_rss_gb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def anon_bytes() -> int:
+    """This process's private resident memory now, in bytes: /proc/self/status RssAnon (page cache and memory-mapped
+    files excluded); 0 where there is no such line."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_anon_bytes(fn: Callable[..., Any], *args, **kwargs) -> tuple[Any, int]:
+    """(fn(*args, **kwargs), the peak of anon_bytes() during the call above its level before it), sampled every
+    2 ms on a thread. Warm up first: imports and one-time set-up in the call count as its memory."""
+    base = anon_bytes()
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], anon_bytes())
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        done.set()
+        thread.join()
+    return result, max(peak[0], anon_bytes()) - base

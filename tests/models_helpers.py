@@ -494,23 +494,13 @@ def all_tensors(hf: Path) -> dict[str, torch.Tensor]:
 # Peak process-private memory of one call, in a fresh process (benchmarks and the memory tests)
 # ---------------------------------------------------------------------------------------------
 PEAK_ANON_CODE = """
-import json, sys, threading, time, warnings
+import json, sys, warnings
 warnings.filterwarnings("ignore")
+from megatron_spo.memory import peak_anon_bytes
 from megatron_spo.models.check_conversion import run_check
-
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
 
 warm_hf, warm_meg, hf, meg, chunk = sys.argv[1:6]
 run_check(warm_hf, warm_meg, progress=False)  # imports and one-time set-up are not the check's memory
-base = anon(); peak = [base]; done = threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon()); time.sleep(0.002)
-t = threading.Thread(target=sample, daemon=True); t.start()
-report = run_check(hf, meg, vocab_chunk=int(chunk), progress=False)
-done.set(); t.join(); peak[0] = max(peak[0], anon())
-print(json.dumps({"peak_anon_bytes": peak[0] - base, "ok": report.ok, "estimate": report.memory}))
+report, peak = peak_anon_bytes(run_check, hf, meg, vocab_chunk=int(chunk), progress=False)
+print(json.dumps({"peak_anon_bytes": peak, "ok": report.ok, "estimate": report.memory}))
 """

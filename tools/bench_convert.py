@@ -129,18 +129,9 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _child(step: str, src: Path, dst: Path) -> None:
     """One step in this (fresh) process; prints its peak anonymous memory above the baseline."""
-    import threading
-
+    from megatron_spo.memory import peak_anon_bytes
     from megatron_spo.models.convert import hf_to_megatron, megatron_to_hf
 
     steps = {"plain": plain_copy, "hf->mcore": hf_to_megatron, "mcore->hf": megatron_to_hf,
@@ -155,24 +146,14 @@ def _child(step: str, src: Path, dst: Path) -> None:
             from megatron_spo.models.check_conversion import run_check
 
             run_check(Path(warm) / "hf", Path(warm) / "meg", progress=False)
-    baseline = _anon_bytes()
-    peak = [baseline]
-    done = threading.Event()
 
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], _anon_bytes())
-            time.sleep(0.002)
+    def run() -> float:
+        start = time.perf_counter()
+        steps[step](src, dst)
+        return time.perf_counter() - start
 
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    start = time.perf_counter()
-    steps[step](src, dst)
-    seconds = time.perf_counter() - start
-    done.set()
-    thread.join()
-    peak[0] = max(peak[0], _anon_bytes())
-    print(json.dumps({"peak_anon_bytes": peak[0] - baseline, "seconds": seconds}))
+    seconds, peak = peak_anon_bytes(run)
+    print(json.dumps({"peak_anon_bytes": peak, "seconds": seconds}))
 
 
 def memory_report(args, tmp: Path, hf: Path, nbytes: int, check: bool = False) -> dict:
