@@ -123,6 +123,34 @@ def test_report_numbers_and_verdicts_from_known_runs(tmp_path):
         assert {r.count("|") for r in rows} == {rows[0].count("|")}, table
 
 
+def test_the_lora_arm_trains_adapters_and_its_report_gives_push_bytes_and_memory(tmp_path):
+    """Issue 46: the spo-lora arm reaches the quickstart with train.lora at its defaults (an empty {} survives the
+    flattening into overrides) and 10x SPO's lr; the report sets it beside full SPO, paired, with MB per push and
+    trainer peak RSS."""
+    study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo", "spo-lora"], "seeds": [0, 1],
+                                          "sweep": {"enabled": False}, "long_run": {"seeds": []}})
+    args = st.quickstart_overrides(study, st.RunSpec("runs", "spo-lora", 0, ()), tmp_path)
+    assert "train.lora={}" in args
+    cfg = build_config(QuickstartConfig, apply_overrides({}, args))
+    assert cfg.train.lora is not None and cfg.train.lora.rank == 8 and cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.algo == "spo" and cfg.train.beta == build_config(QuickstartConfig, {}).train.beta
+    assert build_config(QuickstartConfig, apply_overrides({}, st.quickstart_overrides(
+        study, st.RunSpec("runs", "spo", 0, ()), tmp_path))).train.lora is None
+    for seed in (0, 1):
+        _fake_reference(tmp_path, seed)
+        _fake_run(tmp_path, study, "spo", seed, 0.4, 0.9, pushes=1, wall=90)
+        _fake_run(tmp_path, study, "spo-lora", seed, 0.35, 0.9, pushes=3, wall=80)
+    lora = st.RunSpec("runs", "spo-lora", 1, ()).run_dir(tmp_path) / "train" / "metrics.jsonl"
+    lora.write_text(lora.read_text().replace('"weight_sync/bytes": 100000000.0', '"weight_sync/bytes": 250000.0')
+                    .replace('"memory/peak_rss_gb": 1.5', '"memory/peak_rss_gb": 1.1'))
+    report = write_report(study, tmp_path, study.fixed_settings()).read_text()
+    assert "## LoRA against full SPO (spo-lora minus spo, paired per seed and problem)" in report
+    assert "| spo | 2 x 40 | 0.400 | 0.900 | | | 1 ± 0 | 100.000 ± 0.000 | 1.500 ± 0.000 |" in report
+    assert "| spo-lora | 2 x 40 | 0.350 | 0.900 | -0.050 [-0.050, -0.050] | +0.000 [+0.000, +0.000] | 3 ± 0 | " \
+           "50.125 ± 70.534 | 1.300 ± 0.283 |" in report
+    assert "at lr 3e-4, 10x full SPO's 3e-5" in report
+
+
 def test_finished_runs_are_skipped_and_failures_named(tmp_path, monkeypatch):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "arms": ["spo"]})
     spec = st.RunSpec("runs", "spo", 0, (("train.lr", 2e-4),))

@@ -69,6 +69,13 @@ ARMS: dict[str, Arm] = {
                      (PAPER_BETA,), "SPO at the paper's settings: terminal cross-entropy, beta 1/log(1e5), "
                      "T ~ U(0.1, 0.8), top-p 0.95, 50/50 online/offline, push every 10 steps, no centring or "
                      "trust region"),
+    # issue 46: LoRA (rank 8, alpha 16, every linear; adapter pushes) at 10x SPO's lr 3e-5, not swept: LoRA's best
+    # lr is commonly ~10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025; Biderman et al. 2024)
+    "spo-lora": Arm("spo", ("train.lora={}", "train.lr=0.0003"), "train.beta", (PAPER_BETA, 0.5, 1.0),
+                    "SPO (the quickstart's, online + offline) training LoRA adapters (rank 8, alpha 16, every linear; "
+                    "pi_0 = the policy with its adapters off; pushes send the adapters alone) at lr 3e-4, 10x full "
+                    "SPO's 3e-5 and not swept: LoRA's best lr is commonly ~10x full fine-tuning's (Thinking Machines, "
+                    "\"LoRA Without Regret\", 2025; Biderman et al. 2024)"),
     "agro": Arm("agro", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
@@ -126,8 +133,10 @@ class LongRunConfig(StrictModel):
 
 class StudyConfig(StrictModel):
     out_dir: str = "outputs/compare"
-    arms: list[str] = Field(default_factory=lambda: [a for a in ARMS if a not in ("trl-grpo", *DATA_ARMS)]
-                            + ["trl-grpo"])
+    arms: list[str] = Field(default_factory=lambda: [a for a in ARMS
+                                                     if a not in ("trl-grpo", "spo-lora", *DATA_ARMS)] + ["trl-grpo"],
+                            description="default: every arm but those needing `data` and spo-lora (LoRA is not a "
+                            "baseline: name it to run it)")
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     sweep: SweepConfig = Field(default_factory=SweepConfig)
     long_run: LongRunConfig = Field(default_factory=LongRunConfig)
@@ -185,7 +194,7 @@ class RunSpec:
 def _flat(data: dict, prefix: str = "") -> list[str]:
     out = []
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:  # an empty one ({}: a sub-config at its defaults, train.lora={}) stays
             out += _flat(value, f"{prefix}{key}.")
         else:
             out.append(f"{prefix}{key}={json.dumps(value)}")

@@ -458,6 +458,8 @@ def write_report(study, root: Path, chosen: dict) -> Path:
                 cells = [_ci(*compare(by["spo"], arm, w)[:3]) for w in ("pass@1", "pass@10", "gap", "distinct")]
                 lines.append(f"| {arm.name} | " + " | ".join(cells) + " |")
         lines.append("")
+    if "spo" in by and "spo-lora" in by:
+        lines += _lora(by["spo"], by["spo-lora"])
     if "grpo" in by and "trl-grpo" in by:  # our GRPO held to an outside implementation: the same rollouts per step
         lines += ["## Our GRPO against TRL's GRPOTrainer (grpo minus trl-grpo, paired per seed and problem)", "",
                   "| pass@1 | pass@10 | pass@10 - pass@1 | distinct correct | within noise |", "|---|---|---|---|---|"]
@@ -472,6 +474,27 @@ def write_report(study, root: Path, chosen: dict) -> Path:
     (root / "report.json").write_text(json.dumps(
         {a.name: {w: compare(a, None, w)[:3] for w in ("pass@1", "pass@10", "gap")} for a in arms}, indent=2) + "\n")
     return report
+
+
+def _lora(full: ArmRuns, lora: ArmRuns) -> list[str]:
+    """Issue 46: SPO with LoRA against full SPO, held-out pass@k (paired) beside what LoRA saves: the bytes of one
+    weight push (the training's pushes, weight_sync/bytes; the merged push before the final evaluation is not one)
+    and the trainer's peak RSS (rank 0, memory/peak_rss_gb; on CPU the trainer's whole footprint)."""
+    lines = ["## LoRA against full SPO (spo-lora minus spo, paired per seed and problem)", "",
+             "| arm | seeds x problems | pass@1 | pass@10 | spo-lora minus spo: pass@1 | pass@10 | weight pushes | "
+             "MB per push | trainer peak RSS GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for arm in (full, lora):
+        seeds, problems = _common([full, lora])
+        per_push = [statistics.mean(b) / 1e6 for ms in arm.metrics.values()
+                    if (b := [m["weight_sync/bytes"] for m in ms if m.get("weight_sync/bytes")])]
+        r = _resources(arm)
+        delta = "|" if arm is full else " | ".join(_ci(*compare(lora, full, w)[:3]) for w in ("pass@1", "pass@10"))
+        lines.append(f"| {arm.name} | {len(seeds)} x {len(problems)} | {arm.mean('pass@1', seeds, problems):.3f} | "
+                     f"{arm.mean('pass@10', seeds, problems):.3f} | {delta} | {_mean_sd(r['pushes'])} | "
+                     f"{_mean_sd(per_push, '{:.3f}')} | {_mean_sd([x for x in r['rss'] if x], '{:.3f}')} |")
+    return lines + ["", "MB per push: the bytes sent to the engines per training push (weight_sync/bytes; an adapter "
+                    "push sends the adapters alone); trainer peak RSS: rank 0's peak resident set (VmHWM), on CPU "
+                    "the whole trainer (model, reference or none, gradients, optimizer state, activations).", ""]
 
 
 def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
