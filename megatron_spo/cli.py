@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                          "HF vs Megatron layer by layer in bounded memory: first tensor / layer that differs"),
     "serve": ("megatron_spo.rollout.engine_server:main", "a local engine speaking the SGLang HTTP API"),
     "fleet": ("megatron_spo.rollout.fleet:main", "start N engines behind sglang-router: fleet up"),
+    "router": ("megatron_spo.rollout.router:main", "sglang-router's Rust router, as sglang_router.launch_router "
+               "starts it, without importing sglang"),
     "estimate-q0": ("megatron_spo.engine_tools.estimate_q0:main", "Monte-Carlo Q0 per prompt from reference samples"),
     "trajectories": ("megatron_spo.data.trajectory:main", "trajectory files: import JSONL -> offline store, export, check"),
     "offline": ("megatron_spo.data.experience:main", "experience store: import text / CodeContests / TACO, build, stats"),

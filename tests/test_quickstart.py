@@ -24,7 +24,7 @@ def _fleet_processes(tag: str) -> list:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "sglang_router.launch_router" in cmd or "megatron_spo.cli serve" in cmd or "engine_server" in cmd:
+        if "megatron_spo.cli router" in cmd or "megatron_spo.cli serve" in cmd or "engine_server" in cmd:
             try:
                 if p.environ().get("MEGATRON_SPO_TEST_RUN") == tag:
                     out.append(cmd)

@@ -6,6 +6,8 @@ is read as something else fails CI. The command lines, all taken from the projec
   ENGINE_CMD / ROUTER_CMD that slurm/launch_workers.sh runs (submit.sh overrides them only with probe.py).
 * megatron_spo/rollout/fleet.py: the router command ``Fleet.__init__`` builds, and the SGLang engine
   template its module docstring documents for ``--engine-command``.
+* megatron_spo/rollout/router.py (``megatron-spo router``, which Fleet and spo.sbatch's MODE=cpu start): the
+  RouterArgs it parses equal launch_router's for the same argv.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def fleet_router(tmp_path) -> list[str]:
 
     cmd = Fleet(str(tmp_path), 2, router_port=30000, engine_ports=[30001, 30002],
                 startup_timeout_s=300).router.command
-    assert cmd[1:3] == ["-m", "sglang_router.launch_router"], cmd
-    return cmd[3:]
+    assert cmd[1:4] == ["-m", "megatron_spo.cli", "router"], cmd  # sglang_router.launch_router's argv
+    return cmd[4:]
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -127,6 +129,26 @@ def test_misspelled_flag_is_refused(var, module, parse, flag, capsys):
     assert bad.value.code == 2 and f"unrecognized arguments: {flag}s" in capsys.readouterr().err
 
 
+def test_megatron_spo_router_parses_as_launch_router_does(tmp_path, capsys):
+    """megatron_spo/rollout/router.py (`megatron-spo router`, which Fleet and spo.sbatch's MODE=cpu run)
+    builds the RouterArgs sglang_router/launch_router.py parse_router_args builds from the same argv, and
+    refuses what it refuses; spo.sbatch's MODE=cpu router line is its MODE=gpu line's flags."""
+    pytest.importorskip("sglang_router")
+    from megatron_spo.rollout.router import parse_router_args
+
+    for argv in (fleet_router(tmp_path), sbatch_argv("default_router", "sglang_router.launch_router")):
+        assert parse_router_args(argv) == sgl.parse_router_argv(argv)
+        with pytest.raises(SystemExit) as bad:
+            parse_router_args([*argv, "--worker-url-typo", "x"])
+        assert bad.value.code == 2 and "unrecognized arguments: --worker-url-typo" in capsys.readouterr().err
+    lines = [line.strip() for line in SBATCH.read_text().splitlines() if re.match(r"\s*(\[.*\] \|\| )?default_router=", line)]
+    assert len(lines) == 2, lines
+    script = "\n".join([*lines, 'eval "set -- $default_router"', 'printf "%s\\0" "$@"'])
+    out = subprocess.run(["bash", "-c", script], env={"PATH": os.environ["PATH"], **SBATCH_ENV, "MODE": "cpu"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split("\0")[:-1] == ["megatron-spo", "router", *sbatch_argv("default_router", "sglang_router.launch_router")]
+
+
 def test_every_shipped_command_line_is_covered():
     """No other file (slurm/, megatron_spo/, tools/, examples/, READMEs) starts an SGLang server or
     sglang-router: a new command line must be added to the tests above."""
@@ -137,4 +159,7 @@ def test_every_shipped_command_line_is_covered():
         n = len(pattern.findall(path.read_text(errors="ignore")))
         if n:
             found[str(path.relative_to(REPO))] = n
-    assert found == {"slurm/spo.sbatch": 2, "megatron_spo/rollout/fleet.py": 2}, found
+    # spo.sbatch: the gpu line and the cpu line's derivation; fleet.py, router.py, cli.py: megatron-spo router,
+    # which parses as launch_router does (test_megatron_spo_router_parses_as_launch_router_does)
+    assert found == {"slurm/spo.sbatch": 4, "megatron_spo/rollout/fleet.py": 1, "megatron_spo/rollout/router.py": 4,
+                     "megatron_spo/cli.py": 1}, found

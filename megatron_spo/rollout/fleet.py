@@ -112,7 +112,7 @@ class Fleet:
         self.removed_dead: list[str] = []
         if router:
             port = router_port or free_port()
-            cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            cmd = [sys.executable, "-m", "megatron_spo.cli", "router", "--host", host, "--port", str(port),
                    "--worker-urls", *[e.url for e in self.engines], "--policy", "round_robin",
                    "--log-level", "warn", *(router_health or RouterHealth()).args(),
                    "--worker-startup-timeout-secs", str(int(startup_timeout_s)),
