@@ -202,7 +202,7 @@ def test_trainer_preempted_checkpoints_requeues_and_resumes(cluster, model_dir):
     config = train_config(root, model_dir, "preempt", steps=steps, interval=100)  # only the signal checkpoints
     jobs = submit(cluster, run_dir, config, model_dir)
     job = jobs["train"]
-    wait_job(cluster, job, 180, until=lambda: len(metrics(run_dir)) >= 2)
+    wait_job(cluster, job, 420, until=lambda: len(metrics(run_dir)) >= 2)  # the job starts engines and ranks: slow beside other work
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster["env"], check=True)
     info = wait_job(cluster, job, 300)
     log = batch_log(run_dir)

@@ -9,6 +9,10 @@ job="${1:-}"; shift || true
 case "$job" in quickstart|test) ;; *) echo "usage: bash tools/bootstrap.sh quickstart|test [args...]" >&2; exit 2;; esac
 
 PY="${PYTHON:-python3}"
+# Python caches each module's bytecode beside it on first import, unless PYTHONDONTWRITEBYTECODE is set (some images
+# set it) and the installer wrote none (uv writes none): then every process compiles what it imports from source,
+# ~2-5 CPU s per process for transformers + megatron-core (a suite starts hundreds). The jobs run here cache it.
+unset PYTHONDONTWRITEBYTECODE
 export BOOTSTRAP_T0="${BOOTSTRAP_T0:-$(date +%s)}"  # each line says the seconds since the start (CI's log: where the time went)
 log() { printf '\033[1m[bootstrap +%ds]\033[0m %s\n' "$(( $(date +%s) - BOOTSTRAP_T0 ))" "$*"; }
 
