@@ -80,6 +80,16 @@ def test_wheels_are_verified_against_the_manifest_before_install(tmp_path):
     assert not (tmp_path / "site").exists()  # nothing was installed
 
 
+def test_cap_scale_is_for_cpu_runs_and_at_least_one(tmp_path):
+    for args, given in ((["--device", "cuda", "--cap-scale", "2"], "2 with --device cuda"),
+                        (["--device", "cpu", "--cap-scale", "0.5"], "0.5 with --device cpu")):
+        proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(tmp_path), *args],
+                              cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"gpu_check: error: --cap-scale: a number >= 1, for --device cpu runs (got {given})")
+
+
 def test_pins_must_be_exact(tmp_path):
     bad = tmp_path / "pins.txt"
     bad.write_text("# comment\nmegatron-core>=0.19\n")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,11 +130,14 @@ def test_misspelled_flag_is_refused(var, module, parse, flag, capsys):
     assert bad.value.code == 2 and f"unrecognized arguments: {flag}s" in capsys.readouterr().err
 
 
-def test_megatron_spo_router_parses_as_launch_router_does(tmp_path, capsys):
+def test_megatron_spo_router_parses_as_launch_router_does(tmp_path, capsys, monkeypatch):
     """megatron_spo/rollout/router.py (`megatron-spo router`, which Fleet and spo.sbatch's MODE=cpu run)
     builds the RouterArgs sglang_router/launch_router.py parse_router_args builds from the same argv, and
-    refuses what it refuses; spo.sbatch's MODE=cpu router line is its MODE=gpu line's flags."""
-    pytest.importorskip("sglang_router")
+    refuses what it refuses; spo.sbatch's MODE=cpu router line is its MODE=gpu line's flags; `--mini-lb` (the
+    Python balancer) is handed to launch_router itself. (sglang-router is a dependency in setup.py: no skip.)"""
+    import runpy
+
+    from megatron_spo.rollout import router
     from megatron_spo.rollout.router import parse_router_args
 
     for argv in (fleet_router(tmp_path), sbatch_argv("default_router", "sglang_router.launch_router")):
@@ -147,6 +151,10 @@ def test_megatron_spo_router_parses_as_launch_router_does(tmp_path, capsys):
     out = subprocess.run(["bash", "-c", script], env={"PATH": os.environ["PATH"], **SBATCH_ENV, "MODE": "cpu"},
                          capture_output=True, text=True, check=True).stdout
     assert out.split("\0")[:-1] == ["megatron-spo", "router", *sbatch_argv("default_router", "sglang_router.launch_router")]
+    ran = []
+    monkeypatch.setattr(runpy, "run_module", lambda name, **kw: ran.append((name, list(sys.argv))))
+    assert router.main(["--mini-lb", "--port", "30000"]) == 0
+    assert ran == [("sglang_router.launch_router", ["sglang_router.launch_router", "--mini-lb", "--port", "30000"])]
 
 
 def test_every_shipped_command_line_is_covered():

@@ -5,7 +5,7 @@ sglang_router/launch_router.py imports its Python MiniLB (a debugging-only balan
 imports the whole sglang package when sglang is installed: ~16 CPU s per router start on a CPU core, for a
 router that is a Rust binary. Here: the same parser (RouterArgs.add_cli_args / from_cli_args, as
 launch_router's parse_router_args builds it), the same RouterArgs._validate_router_args and
-Router.from_args(...).start(). `--mini-lb` and a sglang-router without these names go to launch_router itself.
+Router.from_args(...).start() (sglang-router 0.3.2, setup.py's pin). `--mini-lb` goes to launch_router itself.
 The process keeps its command line (launch_router renames itself "sglang::router").
 """
 
@@ -30,13 +30,11 @@ def parse_router_args(argv: list[str]):
 def main(argv: list[str]) -> int:
     try:
         from sglang_router.router import Router
-        from sglang_router.router_args import RouterArgs
     except ImportError as err:
         print(f"megatron-spo router: sglang-router is not installed ({err}); pip install sglang-router",
               file=sys.stderr)
         return 2
-    if "--mini-lb" in argv or not all(hasattr(RouterArgs, n) for n in ("add_cli_args", "from_cli_args",
-                                                                        "_validate_router_args")):
+    if "--mini-lb" in argv:  # the Python balancer: launch_router itself (it imports sglang for it anyway)
         sys.argv = ["sglang_router.launch_router", *argv]
         runpy.run_module("sglang_router.launch_router", run_name="__main__", alter_sys=True)
         return 0
