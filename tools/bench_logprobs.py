@@ -113,6 +113,8 @@ def make_step(variant: str, hidden, weight, targets, coef, args):
         return liger_step
     fn = token_logprobs_reference if variant.startswith("naive") else token_logprobs
     kw = {"fp8": True} if args.fp8 and variant.startswith("fused") else {}
+    if variant.startswith("fused_b"):  # fused_b<MiB>: the fused op with another fp32 block budget
+        kw["max_block_bytes"] = int(variant[len("fused_b"):]) * 2**20
 
     def step():
         if variant.endswith("forward"):
@@ -233,6 +235,39 @@ def bandwidth_worker(args) -> dict:
     return {"kernels": kernels.__name__, "block": [chunk, tile], "gb_per_s": results}
 
 
+def precision_worker(args) -> dict:
+    """Errors of each variant's log-probs and gradients against fp32 math (TF32 off) on the same inputs.
+
+    At --precision-n tokens (the full N's [N, V] fp32 reference would not be cheap): log-probs' max abs error,
+    and each gradient's relative Frobenius error, for a per-token upstream gradient (SPO's sequence losses).
+    """
+    import torch
+
+    from megatron_spo.ops import token_logprobs, token_logprobs_reference
+
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    small = argparse.Namespace(**{**vars(args), "n": args.precision_n})
+    hidden, weight, targets, coef = build_inputs(small)
+    hd, wd = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    ref = token_logprobs_reference(hd, wd, targets)
+    want = torch.autograd.grad((ref * coef).sum(), (hd, wd))
+    out = {}
+    for variant in args.worker_variants:
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        if variant.startswith("liger"):
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            logp = -LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, targets)
+        else:
+            logp = (token_logprobs_reference if variant == "naive" else token_logprobs)(h, w, targets)
+        grads = torch.autograd.grad((logp.float() * coef).sum(), (h, w))
+        out[variant] = {"logp_max_abs": float((logp.float() - ref.detach()).abs().max())}
+        for name, g, gw in zip(("grad_hidden", "grad_weight"), grads, want):
+            out[variant][f"{name}_rel"] = float((g.float() - gw).norm() / gw.norm())
+    return out
+
+
 def run_worker(mode: str, variants: list[str], argv: list[str]) -> dict:
     cmd = [sys.executable, __file__, *argv, "--worker", mode, "--worker-variants", ",".join(variants)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -289,14 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="the per-block kernels' effective GB/s vs a copy (default on)",
     )
-    parser.add_argument("--worker", choices=["memory", "time", "bandwidth"], help=argparse.SUPPRESS)
+    parser.add_argument("--precision-variants", default="", help="e.g. fused,naive,liger_per_token ('': none)")
+    parser.add_argument("--precision-n", type=int, default=2048, help="tokens of the precision phase")
+    parser.add_argument("--worker", choices=["memory", "time", "bandwidth", "precision"], help=argparse.SUPPRESS)
     parser.add_argument("--worker-variants", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
 
     if args.worker:
         args.worker_variants = args.worker_variants.split(",")
-        workers = {"memory": memory_worker, "time": time_worker, "bandwidth": bandwidth_worker}
+        workers = {"memory": memory_worker, "time": time_worker, "bandwidth": bandwidth_worker,
+                   "precision": precision_worker}
         print(json.dumps(workers[args.worker](args)))
         return 0
 
@@ -367,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"  floor   {variant} / ({count} x gemm): "
                         f"{statistics.median(times[variant]) / (count * gemm):5.3f}x   (1.000 = GEMMs only)"
                     )
+    checked = selected(args.precision_variants)
+    if checked:
+        errors = run_worker("precision", checked, argv)
+        print(f"  precision: N={args.precision_n}, against fp32 math (TF32 off) on the same inputs, per-token upstream")
+        for variant, e in errors.items():
+            print(f"  precision {variant:14s} logp max abs {e['logp_max_abs']:.3e}   grad_hidden rel "
+                  f"{e['grad_hidden_rel']:.3e}   grad_weight rel {e['grad_weight_rel']:.3e}")
     if args.bandwidth:
         result = run_worker("bandwidth", [], argv)
         gbps = result["gb_per_s"]

@@ -209,11 +209,17 @@ def markdown(report: dict) -> str:
              "| case | tokens / step | SPO tokens/s | LM tokens/s | SPO / LM | LM MFU | SPO MFU | SPO peak GiB | "
              "LM peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for c in report["cases"]:
+        if "error" in c:
+            lines.append(f"| {c['sequences']} x {c['seq']} | {c['sequences'] * c['seq']} | failed: {c['error'][:200]} "
+                         "| | | | | | |")
+            continue
         lines.append(f"| {c['sequences']} x {c['seq']} | {c['sequences'] * c['seq']} | {c['spo_tokens_per_s']:.0f} | "
                      f"{c['lm_tokens_per_s']:.0f} | {c['spo_over_lm']:.2f} | {c['lm_mfu']:.1%} | {c['spo_mfu']:.1%} | "
                      f"{c['spo_peak_gib']:.1f} | {c['lm_peak_gib']:.1f} |")
     lines += ["", "SPO step time split (s per step):", ""]
     for c in report["cases"]:
+        if "error" in c:
+            continue
         parts = ", ".join(f"{k} {v:.3f}" for k, v in c["spo_split_s"].items())
         lines.append(f"- {c['sequences']} x {c['seq']}: step {c['spo_step_s']:.3f}; {parts}")
     return "\n".join(lines) + "\n"
@@ -246,18 +252,27 @@ def main(argv=None) -> int:
     cases = [(4096, 8, 16_384), (16_384, 1, 16_384)] if args.size == "full" else [(96, 8, 384), (384, 1, 384)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        hf = write_random_hf(root / "hf", model_cfg, "cuda" if args.device == "cuda" else "cpu")
-        results = [run_case(root, hf, model_cfg, args, *case, last=i == len(cases) - 1) for i, case in enumerate(cases)]
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d"), "model": f"{args.size} ({model_cfg.num_parameters() / 1e9:.2f} B "
               f"parameters, {dtype})", "note": f"one device, packed micro-batches, recompute {args.recompute}; "
-              f"MFU against {args.peak_tflops:g} TFLOP/s", "cases": results}
-    (out / "step_bench.json").write_text(json.dumps(report, indent=1))
-    (out / "step_bench.md").write_text(markdown(report))
+              f"MFU against {args.peak_tflops:g} TFLOP/s", "cases": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        hf = write_random_hf(root / "hf", model_cfg, "cuda" if args.device == "cuda" else "cpu")
+        for i, case in enumerate(cases):
+            try:
+                report["cases"].append(run_case(root, hf, model_cfg, args, *case, last=i == len(cases) - 1))
+            except Exception as err:  # a case that fails (e.g. out of memory) is reported; the others still run
+                seq, sequences, budget = case
+                report["cases"].append({"seq": seq, "sequences": sequences, "micro_batch_tokens": budget,
+                                        "error": f"{type(err).__name__}: {str(err)[:500]}"})
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+            # written after every case: a run stopped by its time limit still leaves what it measured
+            (out / "step_bench.json").write_text(json.dumps(report, indent=1))
+            (out / "step_bench.md").write_text(markdown(report))
     print(markdown(report))
-    return 0
+    return 1 if any("error" in c for c in report["cases"]) else 0
 
 
 if __name__ == "__main__":

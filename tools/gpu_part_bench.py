@@ -13,15 +13,19 @@ import sys
 
 from gpu_result import REPO, PartResult, part_main
 
-FULL = ["--device", "cuda", "--dtype", "bfloat16", "--n", "16384", "--h", "4096", "--v", "128256", "--repeats", "3"]
-TINY = ["--n", "256", "--h", "64", "--v", "4096", "--repeats", "2", "--threads", "1"]
+# timed beside the default fused op: other fp32 block budgets (MiB); precision: errors against fp32 math
+BLOCKS = ["--time-variants", "fused,naive,liger,liger_per_token,gemm,fused_b32,fused_b128,fused_b512",
+          "--precision-variants", "fused,naive,liger_per_token"]
+FULL = ["--device", "cuda", "--dtype", "bfloat16", "--n", "16384", "--h", "4096", "--v", "128256", "--repeats", "3",
+        *BLOCKS]
+TINY = ["--n", "256", "--h", "64", "--v", "4096", "--repeats", "2", "--threads", "1", *BLOCKS, "--precision-n", "64"]
 NUMBER = r"([-+0-9.eE]+)"
 
 
 def parse(text: str) -> dict:
     """Numbers of bench_logprobs' report lines (see its main): peaks, medians, ratios, TFLOP/s, GB/s."""
     out = {"peak_gib": {}, "median_s": {}, "time_ratio_medians": {}, "memory_ratio": {}, "bandwidth_gb_s": {},
-           "failed": [], "skipped": []}
+           "precision": {}, "failed": [], "skipped": []}
     for line in text.splitlines():
         s = line.strip()
         if m := re.match(rf"memory\s+(\S+)\s+peak extra\s+{NUMBER} GiB", s):
@@ -36,6 +40,10 @@ def parse(text: str) -> dict:
             out["gemm_tflop_s"] = float(m[1])
         elif m := re.match(rf"bandwidth\s+(\S+)\s+{NUMBER} GB/s", s):
             out["bandwidth_gb_s"][m[1]] = float(m[2])
+        elif m := re.match(rf"precision\s+(\S+)\s+logp max abs {NUMBER}\s+grad_hidden rel {NUMBER}\s+"
+                           rf"grad_weight rel {NUMBER}", s):
+            out["precision"][m[1]] = {"logp_max_abs": float(m[2]), "grad_hidden_rel": float(m[3]),
+                                      "grad_weight_rel": float(m[4])}
         elif m := re.match(r"(\S+): FAILED: (.*)", s):
             out["failed"].append(f"{m[1]}: {m[2]}")
         elif m := re.match(r"(\S+): skipped: (.*)", s):

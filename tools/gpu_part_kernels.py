@@ -37,6 +37,10 @@ def fused_op(result: PartResult, device: str, n: int, h: int, v: int) -> None:
     from megatron_spo.ops import token_logprobs
 
     valid = v - 37  # vocabulary padding
+    if device == "cuda":  # which accumulation the gradient GEMMs use (in place, or a temporary + add on old torch)
+        from megatron_spo.ops.token_logprobs import _addmm_into_fp32_works
+
+        result.number("bf16 products accumulate into fp32 in place", _addmm_into_fp32_works(torch.device("cuda", 0)))
     backends = ["triton", "torch"] if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]
     for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         hidden, weight, targets = make_problem(n=n, h=h, v=v, dtype=dtype, valid_vocab_size=valid, n_ignored=n // 10)

@@ -39,9 +39,11 @@ from megatron_spo import extras
 
 DEFAULT_CHUNK_SIZE = 4096  # tokens per block; the vocabulary tile then fills max_block_bytes
 DEFAULT_MAX_BLOCK_BYTES = 64 * 2**20  # one fp32 logits block: 4096 tokens x 4096 vocabulary entries
-# On a GPU a block's GEMM takes well under a millisecond, so larger blocks amortise the ~10 kernel
-# launches per block; 512 MiB is 4096 x 32768, still 8x below a naive [16384 x 128256] bf16 logits tensor.
-DEFAULT_MAX_BLOCK_BYTES_CUDA = 512 * 2**20
+# On a GPU a block spans up to 16384 tokens (every token of a typical micro-batch), so each vocabulary tile's
+# weight gradient is ONE GEMM over all tokens (no accumulation pass) and each gradient GEMM has K >= 1024;
+# 64 MiB is then 16384 x 1024, which keeps the op's memory at its gradients plus ~1/8 GiB at Llama-3's shape.
+DEFAULT_CHUNK_SIZE_CUDA = 16384
+DEFAULT_MAX_BLOCK_BYTES_CUDA = 64 * 2**20
 MIN_VOCAB_TILE = 128
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: first GPUs with FP8 tensor cores
 _BACKENDS = ("auto", "torch", "triton")
@@ -87,9 +89,9 @@ def token_logprobs(
     hidden [N, H]; weight [V_local, H], this rank's contiguous shard of the LM head; targets [N] global
     vocabulary ids or ``ignore_index``. vocab_start_index defaults to rank * V_local in ``tp_group``;
     valid_vocab_size (global, default tp_size * V_local) marks where vocabulary padding starts.
-    chunk_size: tokens per block (default min(N, 4096)); vocab_tile: vocabulary rows per block (default:
-    what keeps one fp32 block within max_block_bytes, at least 128). max_block_bytes defaults to 64 MiB on
-    CPU and 512 MiB on CUDA. backend: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or
+    chunk_size: tokens per block (default min(N, 4096) on CPU, min(N, 16384) on CUDA); vocab_tile: vocabulary
+    rows per block (default: what keeps one fp32 block within max_block_bytes, at least 128). max_block_bytes
+    defaults to 64 MiB. backend: "torch", "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or
     "auto" (triton on CUDA when installed, else torch). fp8: run the logits GEMM (forward and its
     recompute) in FP8 E4M3 with per-tensor scales and fp32 output; the gradient GEMMs stay in the model
     dtype. Needs a GPU with FP8 tensor cores (compute capability >= 8.9).
@@ -147,6 +149,8 @@ def token_logprobs(
         return full if return_entropy else full[0]
 
     valid_local = max(0, min(v_local, valid_vocab_size - vocab_start_index))
+    if chunk_size is None and hidden.is_cuda:
+        chunk_size = DEFAULT_CHUNK_SIZE_CUDA
     chunk, vocab_tile = default_block_shape(n_tokens, valid_local, max_block_bytes, chunk_size, vocab_tile)
     plan = _Plan(
         chunk_size=chunk,
@@ -300,11 +304,34 @@ def _logits_block(hidden_chunk: torch.Tensor, weight_tile: torch.Tensor, out: to
         torch.mm(hidden_chunk, weight_tile.t(), out_dtype=torch.float32, out=out)
 
 
+_ADDMM_INTO_FP32: dict[torch.device, bool] = {}  # device -> whether addmm(out, bf16, bf16, fp32 out=out) works
+
+
+def _addmm_into_fp32_works(device: torch.device) -> bool:
+    """Whether this torch accumulates a bf16 product into an fp32 tensor in place (aten::addmm.dtype_out, beta = 1,
+    out aliasing its input) on the device: probed once per device on a 16 x 16 product against mm + add."""
+    if device not in _ADDMM_INTO_FP32:
+        ok = hasattr(torch.ops.aten.addmm, "dtype_out")
+        if ok:
+            gen = torch.Generator(device=device).manual_seed(0)
+            a, b = (torch.randn(16, 16, generator=gen, device=device).to(torch.bfloat16) for _ in range(2))
+            acc = torch.randn(16, 16, generator=gen, device=device)
+            want = acc + torch.mm(a.float(), b.float())
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                ok = bool(torch.allclose(acc, want, rtol=1e-5, atol=1e-5))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _ADDMM_INTO_FP32[device] = ok
+    return _ADDMM_INTO_FP32[device]
+
+
 def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
     """out (fp32) = a @ b, or += when accumulate; a is p or a logits gradient, b in the model dtype.
 
-    The first write overwrites (beta = 0), so an output never needs zero-filling beforehand. On CUDA with
-    a bf16/fp16 b, a is multiplied in b's dtype with fp32 accumulation and output, as in megatron.
+    The first write overwrites (beta = 0), so an output never needs zero-filling beforehand; an accumulating
+    write is one GEMM with beta = 1 into out (no product-sized temporary). On CUDA with a bf16/fp16 b, a is
+    multiplied in b's dtype with fp32 accumulation and output, as in megatron.
     """
     if not _mixed_precision_gemm(b):  # fp32 GEMM (b.float() is a no-op for an fp32 b, such as a tile
         if accumulate:  # already upcast once)
@@ -312,11 +339,32 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
         else:
             torch.mm(a, b.float(), out=out)
         return
-    a = a.to(b.dtype)  # a no-op when the caller converted the block once for both GEMMs
-    if accumulate:
-        out.add_(torch.mm(a, b, out_dtype=torch.float32))
-    else:
+    a = a.to(b.dtype)  # a no-op when the kernel wrote the block in b's dtype
+    if not accumulate:
         torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif _addmm_into_fp32_works(out.device):
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:  # a torch without it: a product-sized temporary and an add pass
+        out.add_(torch.mm(a, b, out_dtype=torch.float32))
+
+
+def narrow_in_place(x: torch.Tensor, dtype: torch.dtype, slab_elements: int = 2**22) -> torch.Tensor:
+    """x (contiguous fp32) converted to the 2-byte ``dtype`` inside x's own storage: no second full-size tensor.
+
+    Slabs go front to back: slab [i, i + k)'s narrow copy lands in bytes [2i, 2i + 2k), which only slabs
+    already read (or this one, read into its small temporary first) occupied. The result views x's storage
+    (its first half), so that storage lives as long as the result does.
+    """
+    if x.dtype == dtype:
+        return x
+    if x.dtype != torch.float32 or torch.empty((), dtype=dtype).element_size() != 2 or not x.is_contiguous():
+        return x.to(dtype)
+    flat = x.view(-1)
+    out = flat.view(dtype)[: flat.numel()]  # fp32 [n] viewed as [2n] of the narrow dtype: its first n
+    for i in range(0, flat.numel(), slab_elements):
+        slab = flat[i : i + slab_elements].to(dtype)  # read before its bytes can be overwritten
+        out[i : i + slab.numel()].copy_(slab)
+    return out.view(x.shape)
 
 
 def _local_target_columns(targets: torch.Tensor, ignored: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -376,11 +424,12 @@ def _recompute_gradients(
 ):
     """grad_hidden [N, H] (all-reduced over TP) and grad_weight [V_local, H], block by block.
 
-    Without an entropy gradient, dL/dz = g * (onehot - p) factors per token, so the blocks only hold
-    p = exp(z - lse): the -g goes into the GEMM operands (hidden rows scaled once, grad_hidden rows scaled
-    once at the end) and the onehot term is one gather/scatter of N rows instead of a pass per block.
-    With an entropy gradient the per-element term g_H * p * (E_p[z] - z) does not factor: each block is
-    turned into dL/dz in place.
+    On a GPU each block becomes dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z) in one kernel pass, written
+    in the model dtype when the GEMMs take it so (the gradient GEMMs' operand; no conversion pass).
+    On CPU, without an entropy gradient, dL/dz factors per token, so the blocks only hold p = exp(z - lse): the
+    -g goes into the GEMM operands (hidden rows scaled once, grad_hidden rows scaled once at the end) and the
+    onehot term is one gather/scatter of N rows instead of a pass per block (CPU passes over a block are slow).
+    grad_hidden accumulates over vocabulary tiles in fp32 and is narrowed to the model dtype in place.
     """
     n_tokens, device = hidden.shape[0], hidden.device
     if not (n_tokens and plan.valid_local):  # nothing to multiply: this rank's gradients are 0
@@ -394,7 +443,7 @@ def _recompute_gradients(
     grad_weight = torch.empty_like(weight) if need_weight else None
     if need_weight:
         grad_weight[plan.valid_local :].zero_()  # vocabulary padding gets no gradient
-    factored = grad_entropy is None
+    factored = _factored_backward(hidden, grad_entropy)
     weight_acc = None
     if need_weight and weight.dtype != torch.float32:
         weight_acc = torch.empty(
@@ -405,24 +454,26 @@ def _recompute_gradients(
         operand_dtype = hidden.dtype if _mixed_precision_gemm(hidden) else torch.float32
         scaled_hidden = (hidden.float() * -grad_logp[:, None]).to(operand_dtype)
     logits = _LogitsBlocks(hidden, weight, plan)
-    # cuBLAS multiplies the block in the model dtype (one conversion serves both GEMMs); CPU GEMMs run in fp32
+    # cuBLAS multiplies the block in the model dtype (one kernel writes it so); CPU GEMMs run in fp32
     low_precision_operand = _mixed_precision_gemm(weight)
+    narrow = torch.empty_like(logits.buffer, dtype=weight.dtype) if low_precision_operand else None
     for v0, v1, c0, c1 in _blocks(plan, n_tokens):
         dz = logits(v0, v1, c0, c1)
         # the tile as the gradient GEMMs take it (fp32 on CPU, prepared once per tile; not the FP8 copy)
         weight_tile = weight[v0:v1] if plan.fp8 else logits.tile
+        operand = dz if narrow is None else narrow[: dz.numel()].view(dz.shape)
         if factored:
-            plan.kernels.probs(dz, lse[c0:c1])  # p; the caller's -g is applied outside
+            plan.kernels.probs(dz, lse[c0:c1])  # p; the caller's -g is applied outside (CPU only: fp32 blocks)
         else:
             plan.kernels.logits_grad(
                 dz,
                 _block_target_columns(target_col[c0:c1], v0, v1),
                 lse[c0:c1],
                 grad_logp[c0:c1],
-                grad_entropy[c0:c1],
-                mean_logit[c0:c1],
+                grad_entropy[c0:c1] if grad_entropy is not None else None,
+                mean_logit[c0:c1] if grad_entropy is not None else None,
+                out=operand,
             )
-        operand = dz.to(weight.dtype) if low_precision_operand else dz
         if need_hidden:
             _matmul_into(grad_hidden[c0:c1], operand, weight_tile, accumulate=v0 > 0)
         if need_weight:
@@ -433,7 +484,7 @@ def _recompute_gradients(
                     _add_target_rows_to_weight_grad(acc, hidden, target_col, grad_logp, v0, v1)
                 if weight_acc is not None:
                     grad_weight[v0:v1].copy_(acc)
-    del logits, operand, scaled_hidden  # before the N x H temporaries below: they must not add to the peak
+    del logits, operand, scaled_hidden, narrow, weight_acc  # the N x H temporaries below must not add to the peak
     if need_hidden and factored:
         grad_hidden.mul_(-grad_logp[:, None])
         owned = torch.nonzero(target_col >= 0).squeeze(1)
@@ -442,8 +493,14 @@ def _recompute_gradients(
     if need_hidden and plan.tp_group is not None:
         dist.all_reduce(grad_hidden, group=plan.tp_group)  # each rank saw only its vocabulary shard
     if need_hidden:
-        grad_hidden = grad_hidden.to(hidden.dtype)
+        grad_hidden = narrow_in_place(grad_hidden, hidden.dtype)
     return grad_hidden, grad_weight
+
+
+def _factored_backward(hidden: torch.Tensor, grad_entropy: torch.Tensor | None) -> bool:
+    """Whether the backward keeps p in its blocks and applies -g and the onehot term per token (CPU, no
+    entropy gradient), rather than one kernel pass forming dL/dz per block (GPU; any entropy gradient)."""
+    return grad_entropy is None and not hidden.is_cuda
 
 
 def _add_target_rows_to_weight_grad(acc, hidden, target_col, grad_logp, v0: int, v1: int) -> None:
@@ -494,8 +551,9 @@ class TorchKernels:
         _exp_shifted(z, lse)
 
     @staticmethod
-    def logits_grad(z, col, lse, grad_logp, grad_entropy, mean_logit) -> None:
-        """Overwrite z [C, Vt] with dL/dz = p * (-g + g_H * (E_p[z] - z)) + g * onehot(col)."""
+    def logits_grad(z, col, lse, grad_logp, grad_entropy, mean_logit, out=None) -> None:
+        """Overwrite z [C, Vt] with dL/dz = p * (-g + g_H * (E_p[z] - z)) + g * onehot(col); also into out
+        ([C, Vt], any float dtype) when given and not z itself. grad_entropy / mean_logit None: no entropy term."""
         if grad_entropy is None:
             _exp_shifted(z, lse).mul_(-grad_logp[:, None])
         else:
@@ -507,6 +565,8 @@ class TorchKernels:
         owned = col >= 0
         rows = torch.nonzero(owned).squeeze(1)
         z[rows, col[rows]] += grad_logp[rows]
+        if out is not None and out.data_ptr() != z.data_ptr():
+            out.copy_(z)
 
 
 _SLAB_BYTES = 4 * 2**20  # scratch for the entropy terms: cache-sized, and no [C, Vt] allocation per block

@@ -58,11 +58,12 @@ def _stats_kernel(
 
 @triton.jit
 def _grad_kernel(
-    z_ptr, stride_z, col_ptr, lse_ptr, g_ptr, ge_ptr, ez_ptr, n_cols,
+    z_ptr, stride_z, out_ptr, stride_out, col_ptr, lse_ptr, g_ptr, ge_ptr, ez_ptr, n_cols,
     HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     z_row = z_ptr + row.to(tl.int64) * stride_z
+    out_row = out_ptr + row.to(tl.int64) * stride_out
     col = tl.load(col_ptr + row)
     lse = tl.load(lse_ptr + row)
     g = tl.load(g_ptr + row)
@@ -77,7 +78,7 @@ def _grad_kernel(
         if HAS_ENTROPY:
             coef = coef + ge * (ez - z)
         dz = p * coef + tl.where(offs == col, g, 0.0)
-        tl.store(z_row + offs, dz, mask=lane)
+        tl.store(out_row + offs, dz.to(out_ptr.dtype.element_ty), mask=lane)  # z itself, or a bf16 operand
 
 
 def _block_v(n_cols: int, block_v: int | None) -> int:
@@ -106,13 +107,19 @@ class TritonKernels:
         TritonKernels.logits_grad(z, no_target, lse, minus_one, None, None, block_v=block_v)
 
     @staticmethod
-    def logits_grad(z, col, lse, grad_logp, grad_entropy, mean_logit, *, block_v: int | None = None) -> None:
+    def logits_grad(
+        z, col, lse, grad_logp, grad_entropy, mean_logit, out=None, *, block_v: int | None = None
+    ) -> None:
+        """dL/dz into out ([C, Vt] with unit column stride, e.g. the model dtype's GEMM operand) or into z."""
         rows, n_cols = z.shape
         if rows == 0:
             return
         has_entropy = grad_entropy is not None
+        out = z if out is None else out
+        if out.shape != z.shape or out.stride(1) != 1:
+            raise ValueError(f"logits_grad: out must be {tuple(z.shape)} with unit column stride")
         _grad_kernel[(rows,)](
-            z, z.stride(0), col.contiguous(), lse.contiguous(), grad_logp.contiguous(),
+            z, z.stride(0), out, out.stride(0), col.contiguous(), lse.contiguous(), grad_logp.contiguous(),
             grad_entropy.contiguous() if has_entropy else grad_logp,
             mean_logit.contiguous() if has_entropy else grad_logp,
             n_cols, HAS_ENTROPY=has_entropy, BLOCK_V=_block_v(n_cols, block_v),
@@ -144,7 +151,10 @@ def reference_block_check(
         dz, p = z.clone(), z.clone()
         kernels.logits_grad(dz, col, lse, g, ge, ez, **kw)
         kernels.probs(p, lse, **kw)
-        results.append((m, s, t, tgt, dz, p))
-    for name, a, b in zip(("m", "s", "t", "target_logit", "dz", "p"), *results):
+        # the same gradient written into a bf16 operand (what the GPU's gradient GEMMs take) must be dz rounded
+        dz_bf16 = torch.empty(rows, cols, dtype=torch.bfloat16)
+        kernels.logits_grad(z.clone(), col, lse, g, None, None, out=dz_bf16, **kw)
+        results.append((m, s, t, tgt, dz, p, dz_bf16.float()))
+    for name, a, b in zip(("m", "s", "t", "target_logit", "dz", "p", "dz_bf16_no_entropy"), *results):
         out[name] = float((a - b).abs().max())
     return out
