@@ -187,6 +187,8 @@ def run_case(root: Path, hf: str, model_cfg, args, seq: int, sequences: int, bud
                 lm_peak = max(lm_peak, torch.cuda.max_memory_allocated())
             if i:
                 lm_times.append(time.perf_counter() - t0)
+        if args.profile:
+            profile_steps(trainer, mbs, out_dir=Path(args.out), tag=f"{sequences}x{seq}", cuda=cuda)
     finally:
         trainer.close(keep_process_group=not last)
     spo_s, lm_s = sum(spo_times) / len(spo_times), sum(lm_times) / len(lm_times)
@@ -201,6 +203,46 @@ def run_case(root: Path, hf: str, model_cfg, args, seq: int, sequences: int, bud
             "spo_mfu": flops / spo_s / (args.peak_tflops * 1e12), "spo_plan_tflops": plan_flops / spo_s / 1e12,
             "spo_peak_gib": spo_peak / 2**30,
             "lm_peak_gib": lm_peak / 2**30, "lm_loss": lm_loss, "spo_split_s": split}
+
+
+def profile_steps(trainer, mbs, *, out_dir: Path, tag: str, cuda: bool) -> None:
+    """One more SPO step and LM step under torch.profiler (kernel times) and cProfile (where the host waits or
+    works): out_dir/profile_<tag>.txt. For finding what a step spends beyond its GEMMs; not timed."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sections = []
+    for name, step in (("SPO step", trainer.train_step), ("LM step", lambda: lm_step(trainer, mbs))):
+        with profile(activities=activities) as prof:
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+        averages = prof.key_averages()
+        for key in ("self_cuda_time_total", "self_device_time_total", "self_cpu_time_total"):
+            try:
+                table = averages.table(sort_by=key, row_limit=35)
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
+        host = cProfile.Profile()
+        t0 = time.perf_counter()
+        host.enable()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        host.disable()
+        wall = time.perf_counter() - t0
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(45)
+        sections.append(f"## {name}: kernels (torch.profiler, sorted by {key})\n\n{table}\n\n"
+                        f"## {name}: host (cProfile, {wall:.3f} s wall, sorted by cumulative time)\n\n"
+                        f"{text.getvalue()[-12000:]}")
+    (out_dir / f"profile_{tag}.txt").write_text("\n\n".join(sections))
 
 
 def markdown(report: dict) -> str:
@@ -233,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps of each kind (after one warm-up)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H100 SXM: 989)")
     ap.add_argument("--recompute", choices=["none", "selective"], default="none")
+    ap.add_argument("--profile", action="store_true", help="profile one more step of each kind: out/profile_*.txt")
+    ap.add_argument("--cases", default="", help="comma list of case indices to run (default all)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     import torch
@@ -250,6 +294,8 @@ def main(argv=None) -> int:
     # (seq, sequences, micro-batch budget): 4096-token sequences, a prompt group of 4 per micro-batch (whole groups:
     # no third pass for the centred coefficient); one 16k-token sequence
     cases = [(4096, 8, 16_384), (16_384, 1, 16_384)] if args.size == "full" else [(96, 8, 384), (384, 1, 384)]
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
