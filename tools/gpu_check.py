@@ -58,9 +58,9 @@ class Part:
 PARTS = (  # caps: about 1.5-2x each part's wall on the H200 (2026-11-27); step-bench's first GPU run is a guess
     Part("environment", 6, "GPU, driver, torch / triton / megatron-core versions", "gpu_part_env.py", 30),
     Part("step-bench", 3, "issue 45: the 1B SPO step vs megatron-core's LM step (tokens/s, MFU, peak memory, "
-         "time split) at 8 x 4096 and 1 x 16k tokens", "gpu_part_step.py", 180),
+         "time split) at 8 x 4096 and 1 x 16k tokens", "gpu_part_step.py", 150),
     Part("ops-bench", 1, "tools/bench_logprobs.py at V=128256: peak memory and time vs naive and Liger (scalar and "
-         "per-token upstream), block sizes, gradient errors", "gpu_part_bench.py", 130),
+         "per-token upstream), block sizes, gradient errors", "gpu_part_bench.py", 160),
     Part("ops-kernels", 1, "fused token log-probs (Triton and torch blocks) and cumulative Q vs the fp64 "
          "reference, fp32 and bf16", "gpu_part_kernels.py", 20),
     Part("ops-cuda-tests", 1, "the CUDA-only tests of tests/test_ops_logprobs.py", "gpu_part_cuda_tests.py", 25),

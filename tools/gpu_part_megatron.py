@@ -17,8 +17,12 @@ from gpu_result import PartResult, part_main
 BF16_ERROR_RATIO = 3.0
 
 
+MOE_CASE = "qwen3-moe (tests/moe_helpers)"
+
+
 def family_cases() -> dict[str, str]:
-    """Registered family -> the first FAMILY_CASES entry whose transformers config is of that family."""
+    """Registered family -> the first FAMILY_CASES entry whose transformers config is of that family (the MoE
+    family: tests/moe_helpers' tiny Qwen3-MoE, MOE_CASE)."""
     import transformers
     from models_helpers import FAMILY_CASES
 
@@ -31,19 +35,38 @@ def family_cases() -> dict[str, str]:
                 cases[family] = case
                 break
         else:
-            cases[family] = None
+            cases[family] = MOE_CASE if family == transformers.Qwen3MoeConfig.model_type else None
     return cases
+
+
+def make_case(root: str, case: str):
+    """(checkpoint folder, token ids [4, S] on the CPU) of a family_cases() entry, 2 layers."""
+    from models_helpers import make_tiny_family, tokens
+
+    if case == MOE_CASE:
+        import moe_helpers
+
+        return str(moe_helpers.make_tiny_moe(f"{root}/qwen3-moe")), moe_helpers.tokens()
+    return str(make_tiny_family(f"{root}/{case}", case, num_layers=2)), tokens()
 
 
 def hf_run(hf_dir: str, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """transformers' logits [B, S, V] (fp32) and gradients of the mean next-token loss, on ids' device."""
     from models_helpers import next_token_loss
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(ids.device).eval()
+    kwargs = {}
+    if getattr(AutoConfig.from_pretrained(hf_dir), "num_experts", None):  # experts one by one, as tests/test_moe.py
+        kwargs["experts_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, **kwargs).to(ids.device).eval()
     logits = model(ids).logits
     next_token_loss(logits.float(), ids).backward()
-    return logits.detach().float(), {n: p.grad.detach().float() for n, p in model.named_parameters()}
+    from moe_helpers import per_expert  # transformers 5 fuses each layer's experts: by checkpoint name (no-op else)
+
+    grads = {}
+    for n, p in model.named_parameters():
+        grads.update(per_expert(n, p.grad.detach().float()))
+    return logits.detach().float(), grads
 
 
 def megatron_run(hf_dir: str, ids: torch.Tensor, dtype: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -87,8 +110,6 @@ def body(result: PartResult, args) -> None:
     import tempfile
 
     import torch.distributed as dist
-    from models_helpers import make_tiny_family, tokens
-
     from megatron_spo.models.config import ParallelConfig
     from megatron_spo.models.hf_checkpoint import read_hf_config
     from megatron_spo.models.parallel import destroy_parallel, init_parallel
@@ -97,7 +118,6 @@ def body(result: PartResult, args) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    ids = tokens().to(device)  # [4, 48]
     root = tempfile.mkdtemp(dir=args.work)
     cases = family_cases()
     if args.size == "tiny":  # the CPU debug size: the first family only
@@ -108,7 +128,8 @@ def body(result: PartResult, args) -> None:
         if case is None:
             result.require(f"{family}: a tiny case in tests/models_helpers.FAMILY_CASES", False)
             continue
-        hf_dir = str(make_tiny_family(f"{root}/{case}", case, num_layers=2))
+        hf_dir, ids = make_case(root, case)
+        ids = ids.to(device)  # [4, S]
         if first:  # one process group for every model of the part
             init_parallel(ParallelConfig(), read_hf_config(hf_dir), seed=123)
             result.number("process group backend", dist.get_backend())
