@@ -200,7 +200,7 @@ def bandwidth_worker(args) -> dict:
     op = importlib.import_module("megatron_spo.ops.token_logprobs")
     cuda = args.device == "cuda"
     max_block = op.DEFAULT_MAX_BLOCK_BYTES_CUDA if cuda else op.DEFAULT_MAX_BLOCK_BYTES
-    chunk, tile = op.default_block_shape(args.n, args.v, max_block)
+    chunk, tile = op.default_block_shape(args.n, args.v, max_block, op.DEFAULT_CHUNK_SIZE_CUDA if cuda else None)
     gen = torch.Generator(device=args.device).manual_seed(0)
     source = torch.randn(chunk, tile, device=args.device, generator=gen).mul_(3.0)  # logits of std 3
     z = source.clone()

@@ -10,8 +10,11 @@ N x V survives a block. The backward pass recomputes each block's logits and tur
 dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z), then accumulates grad_hidden += dz @ W_tile and
 grad_weight_tile += dz^T @ hidden_chunk. Without an entropy gradient the block holds only p and the
 per-token factors (g, onehot) are applied to N rows outside the blocks (see _recompute_gradients).
-Peak extra memory: one block of chunk_size x vocab_tile fp32, bounded by ``max_block_bytes`` (with
-entropy, also a 4 MiB scratch that its per-element terms use a slab of rows at a time).
+Peak extra memory: one block of chunk_size x vocab_tile fp32, bounded by ``max_block_bytes`` (on a GPU also its
+bf16 copy, the gradient GEMMs' operand; with entropy on CPU, a 4 MiB scratch that its per-element terms use a slab
+of rows at a time), plus grad_hidden's fp32 accumulator, narrowed to the model dtype inside its own storage.
+On an H200 at N=16384, H=4096, V=128256 (bf16): 1.34 GiB with the gradients, 0.124 s forward + backward
+(docs/gpu/report-2026-11-28-h200.md).
 
 Tensor parallelism (megatron's VocabParallel layout): rank r holds rows [r * V_local, (r + 1) * V_local)
 of the LM head. Each rank computes its local statistics; max is all-reduced, then the rescaled sums and
