@@ -53,6 +53,7 @@ def make_case(root: str, case: str):
 def hf_run(hf_dir: str, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """transformers' logits [B, S, V] (fp32) and gradients of the mean next-token loss, on ids' device."""
     from models_helpers import next_token_loss
+    from moe_helpers import per_expert
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = {}
@@ -61,9 +62,7 @@ def hf_run(hf_dir: str, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, **kwargs).to(ids.device).eval()
     logits = model(ids).logits
     next_token_loss(logits.float(), ids).backward()
-    from moe_helpers import per_expert  # transformers 5 fuses each layer's experts: by checkpoint name (no-op else)
-
-    grads = {}
+    grads = {}  # transformers 5 fuses each layer's experts: by checkpoint name (per_expert is a no-op elsewhere)
     for n, p in model.named_parameters():
         grads.update(per_expert(n, p.grad.detach().float()))
     return logits.detach().float(), grads
@@ -110,6 +109,7 @@ def body(result: PartResult, args) -> None:
     import tempfile
 
     import torch.distributed as dist
+
     from megatron_spo.models.config import ParallelConfig
     from megatron_spo.models.hf_checkpoint import read_hf_config
     from megatron_spo.models.parallel import destroy_parallel, init_parallel
