@@ -316,10 +316,11 @@ def test_rollouts_select_the_adapter_and_carry_its_version_exactly(engine, hf, p
     pusher.close()
 
 
-def test_the_trainers_online_source_decides_the_push_and_switches_rollouts(engine, hf, peft, model_cfg):
+def test_the_trainers_online_source_decides_the_push_and_switches_rollouts(engine, hf, peft, model_cfg, monkeypatch):
     """OnlineSource (the trainer's rank 0): lora.push=auto picks adapter pushes for engines started with LoRA and
     merged pushes for engines without (lora.push=adapter then stops in one line); push_adapter loads, switches the
-    manager to the new adapter with its version, then retires the previous one."""
+    manager to the new adapter with its version, then retires the previous one. A push that reaches no engine
+    switches nothing and retires nothing, and keeps its one-line error for the rollout-wait message."""
     from types import SimpleNamespace
 
     from megatron_spo.net import free_port
@@ -362,6 +363,14 @@ def test_the_trainers_online_source_decides_the_push_and_switches_rollouts(engin
     assert first["weight_sync/engines_updated"] == second["weight_sync/engines_updated"] == 1.0
     assert first["weight_sync/pause_seconds"] == 0.0 and first["weight_sync/bytes"] > first["weight_sync/adapter_bytes"]
     assert name7 not in engine.engine.lora.adapters and s.lora_path in engine.engine.lora.adapters
+    name8, held = s.lora_path, set(engine.engine.lora.adapters)
+    monkeypatch.setattr(ap, "post_json_bytes", lambda *a, **k: (500, {"success": False, "error_message": "out of memory"}))
+    third = s.push_adapter(9, peft[0])
+    assert third["weight_sync/engines_updated"] == 0.0
+    assert s.manager.switched == [(7, name7), (8, name8)] and s.lora_path == name8  # rollouts stay on version 8
+    assert s.last_sync_error == (f"adapter push reached no engine: {{'{engine.url}': "
+                                 "'/load_lora_adapter_from_tensors: HTTP 500: out of memory'}")
+    assert set(engine.engine.lora.adapters) == held  # version 8 still served: nothing was retired
     s.close()
 
 

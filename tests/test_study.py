@@ -197,6 +197,12 @@ def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):
     assert grid[:2] == [(("train.lr", 1e-5), ("train.beta", 0.0)), (("train.lr", 1e-5), ("train.beta", 0.04))]
     assert len(grid) == 8 and len(st.sweep_grid(study, "ppo")) == 8
     assert len(st.sweep_grid(study, "spo")) == 12  # beta 1/log(1e5) (the paper's), 0.5, 1
+    # LoRA's arm sweeps 10x the learning rates (its fixed lr 3e-4 holds only without a sweep, which overrides it)
+    lora_lrs = sorted({dict(g)["train.lr"] for g in st.sweep_grid(study, "spo-lora")})
+    assert lora_lrs == pytest.approx([10 * lr for lr in study.sweep.lrs]) and 3e-4 in lora_lrs
+    lora = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("sweep", "spo-lora", 0, st.sweep_grid(
+        study, "spo-lora")[0]), tmp_path))
+    assert lora["train"]["lr"] == pytest.approx(1e-4) and lora["train"]["lora"] == {}
     sweep = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("sweep", "spo-online", 0, grid[0][:1]), tmp_path))
     test = apply_overrides({}, st.quickstart_overrides(study, st.RunSpec("runs", "spo-online", 0, ()), tmp_path))
     assert sweep["eval_splits"] == ["validation"] and test["eval_splits"] == ["heldout"]

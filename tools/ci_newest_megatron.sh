@@ -12,6 +12,7 @@
 # The venv is kept under .cache/ and reused while setup.py and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # as bootstrap.sh: run on its own too, the leg's processes cache their bytecode
 T0="${BOOTSTRAP_T0:-$(date +%s)}"  # seconds since bootstrap.sh started, when it runs this
 log() { printf '\033[1m[ci-newest +%ds]\033[0m %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 

@@ -50,6 +50,7 @@ class Arm:
     grid: tuple[float, ...]
     about: str
     uses: tuple[str, ...] = ()  # the study's data: "data" (an SPO offline source), "sft" (the SFT stage first)
+    lr_scale: float = 1.0  # the sweep tries sweep.lrs times this (LoRA: 10x full fine-tuning's grid)
 
 
 ARMS: dict[str, Arm] = {
@@ -74,8 +75,9 @@ ARMS: dict[str, Arm] = {
     "spo-lora": Arm("spo", ("train.lora={}", "train.lr=0.0003"), "train.beta", (PAPER_BETA, 0.5, 1.0),
                     "SPO (the quickstart's, online + offline) training LoRA adapters (rank 8, alpha 16, every linear; "
                     "pi_0 = the policy with its adapters off; pushes send the adapters alone) at lr 3e-4, 10x full "
-                    "SPO's 3e-5 and not swept: LoRA's best lr is commonly ~10x full fine-tuning's (Thinking Machines, "
-                    "\"LoRA Without Regret\", 2025; Biderman et al. 2024)"),
+                    "SPO's 3e-5 without a sweep; a sweep tries 10x its learning rates: LoRA's best lr is commonly ~10x "
+                    "full fine-tuning's (Thinking Machines, \"LoRA Without Regret\", 2025; Biderman et al. 2024)",
+                    lr_scale=10.0),
     "agro": Arm("agro", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
@@ -291,8 +293,9 @@ def run_one(study: StudyConfig, spec: RunSpec, root: Path, log, run: bool = True
 def sweep_grid(study: StudyConfig, arm: str) -> list[tuple[tuple[str, Any], ...]]:
     a = ARMS[arm]
     coefs = study.sweep.coefficients.get(arm, list(a.grid))
-    return [(("train.lr", lr),) + (((a.coefficient, c),) if coefs else ()) for lr in study.sweep.lrs
-            for c in (coefs or [None])]
+    # lr * lr_scale rounded to 12 digits: 3e-5 x 10 is 3e-4, not 3.0000000000000003e-4 (run folders name the lr)
+    lrs = [float(f"{lr * a.lr_scale:.12g}") for lr in study.sweep.lrs]
+    return [(("train.lr", lr),) + (((a.coefficient, c),) if coefs else ()) for lr in lrs for c in (coefs or [None])]
 
 
 def choose(study: StudyConfig, root: Path, log, run: bool = True) -> dict[str, dict]:
