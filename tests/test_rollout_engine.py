@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import FaultyServer, ServerThread, make_tiny_llama, perturbed_state_dict  # noqa: E402
-from sglang_source import SGLANG_NOT_INSTALLED  # noqa: E402
+from sglang_source import SGLANG_NOT_INSTALLED, sglang_root  # noqa: E402
 
 from megatron_spo.config import ConfigError, build_config  # noqa: E402
 from megatron_spo.net import free_port  # noqa: E402
@@ -36,15 +36,10 @@ from megatron_spo.rollout.weight_sync import WeightBroadcaster, iter_buckets
 # -------------------------------------------------------------------------------------------------
 # fixtures
 # -------------------------------------------------------------------------------------------------
-def _sglang_dir() -> str | None:
-    spec = importlib.util.find_spec("sglang")  # finds the package without importing it (imports need CUDA)
-    return None if spec is None else list(spec.submodule_search_locations)[0]
-
-
 @pytest.fixture(scope="module")
 def sglang_api():
     """sglang's generated /generate schema (api/v1/api_types.py), loaded by file path with only msgspec."""
-    root = _sglang_dir()
+    root = sglang_root()  # found without importing sglang (its imports need CUDA)
     if root is None:
         pytest.skip(SGLANG_NOT_INSTALLED)
     spec = importlib.util.spec_from_file_location("sglang_api_types", os.path.join(root, "api", "v1", "api_types.py"))
