@@ -190,6 +190,18 @@ def test_finished_runs_are_skipped_and_failures_named(tmp_path, monkeypatch):
     monkeypatch.setattr(st.subprocess, "run", diverging)
     assert st.run_one(retry, failed, tmp_path, said.append) is None and len(said) == 2
 
+    class Finished:
+        returncode = 0
+
+    def finishing(*a, stdout, **k):  # a retry that succeeds (a slow machine's failure, say): no FAILED left behind
+        (failed.run_dir(tmp_path) / "results.json").write_text('{"pass@1": {"after": 0.25}}')
+        return Finished()
+
+    monkeypatch.setattr(st.subprocess, "run", finishing)
+    failed.run_dir(tmp_path).mkdir(parents=True, exist_ok=True)
+    assert st.run_one(retry, failed, tmp_path, said.append) == {"pass@1": {"after": 0.25}}
+    assert st.failure(failed, tmp_path) is None and not (failed.run_dir(tmp_path).parent / "FAILED").exists()
+
 
 def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):
     study = build_config(st.StudyConfig, {"out_dir": str(tmp_path), "quickstart": {"train": {"steps": 30}}})

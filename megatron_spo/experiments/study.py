@@ -252,8 +252,11 @@ def _check_reference(study: StudyConfig, root: Path) -> None:
 
 
 def failure(spec: RunSpec, root: Path) -> str | None:
-    """Why a run failed (its FAILED file: the error line of its log), or None."""
+    """Why a run failed (its FAILED file: the error line of its log), or None (also for a run that finished on a
+    retry: folders from before retries removed the file keep it)."""
     path = spec.run_dir(root).parent / "FAILED"
+    if (spec.run_dir(root) / "results.json").exists():
+        return None
     return path.read_text().strip() if path.exists() else None
 
 
@@ -285,6 +288,7 @@ def run_one(study: StudyConfig, spec: RunSpec, root: Path, log, run: bool = True
         log(f"FAILED {spec.kind} {spec.arm} {spec.tag} seed {spec.seed} after {seconds:.0f} s "
             f"(exit {proc.returncode}): see {out.parent / 'quickstart.log'}")
         return None
+    (out.parent / "FAILED").unlink(missing_ok=True)  # an earlier attempt's, retried (retry_failed)
     result = json.loads(done.read_text())
     log(f"done {spec.kind} {spec.arm} {spec.tag} seed {spec.seed} in {seconds:.0f} s")
     return result
