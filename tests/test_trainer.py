@@ -22,11 +22,22 @@ from megatron_spo.training.micro_batches import micro_batches, microbatch_group_
 # schedules; the others test this project's logic on top of them.
 pytestmark = [pytest.mark.multiproc]
 
-ALGOS = ("spo", "agro", "ppo", "grpo")
+ALGOS = ("spo", "agro", "ppo", "grpo", "grpo-guided")  # grpo-guided: GRPO with demonstrations (grpo.guide_path)
 LAYOUTS = (("single", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2))
 
 
+def _guide_file(root) -> str:
+    """Demonstrations for prompts p0 and p2 (DeterministicSource's first groups of steps 1 and 2; p1, p3 get none)."""
+    path = root / "guide.jsonl"
+    rows = [{"prompt_id": p, "prompt_tokens": [1, 2, 3, 4], "response_tokens": [5, 6, 7, 8, 9], "reward": 0.0,
+             "source": "expert", "policy_version": 0} for p in ("p0", "p2")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 def _cfg(tmp_path, hf, name, algo="spo", tp=1, pp=1, steps=2, **kw):
+    if algo == "grpo-guided":
+        algo, kw = "grpo", {"grpo": {"guide_path": _guide_file(tmp_path)}, **kw}
     cfg = dict(run_dir=str(tmp_path / name), steps=steps, algo=algo, beta=0.5, init={"hf": hf},
                parallel={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
                optimizer={"lr": 1e-3, "warmup_steps": 2},
@@ -101,7 +112,7 @@ def test_training_moved_the_policy(trained, hf, algo):
     assert m[0]["lr"] == pytest.approx(5e-4) and m[1]["lr"] == pytest.approx(1e-3)  # linear warm-up, then constant
 
 
-def test_every_logged_metric_is_plotted_and_kl_comes_from_online_samples(trained, tmp_path):
+def test_every_logged_metric_is_plotted_and_kl_comes_from_online_samples(trained, hf, tmp_path):
     """Each algorithm's metrics.jsonl: every name it logs lands in a plot panel (PANELS names drift from the
     losses' metric names otherwise: two SPO panels once drew nothing). All data here is online, so the KL
     estimate is the mean sequence log-ratio; the trainer's own rollout keys come from the quickstart test."""
@@ -116,8 +127,22 @@ def test_every_logged_metric_is_plotted_and_kl_comes_from_online_samples(trained
             elif algo == "grpo":
                 assert "approx_kl_old_new" in r and "clip_fraction" in r
                 assert r["kl"] == r["mean_seq_log_ratio/online"] == pytest.approx(r["mean_seq_log_ratio"], rel=1e-9)
+            elif algo == "grpo-guided":  # 8 rollouts + p0's (step 1) or p2's (step 2) demonstration
+                assert r["guide_share"] == pytest.approx(1 / 9)
+                assert r["kl"] == r["mean_seq_log_ratio/online"]
+                assert r["mean_seq_log_ratio"] == pytest.approx(
+                    (8 * r["mean_seq_log_ratio/online"] + r["mean_seq_log_ratio/guide"]) / 9, rel=1e-9)
             else:
                 assert r["kl"] == r["mean_seq_log_ratio/online"] == pytest.approx(r["mean_seq_log_ratio"], rel=1e-9)
+    # step 1's shaped p / (p + 0.1) of the demonstration is the initial model's, in plain torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]])).logits[0].double(), -1)
+    p = logp[3:8].gather(1, torch.tensor([[5], [6], [7], [8], [9]])).exp()
+    for name in ("single-grpo-guided", "tp2-grpo-guided", "pp2-grpo-guided"):
+        assert _metrics(trained, name)[0]["guide_shaped_p"] == pytest.approx(float((p / (p + 0.1)).mean()), rel=1e-5)
     written = {p.name for p in plot_run(trained / "single-spo", tmp_path)}
     assert {"spo_terminal_q_t_reward.png", "spo_mean_token_advantage.png", "log_pi_pi_0_of_online_samples_kl_if_t_1_fresh.png",
             "policy_entropy_nats_token.png", "learning_rate.png"} <= written

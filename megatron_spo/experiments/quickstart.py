@@ -143,6 +143,10 @@ class QuickstartConfig(StrictModel):
     offline_data_max_coefficient: float | None = Field(None, gt=0, description="the `offline_data` source's "
                                                        "max_coefficient (SPO: its loss coefficients clipped to "
                                                        "+-this; docs/offpolicy-data.md). Unset: off")
+    offline_data_guide: int = Field(0, ge=0, description="algo grpo: add this many `offline_data` trajectories of "
+                                    "each prompt to its rollout group (mixed-policy GRPO, LUFFY: train.grpo."
+                                    "guide_path; their token term -p / (p + 0.1) x advantage); 0: GRPO leaves "
+                                    "`offline_data` to the SFT stage")
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig, description="SFT of the reference on the passing "
                                 "`offline_data` before RL (sft.steps > 0): the SFT'd model is the policy's start "
                                 "and pi_0; the 'before' evaluation stays the reference's")
@@ -222,6 +226,10 @@ class QuickstartConfig(StrictModel):
             self.train.__dict__["lr"] = QUICKSTART_LRS.get((self.trainer, self.algo), QUICKSTART_LR)
         if self.trainer == "trl" and self.algo != "grpo":
             raise ValueError(f"trainer 'trl' runs TRL's GRPOTrainer: it needs algo=grpo, not '{self.algo}'")
+        if self.offline_data_guide and (self.algo != "grpo" or not self.offline_data or self.trainer != "megatron"):
+            raise ValueError(f"offline_data_guide {self.offline_data_guide}: mixed-policy GRPO needs algo=grpo on the "
+                             f"megatron trainer and offline_data (got algo '{self.algo}', trainer '{self.trainer}', "
+                             f"{len(self.offline_data)} offline_data paths)")
         if self.sft.steps and not self.offline_data:
             raise ValueError(f"sft.steps {self.sft.steps}: the SFT stage trains on offline_data, which is empty")
         if self.sft.steps and (self.trainer != "megatron" or self.train.lora is not None):
@@ -297,6 +305,9 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
     # on-policy algorithms push every step, unless their behaviour correction takes stale samples (the
     # algorithm reads its own section, train.grpo / train.ppo)
     interval = algo.required_update_interval(t) or t.model_update_interval
+    grpo = t.grpo.model_dump()
+    if cfg.offline_data_guide and data_path is not None:  # mixed-policy GRPO: the data joins the rollout groups
+        grpo.update(guide_path=str(data_path), guide_per_prompt=cfg.offline_data_guide)
     rollout = RolloutConfig(samples_per_prompt=t.samples_per_prompt, max_new_tokens=t.max_new_tokens,
                             temperature_range=(1.0, 1.0) if algo.on_policy else t.temperature_range,
                             top_p=1.0 if algo.on_policy else t.top_p,
@@ -312,7 +323,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "batch": {"sequences_per_step": n_seq, "max_tokens_per_micro_batch": t.max_tokens_per_micro_batch,
                   "max_seq_length": cfg.reference.max_position_embeddings},
         "sources": sources,
-        "ppo": t.ppo.model_dump(), "grpo": t.grpo.model_dump(),
+        "ppo": t.ppo.model_dump(), "grpo": grpo,
         "task": {"kind": GENERATED_TASKS[cfg.reference.task.kind], "toy": cfg.reference.task.model_dump(),
                  "q0_path": str(q0_path),
                  "limit": train_problems if train_problems is not None else cfg.train_limit},

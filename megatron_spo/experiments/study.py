@@ -89,6 +89,10 @@ ARMS: dict[str, Arm] = {
     # issue 48: the study's own data (StudyConfig.data: expert solutions, another policy's samples, ...)
     "sft-grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "SFT on the study's data (sft_steps), then GRPO: the "
                     "common recipe", uses=("sft",)),
+    "grpo-guided": Arm("grpo", ("offline_data_guide=1",), "train.beta", (0.0, 0.04), "mixed-policy GRPO (LUFFY, "
+                       "Yan et al. 2025): one record of the study's data added to each prompt's rollout group, "
+                       "sharing its advantages, trained through the shaped term -p / (p + 0.1) x advantage",
+                       uses=("data",)),
     "spo-data": Arm("spo", (), "train.beta", (PAPER_BETA, 0.5), "SPO with the study's data as an offline source "
                     "(quickstart offline_data_fraction of each batch, out of the offline share)", uses=("data",)),
     "sft-spo": Arm("spo", ("offline_data_fraction=0",), "train.beta", (PAPER_BETA, 0.5),

@@ -519,6 +519,10 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
         for a, what in (("spo-data", "pass@1"), ("spo-data", "pass@10"), ("sft-spo", "pass@1"), ("sft-spo", "pass@10")):
             paired(f"48. {a} (SPO {'with the data as a source' if a == 'spo-data' else 'after the same SFT'}) beats "
                    f"SFT then GRPO on {what}", a, "sft-grpo", what)
+    if "grpo-guided" in by:  # the off-policy-guided GRPO a user could run with the same data
+        for what in ("pass@1", "pass@10"):
+            paired(f"48. spo-data (SPO with the data as a source) beats mixed-policy GRPO (LUFFY) on {what}",
+                   "spo-data", "grpo-guided", what)
     if "spo" in by and "ppo" in by:
         s, p = _resources(by["spo"]), _resources(by["ppo"])
         common = sorted(set(by["spo"].results) & set(by["ppo"].results))  # paired by seed

@@ -281,6 +281,15 @@ class GRPOConfig(BehaviourCorrectionConfig):
     aggregation: Literal["sequence_mean", "token_mean"] = Field(
         "token_mean", description="token_mean: over all response tokens of the batch (DAPO / TRL); "
         "sequence_mean: per sequence, then over sequences (the GRPO paper)")
+    guide_path: str | None = Field(
+        None, description="mixed-policy GRPO (LUFFY, Yan et al. 2025; algorithms/grpo.py): a JSONL file or offline "
+        "store of demonstrations (expert text, another model's samples, with their rewards); each online prompt group "
+        "gets guide_per_prompt of its prompt's records, which share the group's advantage normalisation and train "
+        "through the shaped term -f(pi) A, f(p) = p / (p + guide_shaping). Prompts without a record stay on-policy")
+    guide_per_prompt: int = Field(1, gt=0, description="demonstrations added to each prompt group (LUFFY: 1 beside "
+                                  "7 rollouts); a prompt's records are taken round-robin, resumably")
+    guide_shaping: float = Field(0.1, gt=0, description="gamma of the shaping f(p) = p / (p + gamma) of the "
+                                 "demonstrations' token probabilities (LUFFY's 0.1)")
 
 
 class AGROConfig(StrictModel):
@@ -464,6 +473,9 @@ class TrainConfig(StrictModel):
         self.__dict__["beta"] = beta if beta is not None else algo.default_beta if algo is not None else PAPER_BETA
         if algo is not None:
             algo.check_config(self)
+        if self.grpo.guide_path and self.algo != "grpo":
+            raise ValueError(f"grpo.guide_path: demonstrations join GRPO's prompt groups (mixed-policy GRPO); algo is "
+                             f"'{self.algo}' (SPO takes other data as a source: sources.NAME.path)")
         self._check_eval()
         if self.batch.pack_sequences and self.parallel.attention_kernel == "dot_product":
             raise ValueError("batch.pack_sequences: megatron-core's DotProductAttention (parallel.attention_kernel "

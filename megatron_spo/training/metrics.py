@@ -52,6 +52,8 @@ PANELS: dict[str, tuple[str, ...]] = {
     "AGRO regularised reward": ("mean_regularised_reward", "half_var_regularised_reward", "mean_reward"),
     "PPO / GRPO vs the sampling policy": ("approx_kl_old_new", "clip_fraction", "mean_ratio"),
     "GRPO |advantage|, k3 KL to pi_0": ("advantage_abs", "kl_ref_k3"),
+    "GRPO demonstrations (grpo.guide_path): share of sequences, mean advantage, shaped p / (p + gamma)": (
+        "guide_share", "guide_advantage", "guide_shaped_p"),
     "stale samples: weight pi_old / mu, share truncated or masked, KL(mu || pi_old)": (
         "behaviour_weight", "behaviour_corrected", "mismatch_kl"),
     "PPO value loss": ("value_loss", "critic_warmup"),

@@ -16,6 +16,7 @@ import torch
 from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import TrainBatch, collate, group_numbers, split_by_token_budget
 from megatron_spo.training.config import TrainConfig
+from megatron_spo.training.sources import GUIDE_SOURCE
 
 
 def shard(trajs: list, dp_rank: int, dp_size: int) -> list:
@@ -47,8 +48,9 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
         raise ValueError(f"batch: trajectory of prompt {trajs[i].prompt_id!r} has {lengths[i] + 1} tokens, "
                          f"over batch.max_seq_length {cfg.batch.max_seq_length}")
     # a group is one source's responses to one prompt: another source's records of the same prompt (offline data,
-    # an earlier run's experience) need not share its micro-batch
-    keep = [(t.source, t.prompt_id) for t in trajs] if keep_groups else None
+    # an earlier run's experience) need not share its micro-batch; demonstrations spliced into an online group
+    # (grpo.guide_path) are part of it
+    keep = [("online" if t.source == GUIDE_SOURCE else t.source, t.prompt_id) for t in trajs] if keep_groups else None
     pp = cfg.parallel.pipeline_model_parallel_size
     virtual = bool(cfg.parallel.virtual_pipeline_model_parallel_size)
     packed = cfg.batch.pack_sequences

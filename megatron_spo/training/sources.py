@@ -2,13 +2,19 @@
 
     sampler, online = build_sampler(cfg, online_source)   # online: the 'online' source or None
     trajectories = sampler.next(n)                        # resumable: sampler.state_dict() / load_state_dict()
+                                                          # (+ demonstrations spliced into online groups: GRPO's guide)
     archive = build_archive(cfg)                          # the online trajectories, kept (or None)
 """
 
 from __future__ import annotations
 
+import logging
+
 from megatron_spo.data.batching import OfflineCursor, source_counts
 from megatron_spo.training.config import TrainConfig
+
+log = logging.getLogger(__name__)
+GUIDE_SOURCE = "guide"  # the source name of demonstrations spliced into online prompt groups (grpo.guide_path)
 
 
 class OfflineSource:
@@ -57,26 +63,84 @@ class OfflineSource:
         self.cursor.load_state_dict(state)
 
 
-class BatchSampler:
-    """Mixes sources by weight into one global batch of trajectories."""
+class GuideSource:
+    """Demonstrations for mixed-policy GRPO: ``splice`` adds ``per_prompt`` records of each online group's prompt
+    to the group (source GUIDE_SOURCE), a prompt's records taken round-robin (resumable)."""
 
-    def __init__(self, sources: dict, weights: dict[str, float]):
-        self.sources, self.weights = sources, weights
+    def __init__(self, path: str, per_prompt: int):
+        from megatron_spo.config import ConfigError
+        from megatron_spo.data.trajectory import RecordError, load_trajectories
+
+        try:
+            records = load_trajectories(path)
+        except (OSError, RecordError) as err:
+            raise ConfigError(f"grpo.guide_path: {err}") from None
+        self.by_prompt: dict[str, list] = {}
+        for r in records:
+            r.source = GUIDE_SOURCE
+            self.by_prompt.setdefault(str(r.prompt_id), []).append(r)
+        self.path, self.per_prompt = path, per_prompt
+        self.taken: dict[str, int] = {}  # records taken so far, per prompt
+        self.matched_once = False
+
+    def splice(self, trajs: list) -> list:
+        """trajs with each online group's demonstrations placed after it; the rows of one prompt come together
+        (micro-batches keep a group whole, data-parallel shards split by prompt), in order of first appearance."""
+        rows_of: dict[str, list] = {}
+        for t in trajs:
+            rows_of.setdefault(str(t.prompt_id), []).append(t)
+        out, online = [], 0
+        for key, rows in rows_of.items():
+            out.extend(rows)
+            records = self.by_prompt.get(key)
+            if not any(t.source == "online" for t in rows):
+                continue
+            online += 1
+            if records:
+                start = self.taken.get(key, 0)
+                out.extend(records[(start + j) % len(records)] for j in range(self.per_prompt))
+                self.taken[key] = start + self.per_prompt
+        if online and not self.matched_once:
+            self.matched_once = len(out) > len(trajs)
+            if not self.matched_once:
+                log.warning("grpo.guide_path %s: none of this step's %d prompts (e.g. %r) has a demonstration (its "
+                            "%d prompts, e.g. %r): the groups stay on-policy", self.path, online, next(iter(rows_of)),
+                            len(self.by_prompt), next(iter(self.by_prompt), None))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"taken": dict(self.taken)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.taken = dict(state.get("taken", {}))
+
+
+class BatchSampler:
+    """Mixes sources by weight into one global batch of trajectories (and splices a guide's demonstrations into
+    the online groups)."""
+
+    def __init__(self, sources: dict, weights: dict[str, float], guide: GuideSource | None = None):
+        self.sources, self.weights, self.guide = sources, weights, guide
 
     def next(self, n: int) -> list:
         out = []
         for name, k in source_counts(self.weights, n).items():
             if k:
                 out.extend(self.sources[name].take(k))
-        return out
+        return self.guide.splice(out) if self.guide is not None else out
 
     def state_dict(self) -> dict:
-        return {name: s.state_dict() for name, s in self.sources.items() if hasattr(s, "state_dict")}
+        state = {name: s.state_dict() for name, s in self.sources.items() if hasattr(s, "state_dict")}
+        if self.guide is not None:
+            state[GUIDE_SOURCE] = self.guide.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for name, s in self.sources.items():
             if name in state and hasattr(s, "load_state_dict"):
                 s.load_state_dict(state[name])
+        if self.guide is not None and GUIDE_SOURCE in state:
+            self.guide.load_state_dict(state[GUIDE_SOURCE])
 
 
 def algorithm_needs_q0(cfg: TrainConfig) -> bool:
@@ -105,7 +169,8 @@ def build_sampler(cfg: TrainConfig, online_source=None):
         else:
             sources[name] = OfflineSource(name, src.path, seed=cfg.seed, select=src.select, q0=q0,
                                           q0_path=cfg.task.q0_path, needs_q0=needs_q0)
-    return BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()}), online
+    guide = GuideSource(cfg.grpo.guide_path, cfg.grpo.guide_per_prompt) if cfg.grpo.guide_path else None
+    return BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()}, guide), online
 
 
 def build_archive(cfg: TrainConfig):

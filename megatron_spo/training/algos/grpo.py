@@ -7,10 +7,14 @@ it (the trainer scales each micro-batch loss by n_mb / n_global; this returns th
 With grpo.behaviour_correction (tis | mis) samples may be stale: the step first recomputes the policy's own
 log-probs pi_old (one forward pass), the ratio is taken against them and each token weighted by pi_old / mu
 (algorithms/behaviour_correction.py), so weights need not be pushed every step (as slime / AReaL / verl run it).
+With grpo.guide_path (mixed-policy GRPO, LUFFY) the sampler splices demonstrations into the online groups (source
+'guide', training/sources.py): they share their group's advantages and train through the shaped term; the clip,
+KL and correction statistics are of the policy's own samples.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from megatron_spo.algorithms.behaviour_correction import correction_metrics
@@ -18,6 +22,7 @@ from megatron_spo.algorithms.grpo import aggregate, grpo_advantages, grpo_token_
 from megatron_spo.data.batching import TrainBatch
 from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
 from megatron_spo.training.algos.spo import seq_log_ratio_by_source
+from megatron_spo.training.sources import GUIDE_SOURCE
 
 
 def grpo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, cfg, *, global_sequences: int,
@@ -25,26 +30,37 @@ def grpo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, cfg, *, g
     """old_logp [B, L]: the policy's log-probs at the start of the step (with grpo.behaviour_correction)."""
     g = cfg.grpo
     adv = grpo_advantages(batch.reward, batch.group, scale_rewards=g.scale_rewards).to(logp.device)
+    guided = torch.tensor([s == GUIDE_SOURCE for s in batch.source], dtype=torch.bool, device=logp.device)
     per_token, valid, stats = grpo_token_losses(
         logp, batch.behaviour_logp, ref_logp, adv, batch.loss_mask, clip_eps_low=g.clip_eps,
         clip_eps_high=g.clip_eps_high or g.clip_eps, beta=cfg.beta, old_logp=old_logp,
-        correction=g.behaviour_correction, correction_cap=g.correction_cap, correction_level=g.correction_level)
+        correction=g.behaviour_correction, correction_cap=g.correction_cap, correction_level=g.correction_level,
+        guided=guided if bool(guided.any()) else None, shaping_gamma=g.guide_shaping)
     total, _ = aggregate(per_token, valid, g.aggregation)
     n_mb = batch.num_sequences
     normaliser = global_sequences if g.aggregation == "sequence_mean" else global_response_tokens
     # the trainer weighs this micro-batch by n_mb / n_global: undo that, so the step's loss is sum / normaliser
     loss = total * (global_sequences / (n_mb * normaliser))
-    tokens = int(valid.sum())
+    own = valid & ~guided.unsqueeze(1)  # the policy's own samples: what the clip, KL and correction stats are of
+    tokens, own_tokens = int(valid.sum()), int(own.sum())
     metrics: dict = {"loss": float(total.detach()) / max(1, n_mb if g.aggregation == "sequence_mean" else tokens),
-                     "clip_fraction": (float(stats["clipped"].sum()) / max(tokens, 1), tokens),
-                     "approx_kl_old_new": (float((stats["approx_kl_old_new"] * valid).sum()) / max(tokens, 1), tokens),
+                     "clip_fraction": (float(stats["clipped"].sum()) / max(own_tokens, 1), own_tokens),
+                     "approx_kl_old_new": (float((stats["approx_kl_old_new"] * own).sum()) / max(own_tokens, 1),
+                                           own_tokens),
                      "advantage_abs": float(adv.abs().mean())}
     if "kl_ref" in stats:
-        metrics["kl_ref_k3"] = (float((stats["kl_ref"] * valid).sum()) / max(tokens, 1), tokens)
+        metrics["kl_ref_k3"] = (float((stats["kl_ref"] * own).sum()) / max(own_tokens, 1), own_tokens)
     if "behaviour_weight" in stats:
         corrected = correction_metrics(stats["behaviour_weight"], stats["behaviour_corrected"],
-                                       stats["mismatch_k3"], valid)
-        metrics.update({k: (v, tokens) for k, v in corrected.items()})
+                                       stats["mismatch_k3"], own)
+        metrics.update({k: (v, own_tokens) for k, v in corrected.items()})
+    if g.guide_path:  # mixed-policy GRPO: how many demonstrations, their advantage and shaped probabilities
+        demo_tokens = tokens - own_tokens
+        n_demo = int(guided.sum())
+        metrics["guide_share"] = n_demo / n_mb  # of the step's sequences
+        if n_demo:
+            metrics["guide_advantage"] = (float(adv[guided].mean()), n_demo)
+            metrics["guide_shaped_p"] = (float(stats["shaped_p"].sum()) / max(demo_tokens, 1), demo_tokens)
     by_source = seq_log_ratio_by_source(batch, logp, ref_logp)
     metrics.update(by_source)
     metrics["mean_seq_log_ratio"] = sum(v * n for v, n in by_source.values()) / batch.num_sequences
