@@ -127,6 +127,10 @@ def test_diagnostics_values_on_a_hand_case():
     assert pairs["log_ratio_pos1"] == (pytest.approx((0.5 + 0.5) / 2), 2)
     assert pairs["log_ratio_pos2"] == (pytest.approx(0.5), 1)
     assert pairs["log_ratio_pos3"] == (pytest.approx((-1.0 + 0.5) / 2), 2)
+    # Q_t at each quarter's last token: row 0 Q = -0.2 + 0.5 * [0.5, -0.5] cumulated = [0.05, -0.45] (bins 1, 3),
+    # row 1 -0.2 + 0.25 per token = [0.05, 0.3, 0.55, 0.8]
+    assert pairs["q_pos1"] == (pytest.approx(0.05), 2) and pairs["q_pos2"] == (pytest.approx(0.3), 1)
+    assert pairs["q_pos3"] == (pytest.approx((-0.45 + 0.55) / 2), 2) and pairs["q_pos4"] == (pytest.approx(0.8), 1)
     # KL(mu || pi) from the one row with behaviour log-probs: log mu - log pi = [0, 1]
     assert pairs["kl_sampler_k1"] == (pytest.approx(1.0), 1)
     assert pairs["kl_sampler_k3"] == (pytest.approx(math.exp(-1.0) - 1 + 1.0), 1)

@@ -47,13 +47,16 @@ def spo_diagnostics(
                        only when `group` is given)
     response_length    mean response tokens
     log_ratio_pos{k}   mean per-token log(pi / pi_0) in the k-th quarter of each response (k = 1..4)
+    q_pos{k}           mean Q_t at the last token of the k-th quarter (q_pos4 = Q_T): where along a response
+                       the policy's soft value moves, e.g. on expert text against its own samples
     kl_sampler_k1/k3   KL(mu || pi) per sequence from behaviour log-probs log mu (rows that have them): the k1
                        estimate sum_t (log mu - log pi) and the non-negative k3 sum_t (rho - 1 - log rho),
                        rho = pi / mu, over the rows that have them (absent if none)
     """
     valid = mask if mask.dtype == torch.bool else mask != 0
     logp, ref_logp = upcast(logp.detach()), upcast(ref_logp)
-    d = residuals(logp, ref_logp, valid, reward, q0, beta)
+    q = cumulative_q(logp, ref_logp, valid, q0.to(logp.dtype), beta)
+    d = q[:, -1] - reward.to(q.dtype)  # = residuals(...)
     lengths = valid.sum(1).to(d.dtype)
     b = d.shape[0]
     out = {
@@ -75,6 +78,8 @@ def spo_diagnostics(
         rows_in_bin = int(has.sum())
         if rows_in_bin:
             out[f"log_ratio_pos{k + 1}"] = (per_seq[has].mean(), rows_in_bin)
+            last = torch.where(in_bin, torch.arange(valid.shape[1], device=valid.device), -1).amax(1)
+            out[f"q_pos{k + 1}"] = (q.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)[has].mean(), rows_in_bin)
     if behaviour_logp is not None:
         behaviour_logp = upcast(behaviour_logp)
         rows = (torch.where(valid, behaviour_logp, zero) != 0).any(1)

@@ -48,6 +48,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "SPO trust region: share of tokens clipped": ("trust_region_clipped/*",),
     "KL(sampler || pi) from behaviour log-probs (k1, k3)": ("kl_sampler_k1/*", "kl_sampler_k3/*"),
     "log(pi / pi_0) per token by quarter of the response": ("log_ratio_pos*",),
+    "SPO Q_t at the end of each quarter of the response": ("q_pos*",),
     "response length (tokens)": ("response_length/*",),
     "AGRO regularised reward": ("mean_regularised_reward", "half_var_regularised_reward", "mean_reward"),
     "PPO / GRPO vs the sampling policy": ("approx_kl_old_new", "clip_fraction", "mean_ratio"),
