@@ -564,3 +564,47 @@ def test_an_archived_study_refuses_other_settings_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == (f"megatron-spo compare: config error: compare --report-only: "
                                        f"{tmp_path / 'nothing'} holds no study (no study.json): name a study's "
                                        f"out_dir or an archive of one\n")
+
+
+def test_the_report_shows_which_tokens_carry_the_studys_data_per_source(tmp_path):
+    """Issue 48: for arms trained on the study's data (SPO's source 'data', GRPO's 'guide'), per source, the last
+    10 steps' means of the sequence log-ratio, log-ratio and Q_t by quarter and the residual, then over seeds; the
+    archive keeps those metrics, so --report-only rewrites the section."""
+    from megatron_spo.experiments.study_report import archive
+
+    root = tmp_path / "study"
+    study = build_config(st.StudyConfig, {"out_dir": str(root), "arms": ["spo-data", "grpo-guided", "grpo"],
+                                          "data": ["/d"], "seeds": [0, 1], "sweep": {"enabled": False},
+                                          "long_run": {"seeds": []}})
+    root.mkdir()
+    for seed in (0, 1):
+        _fake_reference(root, seed)
+        for arm in study.arms:
+            _fake_run(root, study, arm, seed, 0.4, 0.9, pushes=1, wall=90)
+        extra = []
+        for step in range(1, 13):  # steps 1-2 fall outside the last 10
+            late = step > 2
+            spo = {f"{k}/{src}": (v + seed if late else 99.0) for src, base in (("data", 1.0), ("online", 0.0))
+                   for k, v in [("mean_seq_log_ratio", base), ("residual_mean", -0.5 + base)]
+                   + [(f"log_ratio_pos{q}", base + q / 10) for q in range(1, 5)]
+                   + [(f"q_pos{q}", base - q / 10) for q in range(1, 5)]}
+            extra.append(("spo-data", {"step": 100 + step, **spo}))
+            extra.append(("grpo-guided", {"step": 100 + step, "mean_seq_log_ratio/guide": 2.0 if late else 99.0,
+                                          "mean_seq_log_ratio/online": 0.5, "guide_share": 0.2}))
+        for arm, m in extra:
+            with (st.RunSpec("runs", arm, seed, ()).run_dir(root) / "train" / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(m) + "\n")
+    (root / "study.json").write_text(study.model_dump_json())
+    chosen = {a: {"settings": {}} for a in study.arms}
+    report = write_report(study, root, chosen).read_text()
+    assert "## Which tokens carry it: the study's data against the policy's own samples" in report
+    # seeds 0 and 1 add 0 and 1: means +0.5 over them
+    assert "| spo-data | data | +1.500 | +1.600 / +1.700 / +1.800 / +1.900 | +1.400 / +1.300 / +1.200 / +1.100 | " \
+           "+1.000 |" in report
+    assert "| spo-data | online | +0.500 | +0.600 / +0.700 / +0.800 / +0.900 | +0.400 / +0.300 / +0.200 / +0.100 " \
+           "| +0.000 |" in report
+    assert "| grpo-guided | guide | +2.000 | - / - / - / - | - / - / - / - | - |" in report
+    assert "| grpo |" not in report.split("## Which tokens carry it")[1].split("##")[0]  # no data: no row
+    archive(root, tmp_path / "archive")
+    there = study.model_copy(update={"out_dir": str(tmp_path / "archive")})
+    assert write_report(there, tmp_path / "archive", chosen).read_text() == report

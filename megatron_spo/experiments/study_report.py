@@ -467,6 +467,7 @@ def write_report(study, root: Path, chosen: dict) -> Path:
         agree = all(lo <= 0 <= hi for _, lo, hi in diffs[:2])
         lines += ["| " + " | ".join(_ci(*d) for d in diffs) + f" | {'yes' if agree else 'no'} (pass@1, pass@10) |", ""]
     lines += _long_runs(study, root, chosen, long, by)
+    lines += _data_tokens(arms)
     lines += _claims(by, long)
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     report = root / "report.md"
@@ -495,6 +496,42 @@ def _lora(full: ArmRuns, lora: ArmRuns) -> list[str]:
     return lines + ["", "MB per push: the bytes sent to the engines per training push (weight_sync/bytes; an adapter "
                     "push sends the adapters alone); trainer peak RSS: rank 0's peak resident set (VmHWM), on CPU "
                     "the whole trainer (model, reference or none, gradients, optimizer state, activations).", ""]
+
+
+TAIL_STEPS = 10  # the issue-48 section averages each run's last this many logged steps
+
+
+def _data_tokens(arms: list[ArmRuns]) -> list[str]:
+    """Issue 48, "which tokens carry it": per arm that trains on the study's data (a source 'data' or GRPO's
+    'guide') and per source, the last TAIL_STEPS steps' mean (then over seeds) of the sequence log(pi / pi_0), and
+    for SPO of log(pi / pi_0) per token and Q_t by quarter of the response and the signed residual Q_T - r."""
+    rows = []
+    for arm in arms:
+        tails = [ms[-TAIL_STEPS:] for ms in arm.metrics.values() if ms]
+        sources = sorted({k.split("/", 1)[1] for ms in tails for m in ms for k in m
+                          if k.startswith("mean_seq_log_ratio/")})
+        if not {"data", "guide"} & set(sources):
+            continue
+
+        def mean(name: str) -> str:
+            per_seed = [statistics.mean(v) for ms in tails if (v := [m[name] for m in ms if name in m])]
+            return f"{statistics.mean(per_seed):+.3f}" if per_seed else "-"
+
+        for src in sources:
+            quarters = [(mean(f"log_ratio_pos{k}/{src}"), mean(f"q_pos{k}/{src}")) for k in range(1, 5)]
+            rows.append(f"| {arm.name} | {src} | {mean(f'mean_seq_log_ratio/{src}')} | "
+                        + " / ".join(q[0] for q in quarters) + " | " + " / ".join(q[1] for q in quarters)
+                        + f" | {mean(f'residual_mean/{src}')} |")
+    if not rows:
+        return []
+    return ["## Which tokens carry it: the study's data against the policy's own samples", "",
+            f"Each run's last {TAIL_STEPS} steps, averaged, then over seeds. Sources: `data` (the study's data, an SPO "
+            "source), `guide` (the same data in GRPO's groups), `online` (the policy's samples), `offline` (pi_0's "
+            "correct samples and the task's solutions). '-': not logged for that arm (GRPO logs sequence log-ratios "
+            "only).", "",
+            "| arm | source | sequence log(pi / pi_0) | per-token log(pi / pi_0), quarters 1 / 2 / 3 / 4 of the response "
+            "| Q_t at the end of quarters 1 / 2 / 3 / 4 | signed residual Q_T - r |", "|---|---|---|---|---|---|",
+            *rows, ""]
 
 
 def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
@@ -565,6 +602,8 @@ def _claims(by: dict[str, ArmRuns], long: list[ArmRuns]) -> list[str]:
 # The training metrics the report reads (resources, learning curves, stability): an archive keeps only these.
 REPORT_METRICS = ("step", "time", "time/step", "reward", "reward/online", "samples/online", "grad_norm",
                   "mean_seq_log_ratio", "weight_sync/bytes", "memory/peak_rss_gb")
+# per-source metrics the issue-48 section reads (any source: NAME/SOURCE), kept by the archive too
+REPORT_PREFIXES = ("mean_seq_log_ratio/", "log_ratio_pos", "q_pos", "residual_mean/", "guide_")
 # a seed's reference evaluation, Q0, and the stamp naming the reference that made them (quickstart.REFERENCE_STAMP)
 _SHARED_FILES = ("eval_before.jsonl", "q0.jsonl", "q0_correct_samples.jsonl", "reference.json")
 
@@ -609,7 +648,8 @@ def archive(root: Path, dest: Path) -> dict[str, int]:
             for path in [done, *sorted(run.glob("eval_*.jsonl"))]:
                 put(path.relative_to(root), path.read_text())
             if (run / "train" / METRICS_FILE).exists():
-                kept = [{k: m[k] for k in REPORT_METRICS if k in m} for m in read_metrics(run / "train")]
+                kept = [{k: v for k, v in m.items() if k in REPORT_METRICS or k.startswith(REPORT_PREFIXES)}
+                        for m in read_metrics(run / "train")]
                 put((run / "train" / METRICS_FILE).relative_to(root),
                     "".join(json.dumps(m) + "\n" for m in kept))
     return {"runs": runs, "bytes": written}
