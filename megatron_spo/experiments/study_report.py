@@ -513,7 +513,7 @@ def _data_tokens(arms: list[ArmRuns]) -> list[str]:
         if not {"data", "guide"} & set(sources):
             continue
 
-        def mean(name: str) -> str:
+        def mean(name: str, tails: list = tails) -> str:
             per_seed = [statistics.mean(v) for ms in tails if (v := [m[name] for m in ms if name in m])]
             return f"{statistics.mean(per_seed):+.3f}" if per_seed else "-"
 
