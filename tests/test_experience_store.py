@@ -325,3 +325,18 @@ def test_build_input_error_leaves_no_output(tmp_path, tok, capsys):
     stats = build_store([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "out", skip_invalid=True)
     assert stats.report.skipped == 1 and stats.total().written == 6  # b is all duplicates of a
     assert store_stats([tmp_path / "out"])[("human",)].rows == 3
+
+
+def test_build_max_tokens_keeps_what_a_trainer_row_holds(tmp_path, tok, capsys):
+    """--max-tokens N keeps records of at most N prompt + response tokens (counted under select-), the batch.
+    max_seq_length a trainer refuses longer records at (training/sources.py)."""
+    records = constructed(tok)
+    write_jsonl(records, tmp_path / "a.jsonl")
+    sizes = [len(r.prompt_tokens) + len(r.response_tokens) for r in records]
+    limit = sorted(sizes)[len(sizes) // 2]
+    assert cli(["offline", "build", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--verdict", "all",
+                "--no-dedup", "--max-tokens", str(limit)]) == 0
+    capsys.readouterr()
+    kept = OfflineStore(tmp_path / "out").trajectories()
+    assert as_dicts(kept) == as_dicts([r for r, n in zip(records, sizes) if n <= limit])
+    assert 0 < len(kept) < len(records)

@@ -199,3 +199,19 @@ def test_guide_config_errors_name_the_field(guide_file, tmp_path):
                      data_path=w / "data.jsonl")
     assert (t.grpo.guide_path, t.grpo.guide_per_prompt, t.grpo.guide_shaping) == ("/w/data.jsonl", 2, 0.1)
     assert sorted(t.sources) == ["online"]  # the data joins the groups, not the source mix
+
+
+def test_records_longer_than_a_trainer_row_are_refused_at_start_naming_the_source(guide_file, tmp_path):
+    """An offline source or the guide with a record over batch.max_seq_length fails when the trainer builds its
+    sampler (one line: the field, how many, an example), not at the step that first draws the record."""
+    from megatron_spo.config import ConfigError
+    from megatron_spo.training.sources import GuideSource, OfflineSource
+
+    with pytest.raises(ConfigError, match=r"grpo.guide_path \(.*guide.jsonl\): 1 of 3 records are longer than "
+                                          r"batch.max_seq_length 4 \(e.g. prompt 'b': 2 \+ 3 tokens\); drop them "
+                                          r"\(`megatron-spo offline build ... --max-tokens 4`\)"):
+        GuideSource(str(guide_file), per_prompt=1, max_seq_length=4)
+    assert len(GuideSource(str(guide_file), per_prompt=1, max_seq_length=5).by_prompt) == 2
+    with pytest.raises(ConfigError, match=r"sources.expert \(.*guide.jsonl\): 2 of 3 records are longer than "
+                                          r"batch.max_seq_length 3 \(e.g. prompt 'a': 2 \+ 2 tokens\)"):
+        OfflineSource("expert", str(guide_file), seed=0, max_seq_length=3)

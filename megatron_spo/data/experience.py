@@ -418,6 +418,8 @@ def main(argv: list[str]) -> int:
     b.add_argument("--run-id", default=None, help="only these runs (comma-separated)")
     b.add_argument("--cap", action="append", default=[], metavar="KIND=N", help="at most N records of a kind")
     b.add_argument("--cap-per-prompt", type=positive_int, default=None, help="at most N records per prompt and kind")
+    b.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="only records of at most N tokens, prompt + response (the trainer's batch.max_seq_length)")
     b.add_argument("--no-dedup", action="store_true")
     b.add_argument("--tokenizer", default=None,
                    help="the policy's tokenizer: also deduplicate on normalised response text")
@@ -452,9 +454,14 @@ def main(argv: list[str]) -> int:
                 def decode(batch):
                     return tok.batch_decode(batch, skip_special_tokens=True)
 
-            options = BuildOptions(verdict=args.verdict, pass_reward=args.pass_reward,
-                                   select=ProvenanceFilter(_split(args.kind), _split(args.model), _split(args.run_id),
-                                                           args.assume_kind),
+            select = ProvenanceFilter(_split(args.kind), _split(args.model), _split(args.run_id), args.assume_kind)
+            if args.max_tokens is not None:
+                provenance, limit = select, args.max_tokens
+
+                def select(r: Trajectory) -> bool:
+                    return len(r.prompt_tokens) + len(r.response_tokens) <= limit and provenance(r)
+
+            options = BuildOptions(verdict=args.verdict, pass_reward=args.pass_reward, select=select,
                                    cap=_caps(args.cap, parser), cap_per_prompt=args.cap_per_prompt,
                                    dedup=not args.no_dedup, decode=decode, assume_kind=args.assume_kind)
             stats = build_store(args.inputs, args.out, options, skip_invalid=args.skip_invalid,

@@ -361,18 +361,21 @@ def build_offline_set(samples_path: Path, path: Path, prompts, q0: dict, tokeniz
     return len(samples), len(human)
 
 
-def training_data(paths: list[str], train_ids: set[str]) -> tuple[list, int]:
-    """The records of ``paths`` (stores / JSONL) whose prompt is a training prompt of this run, and how many were
-    dropped (validation and held-out problems never reach SFT or training)."""
+def training_data(paths: list[str], train_ids: set[str], max_tokens: int) -> tuple[list, int, int]:
+    """The records of ``paths`` (stores / JSONL) whose prompt is a training prompt of this run and that fit
+    max_tokens (prompt + response: the model's context), how many were of other problems (validation and held-out
+    problems never reach SFT or training) and how many training-prompt records were too long."""
     from megatron_spo.data.experience import iter_trajectories
 
-    kept, dropped = [], 0
+    kept, dropped, too_long = [], 0, 0
     for r in iter_trajectories(paths):
-        if str(r.prompt_id) in train_ids:
-            kept.append(r)
-        else:
+        if str(r.prompt_id) not in train_ids:
             dropped += 1
-    return kept, dropped
+        elif len(r.prompt_tokens) + len(r.response_tokens) > max_tokens:
+            too_long += 1
+        else:
+            kept.append(r)
+    return kept, dropped, too_long
 
 
 def paired_bootstrap(deltas: list[float], *, resamples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
@@ -573,10 +576,13 @@ def run(cfg: QuickstartConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(ref)
     prompts = {role: make_prompts(ps, tokenizer) for role, ps in problems.items()}
     train_prompts = prompts["train"]
-    data, data_dropped = training_data(cfg.offline_data, {p.prompt_id for p in train_prompts})
+    data, data_dropped, data_long = training_data(cfg.offline_data, {p.prompt_id for p in train_prompts},
+                                                  cfg.reference.max_position_embeddings)
     if cfg.offline_data:
         console.print(f"offline_data: {len(data)} trajectories of the training prompts "
-                      f"({sum(r.reward >= 0 for r in data)} pass); {data_dropped} of other problems left out")
+                      f"({sum(r.reward >= 0 for r in data)} pass); {data_dropped} of other problems left out"
+                      + (f"; {data_long} longer than the model's {cfg.reference.max_position_embeddings} tokens left "
+                         "out" if data_long else ""))
         if not data:
             raise ValueError(f"offline_data {cfg.offline_data}: no trajectory of this run's training prompts")
     policy = ref  # the policy's start and pi_0: the reference, or the reference after the SFT stage

@@ -17,14 +17,30 @@ log = logging.getLogger(__name__)
 GUIDE_SOURCE = "guide"  # the source name of demonstrations spliced into online prompt groups (grpo.guide_path)
 
 
+def refuse_too_long(records: list, max_seq_length: int | None, where: str) -> None:
+    """ConfigError when a record has more tokens (prompt + response) than a micro-batch row holds: at start, not at
+    the step that first draws it."""
+    if max_seq_length is None:
+        return
+    long = [r for r in records if len(r.prompt_tokens) + len(r.response_tokens) > max_seq_length]
+    if long:
+        from megatron_spo.config import ConfigError
+
+        r = long[0]
+        raise ConfigError(f"{where}: {len(long)} of {len(records)} records are longer than batch.max_seq_length "
+                          f"{max_seq_length} (e.g. prompt {r.prompt_id!r}: {len(r.prompt_tokens)} + "
+                          f"{len(r.response_tokens)} tokens); drop them (`megatron-spo offline build ... --max-tokens "
+                          f"{max_seq_length}`) or raise batch.max_seq_length")
+
+
 class OfflineSource:
     """Trajectories from a JSONL file or an offline store, drawn in resumable shuffled epochs."""
 
     def __init__(self, name: str, path: str, seed: int, select=None, *, q0: dict[str, float] | None = None,
-                 q0_path: str | None = None, needs_q0: bool = False):
+                 q0_path: str | None = None, needs_q0: bool = False, max_seq_length: int | None = None):
         """select: a ProvenanceSelect (config) or None: only records of that provenance are drawn.
         needs_q0: the algorithm reads Q0 (SPO): records without q0 take their prompt's from ``q0`` (the table
-        of task.q0_path), or the source is refused naming the prompt."""
+        of task.q0_path), or the source is refused naming the prompt. max_seq_length: refuse longer records."""
         from megatron_spo.data.trajectory import load_trajectories
 
         self.name = name
@@ -41,6 +57,7 @@ class OfflineSource:
             if not self.records:
                 raise ConfigError(f"sources.{name}.select: none of the {total} records of {path} match "
                                   f"{select.model_dump(exclude_none=True)}")
+        refuse_too_long(self.records, max_seq_length, f"sources.{name} ({path})")
         if needs_q0:
             from megatron_spo.config import ConfigError
             from megatron_spo.data.q0 import fill_missing_q0
@@ -67,7 +84,7 @@ class GuideSource:
     """Demonstrations for mixed-policy GRPO: ``splice`` adds ``per_prompt`` records of each online group's prompt
     to the group (source GUIDE_SOURCE), a prompt's records taken round-robin (resumable)."""
 
-    def __init__(self, path: str, per_prompt: int):
+    def __init__(self, path: str, per_prompt: int, max_seq_length: int | None = None):
         from megatron_spo.config import ConfigError
         from megatron_spo.data.trajectory import RecordError, load_trajectories
 
@@ -75,6 +92,7 @@ class GuideSource:
             records = load_trajectories(path)
         except (OSError, RecordError) as err:
             raise ConfigError(f"grpo.guide_path: {err}") from None
+        refuse_too_long(records, max_seq_length, f"grpo.guide_path ({path})")
         self.by_prompt: dict[str, list] = {}
         for r in records:
             r.source = GUIDE_SOURCE
@@ -168,8 +186,10 @@ def build_sampler(cfg: TrainConfig, online_source=None):
             online = sources[name] = online_source
         else:
             sources[name] = OfflineSource(name, src.path, seed=cfg.seed, select=src.select, q0=q0,
-                                          q0_path=cfg.task.q0_path, needs_q0=needs_q0)
-    guide = GuideSource(cfg.grpo.guide_path, cfg.grpo.guide_per_prompt) if cfg.grpo.guide_path else None
+                                          q0_path=cfg.task.q0_path, needs_q0=needs_q0,
+                                          max_seq_length=cfg.batch.max_seq_length)
+    guide = GuideSource(cfg.grpo.guide_path, cfg.grpo.guide_per_prompt, cfg.batch.max_seq_length) \
+        if cfg.grpo.guide_path else None
     return BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()}, guide), online
 
 
