@@ -186,6 +186,8 @@ def test_guide_config_errors_name_the_field(guide_file, tmp_path):
 
     with pytest.raises(ValueError, match="grpo.guide_path: demonstrations join GRPO's prompt groups .* algo is 'spo'"):
         _train_cfg(tmp_path, algo="spo", rollout={}, grpo={"guide_path": str(guide_file)})
+    with pytest.raises(ValueError, match="sources.guide: the name 'guide' is reserved for grpo.guide_path's"):
+        _train_cfg(tmp_path, algo="spo", rollout={}, sources={"online": {}, "guide": {"path": str(guide_file)}})
     with pytest.raises(ConfigError, match="offline_data_guide 1: mixed-policy GRPO needs algo=grpo on the megatron "
                                           "trainer and offline_data .got algo 'spo'"):
         build_config(QuickstartConfig, {"offline_data_guide": 1, "offline_data": ["/d"]}, "quickstart")

@@ -75,6 +75,9 @@ LossName = Annotated[str, AfterValidator(_loss_name)]
 AlgoName = Annotated[str, AfterValidator(_algo_name)]
 
 
+# the source name of demonstrations spliced into online prompt groups (grpo.guide_path, training/sources.py)
+GUIDE_SOURCE = "guide"
+
 # the online source's default trust region (sources.online.trust_region): with the centred coefficient it kept
 # online-only SPO on its samples for 270 steps on both generated tasks (docs/spo-stability.md)
 ONLINE_TRUST_REGION = 0.2
@@ -459,6 +462,9 @@ class TrainConfig(StrictModel):
             raise ValueError("sources: at least one data source is needed")
         if sum(s.weight for s in self.sources.values()) <= 0:
             raise ValueError("sources: the weights must have a positive sum")
+        if GUIDE_SOURCE in self.sources:
+            raise ValueError(f"sources.{GUIDE_SOURCE}: the name '{GUIDE_SOURCE}' is reserved for grpo.guide_path's "
+                             "demonstrations; name the source otherwise")
         for name, src in self.sources.items():
             if name == "online" and src.path is not None:
                 raise ValueError("sources.online.path: the online source reads the rollout buffer, not a path")

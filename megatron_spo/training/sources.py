@@ -11,10 +11,9 @@ from __future__ import annotations
 import logging
 
 from megatron_spo.data.batching import OfflineCursor, source_counts
-from megatron_spo.training.config import TrainConfig
+from megatron_spo.training.config import GUIDE_SOURCE, TrainConfig
 
 log = logging.getLogger(__name__)
-GUIDE_SOURCE = "guide"  # the source name of demonstrations spliced into online prompt groups (grpo.guide_path)
 
 
 def refuse_too_long(records: list, max_seq_length: int | None, where: str) -> None:
