@@ -3,6 +3,7 @@
     avail = available_memory()            # Available(bytes, "MemAvailable" | "cgroup memory limit ...")
     preflight("check-conversion", need_bytes, hint="--vocab-chunk 8192 lowers it")   # MemoryPreflightError
     peak_rss_gb()                         # this process's peak resident set so far (the trainer's metric)
+    reset_peak_rss()                      # ... counted from now (the trainer starts its own)
     result, peak = peak_anon_bytes(fn, *args)   # one call's peak private memory above its level before
 
 The kernel's OOM killer gives no message of ours; a one-line refusal before the load does. The available
@@ -172,6 +173,18 @@ def peak_rss_gb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def reset_peak_rss() -> bool:
+    """Start peak_rss_gb() over from the current resident set (Linux: "5" to /proc/self/clear_refs), so a trainer
+    running inside a longer process (the quickstart builds its reference model first) reports its own peak.
+    False where the kernel does not offer it (the peak then covers the whole process)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def anon_bytes() -> int:

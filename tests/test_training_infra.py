@@ -197,3 +197,15 @@ def test_step_metrics_are_assembled_from_the_step_parts():
                            lr=1e-5, grad_norm=0.0, policy_version=6, pad_share=0.0, reference_step=4)
     assert "staleness" not in offline and "kl" not in offline and offline["reference_step"] == 4.0
     assert offline["eval/pass@1"] == 0.5
+
+
+def test_peak_rss_starts_over_where_the_trainer_starts():
+    """The trainer's memory/peak_rss_gb is its own: a 300 MB peak from before (a quickstart's reference build in the
+    same process) is forgotten once reset_peak_rss() runs, as Trainer.__init__ does first."""
+    from megatron_spo.memory import peak_rss_gb, reset_peak_rss
+
+    block = b"\x01" * (300 * 1024 * 1024)  # touched pages: resident
+    del block
+    before = peak_rss_gb()
+    assert reset_peak_rss()
+    assert peak_rss_gb() < before - 0.25

@@ -74,6 +74,8 @@ def preflight_data(cfg: TrainConfig) -> None:
     for name, src in cfg.sources.items():
         if src.path is not None and not Path(src.path).exists():
             raise ConfigError(f"sources.{name}.path: '{src.path}' does not exist")
+    if cfg.grpo.guide_path is not None and not Path(cfg.grpo.guide_path).exists():
+        raise ConfigError(f"grpo.guide_path: '{cfg.grpo.guide_path}' does not exist")
     if "online" not in cfg.sources:
         return
     hf = cfg.init.hf

@@ -33,6 +33,7 @@ from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import (
     TrainBatch,
 )
+from megatron_spo.memory import reset_peak_rss
 from megatron_spo.models.routing_replay import replayed
 from megatron_spo.run_layout import CheckpointDir, PreemptionHandler, Stopped
 from megatron_spo.training import checkpoint
@@ -98,6 +99,7 @@ class Trainer:
         from megatron_spo.models.parallel import enable_deterministic, init_parallel
 
         self.cfg = cfg
+        reset_peak_rss()  # memory/peak_rss_gb: this trainer's peak, not the launching process's earlier stages
         # megatron-core's import-time and model-build warnings go to RUN_DIR/warnings.log, summarised in one line
         self.library_warnings = LIBRARY_WARNINGS.attach(cfg.run_dir, enabled=os.environ.get("RANK", "0") == "0")
         check_logprobs(cfg.logprobs)
