@@ -609,7 +609,7 @@ _SHARED_FILES = ("eval_before.jsonl", "q0.jsonl", "q0_correct_samples.jsonl", "r
 
 
 def archive(root: Path, dest: Path) -> dict[str, int]:
-    """Copy what the report reads out of a study's out_dir into dest, a few tens of KB per run instead of tens of
+    """Copy what the report reads out of a study's out_dir into dest, about 100 KB per run instead of tens of
     MB: the study and its choices, each seed's reference evaluation and Q0 files, and per finished run its
     results.json, per-problem evaluations and the REPORT_METRICS of its metrics.jsonl (plus FAILED files).
     `compare out_dir=dest --report-only` writes the same report from it, and `compare out_dir=dest` resumes there:
