@@ -611,7 +611,8 @@ _SHARED_FILES = ("eval_before.jsonl", "q0.jsonl", "q0_correct_samples.jsonl", "r
 def archive(root: Path, dest: Path) -> dict[str, int]:
     """Copy what the report reads out of a study's out_dir into dest, about 100 KB per run instead of tens of
     MB: the study and its choices, each seed's reference evaluation and Q0 files, and per finished run its
-    results.json, per-problem evaluations and the REPORT_METRICS of its metrics.jsonl (plus FAILED files).
+    results.json, per-problem evaluations and the REPORT_METRICS / REPORT_PREFIXES of its metrics.jsonl (plus
+    FAILED files).
     `compare out_dir=dest --report-only` writes the same report from it, and `compare out_dir=dest` resumes there:
     a run with results.json is finished. Resuming elsewhere rebuilds the quickstart's reference model (cached per
     machine), which another CPU can make with other weights: each seed's reference.json names the weights the
