@@ -1,4 +1,4 @@
-"""GPU check, item 3: a few SPO, GRPO and PPO optimizer steps of the real Trainer on the device: a tiny Llama
+"""GPU check, item 3: a few SPO, GRPO, PPO and guided-GRPO optimizer steps of the real Trainer on the device: a tiny Llama
 (tests/trainer_helpers.make_tiny_hf), the deterministic in-process trajectory source of the trainer tests
 (no engines), one process, with train.deterministic. Each run is done twice: the final weights and the logged
 losses must be bitwise equal. On a GPU the same runs also go on the CPU (a child process that cannot see the GPU, in parallel)
@@ -18,11 +18,22 @@ from pathlib import Path
 import torch
 from gpu_result import PartResult, part_main
 
-ALGOS = ("spo", "grpo", "ppo")
+ALGOS = ("spo", "grpo", "ppo", "grpo-guided")  # grpo-guided: GRPO with demonstrations (grpo.guide_path)
+
+
+def guide_file(root: str) -> str:
+    """tests/test_trainer.py's demonstrations: prompts p0 and p2 (the source's first groups of steps 1 and 2)."""
+    path = Path(root, "guide.jsonl")
+    rows = [{"prompt_id": p, "prompt_tokens": [1, 2, 3, 4], "response_tokens": [5, 6, 7, 8, 9], "reward": 0.0,
+             "source": "expert", "policy_version": 0} for p in ("p0", "p2")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
 
 
 def run_config(root: str, hf: str, algo: str, name: str, steps: int, **overrides) -> dict:
     """The trainer tests' settings (tests/test_trainer.py _cfg) for one process."""
+    if algo == "grpo-guided":
+        algo, overrides = "grpo", {"grpo": {"guide_path": guide_file(root)}, **overrides}
     cfg = dict(run_dir=f"{root}/{name}", steps=steps, algo=algo, beta=0.5, init={"hf": hf},
                optimizer={"lr": 1e-3, "warmup_steps": 2},
                batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
