@@ -67,7 +67,7 @@ PARTS = (  # caps: about 1.5-2x each part's wall on the H200 (2026-11-27); step-
     Part("megatron-parity", 2, "megatron-core GPTModel (local spec, NCCL group of one) vs transformers, "
          "forward + backward, fp32 and bf16, one family per registry entry", "gpu_part_megatron.py", 35),
     Part("training", 3, "SPO, GRPO, PPO and guided-GRPO steps (tiny model, deterministic source, no engines): rerun "
-         "bitwise, close to CPU; a bf16 SPO run", "gpu_part_training.py", 80),
+         "bitwise, close to CPU; a bf16 SPO run", "gpu_part_training.py", 55),
     Part("te-fp8", 5, "Transformer Engine FP8 if importable; the LM-head FP8 GEMM (torch._scaled_mm)",
          "gpu_part_fp8.py", 15),
     Part("nccl-push", 4, "the weight push over NCCL between two processes (needs 2 GPUs)",
