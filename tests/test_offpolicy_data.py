@@ -264,3 +264,72 @@ def test_coefficient_clip_bounds_the_cross_entropy_push_of_a_success():
     assert (s1, ms["coefficient_clipped"]) == (s0, 0.0) and torch.equal(sq0, sq1)
     with pytest.raises(ConfigError, match="max_coefficient: needs objective terminal or advantage, not 'reverse_q'"):
         build_config(SourceConfig, {"path": "x", "objective": "reverse_q", "max_coefficient": 1.0}, "cfg")
+
+
+def test_sft_early_stopping_keeps_the_step_with_the_lowest_validation_nll(tmp_path):
+    """Training on one response and validating on another: the validation NLL first falls (shared tokens) then
+    rises (the training response is memorised); the saved model is the best evaluated step's, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_spo.data.trajectory import Trajectory
+    from megatron_spo.experiments.sft_stage import (
+        SFTStageConfig,
+        sft_on_trajectories,
+        validation_nll,
+    )
+
+    def rec(pid, response, reward=0.0):
+        return Trajectory(prompt_id=pid, prompt_tokens=[1, 10, 11], response_tokens=response, reward=reward,
+                          source="expert", policy_version=0)
+
+    train = [rec("a", [20, 21, 22, 23, 2])]
+    held = [rec("v", [20, 21, 30, 31, 2]), rec("v", [40, 2], reward=-1.0)]  # the failing one is not scored
+    ref = _tiny_hf(tmp_path / "ref")
+    cfg = SFTStageConfig(steps=24, batch_size=2, lr=3e-2, warmup_steps=0, num_threads=1, eval_every=4)
+    out = sft_on_trajectories(ref, train, tmp_path / "sft", cfg, validation=held)
+    info = json.loads((out / "sft_info.json").read_text())
+    curve = [(c["step"], c["nll"]) for c in info["validation_nll"]]
+    assert [s for s, _ in curve] == [0, 4, 8, 12, 16, 20, 24] and info["validation_trajectories"] == 1
+    best_step, best_nll = min(curve, key=lambda c: c[1])
+    assert info["chosen_step"] == best_step and 0 < best_step < 24  # it fell, then rose: neither end
+    assert curve[-1][1] > best_nll + 0.5
+    with torch.no_grad():
+        saved = validation_nll(AutoModelForCausalLM.from_pretrained(out), held[:1], 0, 2)
+        start = validation_nll(AutoModelForCausalLM.from_pretrained(ref), held[:1], 0, 2)
+    assert saved == pytest.approx(best_nll, abs=1e-5) and start == pytest.approx(curve[0][1], abs=1e-5)
+    with pytest.raises(ValueError, match=r"sft.eval_every 4: early stopping needs passing trajectories of the "
+                                         r"validation problems \(1 given, none passing\)"):
+        sft_on_trajectories(ref, train, tmp_path / "sft2", cfg, validation=held[1:])
+
+
+def test_offline_data_split_and_the_generation_budget_warning(tmp_path):
+    from megatron_spo.config import ConfigError, build_config
+    from megatron_spo.data.trajectory import Trajectory, write_jsonl
+    from megatron_spo.experiments.quickstart import QuickstartConfig, long_response_warning, training_data
+    from megatron_spo.experiments.study import RunSpec, StudyConfig, quickstart_overrides
+
+    rows = [Trajectory(prompt_id=pid, prompt_tokens=[1] * 4, response_tokens=[5] * n, reward=0.0, source="expert",
+                       policy_version=0) for pid, n in (("t1", 3), ("t2", 10), ("t2", 30), ("v1", 4), ("v1", 40),
+                                                        ("h1", 2))]
+    write_jsonl(rows, tmp_path / "d.jsonl")
+    kept, validation, dropped, too_long = training_data([str(tmp_path / "d.jsonl")], {"t1", "t2"}, 20,
+                                                        validation_ids={"v1"})
+    assert [len(r.response_tokens) for r in kept] == [3, 10] and [len(r.response_tokens) for r in validation] == [4]
+    assert (dropped, too_long) == (1, 1)  # h1 is another problem's; t2's 34 tokens do not fit (v1's 44 not counted)
+    assert long_response_warning(kept, 10) == ""
+    assert long_response_warning(kept, 8) == (
+        "1 of 2 responses (50%) are longer than train.max_new_tokens 8 (up to 10 tokens): rollouts and evaluations "
+        "stop there, so a policy that learns to write like them (SFT, or SPO on them) is cut off; raise "
+        "train.max_new_tokens to 10 or more")
+    with pytest.raises(ConfigError, match="sft.eval_every 5: early stopping reads the validation problems' "
+                                          "offline_data, and validation_problems is 0"):
+        build_config(QuickstartConfig, {"offline_data": ["/d"], "sft": {"steps": 10, "eval_every": 5}}, "quickstart")
+    arms = {"arms": ["sft-grpo", "spo-data"], "data": ["/d"], "sft_eval_every": 5, "sweep": {"enabled": False}}
+    with pytest.raises(ConfigError, match="sft_eval_every 5: early stopping reads the validation problems' data, "
+                                          "which these runs train on; set validation_held_out=true"):
+        build_config(StudyConfig, arms, "compare")
+    study = build_config(StudyConfig, {**arms, "validation_held_out": True}, "compare")
+    over = quickstart_overrides(study, RunSpec("runs", "sft-grpo", 0, ()), Path("/r"))
+    assert {"validation_problems=30", "sft.steps=60", "sft.eval_every=5"} <= set(over)
+    assert not [o for o in quickstart_overrides(study, RunSpec("runs", "spo-data", 0, ()), Path("/r"))
+                if o.startswith("sft")]

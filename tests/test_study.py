@@ -608,3 +608,34 @@ def test_the_report_shows_which_tokens_carry_the_studys_data_per_source(tmp_path
     archive(root, tmp_path / "archive")
     there = study.model_copy(update={"out_dir": str(tmp_path / "archive")})
     assert write_report(there, tmp_path / "archive", chosen).read_text() == report
+
+
+def test_the_report_gives_what_sft_alone_gave_and_what_rl_added(tmp_path):
+    """Issue 48: per arm with an SFT stage, the SFT'd policy's own held-out evaluation (eval_sft.jsonl) against
+    the reference and against the run after RL, paired, with the step early stopping kept; the archive keeps it."""
+    from megatron_spo.experiments.study_report import archive
+
+    root = tmp_path / "study"
+    study = build_config(st.StudyConfig, {"out_dir": str(root), "arms": ["sft-grpo", "grpo"], "data": ["/d"],
+                                          "seeds": [0, 1], "sweep": {"enabled": False}, "long_run": {"seeds": []}})
+    root.mkdir()
+    for seed in (0, 1):
+        _fake_reference(root, seed)
+        for arm in study.arms:
+            _fake_run(root, study, arm, seed, 0.4, 0.9, pushes=1, wall=90)
+        run = st.RunSpec("runs", "sft-grpo", seed, ()).run_dir(root)
+        sft = [{"prompt_id": p, "n": 20, "correct": 0, "pass@1": 0.3, "pass@10": 0.7, "tests": {}} for p in PROBLEMS]
+        (run / "eval_sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft))
+        results = json.loads((run / "results.json").read_text())
+        results["sft"] = {"chosen_step": 10 + 5 * seed, "settings": {"steps": 60}}
+        (run / "results.json").write_text(json.dumps(results))
+    (root / "study.json").write_text(study.model_dump_json())
+    chosen = {a: {"settings": {}} for a in study.arms}
+    report = write_report(study, root, chosen).read_text()
+    section = report.split("## The SFT stage: what SFT alone gave, and what RL added")[1].split("##")[0]
+    assert (f"| sft-grpo | 2 x {len(PROBLEMS)} | 10 of 60, 15 of 60 | 0.300 | +0.100 [+0.100, +0.100] | "
+            "+0.100 [+0.100, +0.100] | 0.700 | +0.100 [+0.100, +0.100] | +0.200 [+0.200, +0.200] |") in section
+    assert "| grpo |" not in section  # no SFT stage: no row
+    archive(root, tmp_path / "archive")
+    there = study.model_copy(update={"out_dir": str(tmp_path / "archive")})
+    assert write_report(there, tmp_path / "archive", chosen).read_text() == report

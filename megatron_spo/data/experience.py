@@ -43,6 +43,7 @@ from megatron_spo.data.trajectory import (
     RecordError,
     Trajectory,
     iter_records_jsonl,
+    record_tokens,
 )
 
 PASS_REWARD = 0.0  # megatron_spo.rewards.reward.PASS_REWARD: a passing response scores 0, a failing one -1
@@ -459,7 +460,7 @@ def main(argv: list[str]) -> int:
                 provenance, limit = select, args.max_tokens
 
                 def select(r: Trajectory) -> bool:
-                    return len(r.prompt_tokens) + len(r.response_tokens) <= limit and provenance(r)
+                    return record_tokens(r) <= limit and provenance(r)
 
             options = BuildOptions(verdict=args.verdict, pass_reward=args.pass_reward, select=select,
                                    cap=_caps(args.cap, parser), cap_per_prompt=args.cap_per_prompt,

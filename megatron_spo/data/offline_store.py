@@ -64,6 +64,7 @@ from megatron_spo.data.trajectory import (
     Provenance,
     RecordError,
     Trajectory,
+    record_tokens,
     validate_provenance,
     validate_record,
 )
@@ -146,7 +147,7 @@ def _route_columns(records: list[Trajectory], first: int = 0) -> dict[str, np.nd
     if all(x is None for x in routes):
         return None
     for i, (r, x) in enumerate(zip(records, routes)):
-        positions = len(r.prompt_tokens) + len(r.response_tokens) - 1
+        positions = record_tokens(r) - 1
         if x is not None and x.tokens != positions:
             raise StoreError(f"offline store: record {first + i} (prompt_id {r.prompt_id!r}): field 'routed_experts': routes "
                              f"for {x.tokens} tokens, but prompt + response - 1 = {positions} tokens went through the "

@@ -111,6 +111,11 @@ class Trajectory:
         return out
 
 
+def record_tokens(record) -> int:
+    """A trajectory's length in a model's context: prompt + response tokens (any object with those two lists)."""
+    return len(record.prompt_tokens) + len(record.response_tokens)
+
+
 class RecordError(ValueError):
     """An invalid record. ``where`` is 'file:line' (or 'store shard row'), ``field`` the offending field."""
 

@@ -149,7 +149,8 @@ class QuickstartConfig(StrictModel):
                                     "`offline_data` to the SFT stage")
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig, description="SFT of the reference on the passing "
                                 "`offline_data` before RL (sft.steps > 0): the SFT'd model is the policy's start "
-                                "and pi_0; the 'before' evaluation stays the reference's")
+                                "and pi_0; the 'before' evaluation stays the reference's; the SFT'd policy is evaluated "
+                                "too (results.json sft.policy)")
     eval_n: int = Field(20, gt=0)
     eval_temperature: float = 0.4
     eval_top_p: float = 0.95
@@ -234,6 +235,9 @@ class QuickstartConfig(StrictModel):
             raise ValueError(f"sft.steps {self.sft.steps}: the SFT stage trains on offline_data, which is empty")
         if self.sft.steps and (self.trainer != "megatron" or self.train.lora is not None):
             raise ValueError("sft.steps: the SFT stage is built for the megatron trainer without train.lora")
+        if self.sft.steps and self.sft.eval_every and not self.validation_problems:
+            raise ValueError(f"sft.eval_every {self.sft.eval_every}: early stopping reads the validation problems' "
+                             "offline_data, and validation_problems is 0")
         if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):
             raise ValueError(f"eval_splits {self.eval_splits} with validation_problems {self.validation_problems}: "
                              "nothing would be evaluated")
@@ -361,21 +365,25 @@ def build_offline_set(samples_path: Path, path: Path, prompts, q0: dict, tokeniz
     return len(samples), len(human)
 
 
-def training_data(paths: list[str], train_ids: set[str], max_tokens: int) -> tuple[list, int, int]:
-    """The records of ``paths`` (stores / JSONL) whose prompt is a training prompt of this run and that fit
-    max_tokens (prompt + response: the model's context), how many were of other problems (validation and held-out
-    problems never reach SFT or training) and how many training-prompt records were too long."""
+def training_data(paths: list[str], train_ids: set[str], max_tokens: int,
+                  validation_ids: set[str] = frozenset()) -> tuple[list, list, int, int]:
+    """The records of ``paths`` (stores / JSONL) that fit max_tokens (prompt + response: the model's context):
+    those of this run's training prompts, those of validation_ids (the SFT stage's early stopping reads them;
+    training never does); how many were of other problems (held-out ones never reach SFT or training) and how
+    many training-prompt records were too long."""
     from megatron_spo.data.experience import iter_trajectories
+    from megatron_spo.data.trajectory import record_tokens
 
-    kept, dropped, too_long = [], 0, 0
+    kept, validation, dropped, too_long = [], [], 0, 0
     for r in iter_trajectories(paths):
-        if str(r.prompt_id) not in train_ids:
+        pid = str(r.prompt_id)
+        if pid not in train_ids and pid not in validation_ids:
             dropped += 1
-        elif len(r.prompt_tokens) + len(r.response_tokens) > max_tokens:
-            too_long += 1
+        elif record_tokens(r) > max_tokens:
+            too_long += pid in train_ids
         else:
-            kept.append(r)
-    return kept, dropped, too_long
+            (kept if pid in train_ids else validation).append(r)
+    return kept, validation, dropped, too_long
 
 
 def paired_bootstrap(deltas: list[float], *, resamples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
@@ -477,6 +485,25 @@ def claim_reuse_dir(shared: Path, identity: dict, who: str = "quickstart") -> No
     write_text_atomic(stamp, json.dumps(identity, indent=1) + "\n")
 
 
+def long_response_warning(records, max_new_tokens: int) -> str:
+    """'' or one line: how many responses are longer than the run's generation budget (rollouts and evaluations
+    stop at max_new_tokens, so a policy that learns to write like them is cut off there)."""
+    long = [len(r.response_tokens) for r in records if len(r.response_tokens) > max_new_tokens]
+    if not long:
+        return ""
+    return (f"{len(long)} of {len(records)} responses ({len(long) / len(records):.0%}) are longer than "
+            f"train.max_new_tokens {max_new_tokens} (up to {max(long)} tokens): rollouts and evaluations stop there, "
+            "so a policy that learns to write like them (SFT, or SPO on them) is cut off; raise "
+            f"train.max_new_tokens to {max(long)} or more")
+
+
+def held_out_validation_ids(cfg: QuickstartConfig, toy) -> set[str]:
+    """The prompt ids of the validation problems (the last validation_problems training problems, never trained
+    on), whether or not they are evaluated."""
+    train = list(toy.train)
+    return {str(p.id) for p in train[len(train) - cfg.validation_problems:]} if cfg.validation_problems else set()
+
+
 def split_problems(cfg: QuickstartConfig, toy) -> dict[str, list]:
     """The problems of each role: "train" (RL prompts), "validation" (the last validation_problems of the task's
     training split, never trained on), "heldout" (the test problems), "training_prompts" (train_eval_limit of
@@ -576,24 +603,32 @@ def run(cfg: QuickstartConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(ref)
     prompts = {role: make_prompts(ps, tokenizer) for role, ps in problems.items()}
     train_prompts = prompts["train"]
-    data, data_dropped, data_long = training_data(cfg.offline_data, {p.prompt_id for p in train_prompts},
-                                                  cfg.reference.max_position_embeddings)
+    data, data_validation, data_dropped, data_long = training_data(
+        cfg.offline_data, {p.prompt_id for p in train_prompts}, cfg.reference.max_position_embeddings,
+        validation_ids=held_out_validation_ids(cfg, task_from_config(cfg.reference)) if cfg.sft.eval_every else set())
     if cfg.offline_data:
         console.print(f"offline_data: {len(data)} trajectories of the training prompts "
                       f"({sum(r.reward >= 0 for r in data)} pass); {data_dropped} of other problems left out"
                       + (f"; {data_long} longer than the model's {cfg.reference.max_position_embeddings} tokens left "
-                         "out" if data_long else ""))
+                         "out" if data_long else "")
+                      + (f"; {len(data_validation)} of the validation problems for the SFT stage's early stopping"
+                         if cfg.sft.eval_every else ""))
         if not data:
             raise ValueError(f"offline_data {cfg.offline_data}: no trajectory of this run's training prompts")
+        warning = long_response_warning(data, cfg.train.max_new_tokens)
+        if warning:
+            console.print(f"[yellow]offline_data: {warning}")
     policy = ref  # the policy's start and pi_0: the reference, or the reference after the SFT stage
     if cfg.sft.steps:
         from megatron_spo.experiments.sft_stage import SFT_INFO, sft_on_trajectories
 
         t0 = stage(f"1b SFT on offline_data: {cfg.sft.steps} steps x {cfg.sft.batch_size} sequences")
-        policy = sft_on_trajectories(ref, data, out / "sft_policy", cfg.sft)
+        policy = sft_on_trajectories(ref, data, out / "sft_policy", cfg.sft, validation=data_validation)
         sft_info = json.loads((policy / SFT_INFO).read_text())
         console.print(f"SFT: loss {sft_info['first_loss']:.3f} -> {sft_info['final_loss']:.3f} on "
-                      f"{sft_info['trajectories']} passing trajectories -> {policy}")
+                      f"{sft_info['trajectories']} passing trajectories -> {policy}"
+                      + ("; validation NLL " + ", ".join(f"{c['step']}: {c['nll']:.3f}" for c in sft_info[
+                          "validation_nll"]) + f"; kept step {sft_info['chosen_step']}" if cfg.sft.eval_every else ""))
         wall["sft"] = time.perf_counter() - t0
 
     t0 = stage("2/6 HF -> Megatron conversion")
@@ -626,9 +661,13 @@ def run(cfg: QuickstartConfig) -> dict:
             before = {name: asyncio.run(eval_now(eval_file(shared, "before", name), name)) for name in evaluated}
             wall["eval_before"] = time.perf_counter() - t0
             q0_dir = shared  # Q0 and its samples are pi_0's: the reference's are shared, an SFT'd policy's its own
+            sft_eval = {}
             if policy != ref:
                 push_hf_checkpoint(policy, fleet.engine_urls, "0")  # policy version 0: the run's start
                 q0_dir = out
+                t0 = stage("4b evaluate the SFT'd policy (the run's start and pi_0)")
+                sft_eval = {name: asyncio.run(eval_now(eval_file(out, "sft", name), name)) for name in evaluated}
+                wall["eval_sft"] = time.perf_counter() - t0
 
             t0 = stage(f"5/6 Q0: {cfg.q0_samples} reference samples x {len(train_prompts)} training prompts")
 
@@ -702,6 +741,8 @@ def run(cfg: QuickstartConfig) -> dict:
                                   "other_problems_dropped": data_dropped}
     if cfg.sft.steps:
         result["sft"] = sft_info
+        # the SFT'd policy against the reference: what SFT alone gave, before RL (same problems and sampling)
+        result["sft"]["policy"] = {name: comparison(before[name], sft_eval[name]) for name in evaluated}
     gaps = [m for m in train_metrics if "logprob_gap/mean_abs" in m]
     if gaps:  # engines vs trainer on the same tokens (training/logprob_gap.py): ~1e-6 in fp32 with correct pushes
         result["logprob_gap"] = {

@@ -7,6 +7,10 @@ the records that pass (reward >= 0: SFT imitates, it cannot use failures), drawn
 (seeded). AdamW, linear warm-up then constant lr, grad-norm clip 1. The result is a complete HF checkpoint (the
 reference's config and tokenizer, the trained weights, digests.json) that the quickstart converts for the
 trainer and serves as the arm's pi_0.
+
+Early stopping (eval_every > 0), the common recipe: every eval_every steps the mean response NLL on validation
+records (the validation problems' trajectories, never trained on) is measured, and the weights of the best such
+step are kept; cfg.steps is then the most it trains.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ class SFTStageConfig(StrictModel):
     warmup_steps: int = Field(5, ge=0)
     seed: int = 0
     num_threads: int = Field(2, gt=0, description="torch CPU threads during SFT")
+    eval_every: int = Field(0, ge=0, description="early stopping: every N steps the response NLL on the validation "
+                            "problems' trajectories (quickstart validation_problems), keeping the best step's "
+                            "weights (steps is then the most); 0: keep the last step's")
 
 
 def sft_batch(records: Sequence, pad_id: int) -> dict[str, torch.Tensor]:
@@ -62,9 +69,23 @@ def response_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
                                              ignore_index=IGNORE_INDEX)
 
 
+@torch.no_grad()
+def validation_nll(model, records: Sequence, pad_id: int, batch_size: int) -> float:
+    """Mean response NLL per token (nats) over ``records``, every token weighted alike."""
+    was_training, total, tokens = model.training, 0.0, 0
+    model.eval()
+    for i in range(0, len(records), batch_size):
+        batch = sft_batch(records[i:i + batch_size], pad_id)
+        n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        total, tokens = total + response_nll(model, batch).item() * n, tokens + n
+    model.train(was_training)
+    return total / max(1, tokens)
+
+
 def sft_on_trajectories(ref: str | Path, records: Sequence, out: str | Path, cfg: SFTStageConfig,
-                        pass_reward: float = 0.0) -> Path:
-    """Train a copy of the HF checkpoint ``ref`` for cfg.steps on the passing ``records``; write it to ``out``."""
+                        pass_reward: float = 0.0, validation: Sequence = ()) -> Path:
+    """Train a copy of the HF checkpoint ``ref`` for cfg.steps on the passing ``records`` (early-stopped on the
+    passing ``validation`` records when cfg.eval_every > 0); write it to ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_spo.checkpoint_digest import write_manifest
@@ -73,6 +94,11 @@ def sft_on_trajectories(ref: str | Path, records: Sequence, out: str | Path, cfg
     if not good:
         raise ValueError(f"sft: none of the {len(records)} trajectories passes (reward >= {pass_reward}): nothing "
                          "to imitate")
+    held = [r for r in validation if r.reward >= pass_reward]
+    if cfg.eval_every and not held:
+        raise ValueError(f"sft.eval_every {cfg.eval_every}: early stopping needs passing trajectories of the "
+                         f"validation problems ({len(validation)} given, none passing); set validation_problems "
+                         "and give offline_data for those problems, or sft.eval_every=0")
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.num_threads)
     try:
@@ -83,6 +109,17 @@ def sft_on_trajectories(ref: str | Path, records: Sequence, out: str | Path, cfg
         rng = random.Random(cfg.seed)
         model.train()
         losses, t0 = [], time.perf_counter()
+        curve: list[tuple[int, float]] = []  # (steps done, validation NLL)
+        best = None  # (NLL, steps done, weights)
+
+        def evaluate(done: int) -> None:
+            nonlocal best
+            curve.append((done, validation_nll(model, held, tokenizer.pad_token_id, cfg.batch_size)))
+            if best is None or curve[-1][1] < best[0]:
+                best = (curve[-1][1], done, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+        if cfg.eval_every:
+            evaluate(0)
         for step in range(cfg.steps):
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
@@ -93,6 +130,10 @@ def sft_on_trajectories(ref: str | Path, records: Sequence, out: str | Path, cfg
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             losses.append(loss.item())
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                evaluate(step + 1)
+        if best is not None:
+            model.load_state_dict(best[2])
         model.eval()
     finally:
         torch.set_num_threads(before)
@@ -105,7 +146,9 @@ def sft_on_trajectories(ref: str | Path, records: Sequence, out: str | Path, cfg
             shutil.copyfile(Path(ref) / name, out / name)
     info = {"from": str(ref), "settings": cfg.model_dump(), "trajectories": len(good), "dropped_failing":
             len(records) - len(good), "first_loss": losses[0] if losses else None,
-            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])), "seconds": time.perf_counter() - t0}
+            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])), "seconds": time.perf_counter() - t0,
+            "chosen_step": best[1] if best is not None else cfg.steps,
+            "validation_nll": [{"step": k, "nll": v} for k, v in curve], "validation_trajectories": len(held)}
     (out / SFT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     write_manifest(out)
     return out

@@ -161,6 +161,10 @@ class StudyConfig(StrictModel):
                             f"arms {', '.join(DATA_ARMS)} use (each run keeps its training prompts' records)")
     sft_steps: int = Field(60, gt=0, description="the SFT budget of every arm with an SFT stage (quickstart "
                            "sft.steps; the same for all of them)")
+    sft_eval_every: int = Field(0, ge=0, description="early-stop the SFT stage (quickstart sft.eval_every): every N "
+                                "steps the response NLL on the validation problems' data, keeping the best step "
+                                "(sft_steps is then the most); needs the validation problems held out of the runs "
+                                "(validation_held_out, or the sweep); 0: all sft_steps")
 
     _check = field_validator("arms")(classmethod(lambda cls, v: _known_arms(v)))
 
@@ -169,6 +173,10 @@ class StudyConfig(StrictModel):
         need = [a for a in self.arms if ARMS[a].uses]
         if need and not self.data:
             raise ValueError(f"data: arms {need} learn from the study's data; give data=[STORE, ...]")
+        held_out = self.sweep.enabled if self.validation_held_out is None else self.validation_held_out
+        if self.sft_eval_every and not held_out and any("sft" in ARMS[a].uses for a in self.arms):
+            raise ValueError(f"sft_eval_every {self.sft_eval_every}: early stopping reads the validation problems' "
+                             "data, which these runs train on; set validation_held_out=true (or sft_eval_every=0)")
         return self
 
     @field_validator("settings")
@@ -224,6 +232,8 @@ def quickstart_overrides(study: StudyConfig, spec: RunSpec, root: Path) -> list[
         extra["offline_data"] = list(study.data)
     if "sft" in arm.uses:
         extra["sft.steps"] = study.sft_steps
+        if study.sft_eval_every:
+            extra["sft.eval_every"] = study.sft_eval_every
     apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in extra.items()])
     apply_overrides(base, [f"{path}={json.dumps(value)}" for path, value in spec.settings])
     return _flat(base)

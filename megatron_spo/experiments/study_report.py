@@ -107,6 +107,7 @@ class ArmRuns:
         self.before = {s: _records(root / "shared" / f"seed{s}" / "eval_before.jsonl") for s in runs}
         self.results = {s: json.loads((r / "results.json").read_text()) for s, r in runs.items()}
         self.metrics = {s: _metrics(r) for s, r in runs.items()}
+        self.sft = {s: _records(r / "eval_sft.jsonl") for s, r in runs.items()}  # the SFT'd policy, before RL
 
     @property
     def seeds(self) -> list[int]:
@@ -119,8 +120,9 @@ class ArmRuns:
             return float(rec.get("distinct_correct") or 0)
         return rec[what]
 
-    def matrix(self, what: str, seeds: list[int], problems: list[str], before: bool = False) -> list[list[float]]:
-        src = self.before if before else self.after
+    def matrix(self, what: str, seeds: list[int], problems: list[str], before: bool = False,
+               src: dict | None = None) -> list[list[float]]:
+        src = src if src is not None else self.before if before else self.after
         return [[self.value(src[s][p], what) for p in problems] for s in seeds]
 
     def mean(self, what: str, seeds: list[int], problems: list[str], before: bool = False) -> float:
@@ -467,6 +469,7 @@ def write_report(study, root: Path, chosen: dict) -> Path:
         agree = all(lo <= 0 <= hi for _, lo, hi in diffs[:2])
         lines += ["| " + " | ".join(_ci(*d) for d in diffs) + f" | {'yes' if agree else 'no'} (pass@1, pass@10) |", ""]
     lines += _long_runs(study, root, chosen, long, by)
+    lines += _sft_stage(arms)
     lines += _data_tokens(arms)
     lines += _claims(by, long)
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
@@ -496,6 +499,37 @@ def _lora(full: ArmRuns, lora: ArmRuns) -> list[str]:
     return lines + ["", "MB per push: the bytes sent to the engines per training push (weight_sync/bytes; an adapter "
                     "push sends the adapters alone); trainer peak RSS: rank 0's peak resident set (VmHWM), on CPU "
                     "the whole trainer (model, reference or none, gradients, optimizer state, activations).", ""]
+
+
+def _sft_stage(arms: list[ArmRuns]) -> list[str]:
+    """Issue 48: per arm with an SFT stage, the step early stopping kept, and the SFT'd policy's held-out pass@k
+    (its own evaluation before RL) against the reference and against the same run after RL, paired per seed and
+    problem: what SFT alone gave, and what RL added on top of it."""
+    rows = []
+    for arm in arms:
+        seeds = [s for s in arm.seeds if arm.sft[s]]
+        if not seeds:
+            continue
+        problems = sorted(set.intersection(*(set(arm.sft[s]) & set(arm.before[s]) & set(arm.after[s])
+                                             for s in seeds)))
+        infos = [arm.results[s].get("sft", {}) for s in seeds]
+        kept = ", ".join(f"{i.get('chosen_step', '?')} of {i.get('settings', {}).get('steps', '?')}" for i in infos)
+        cells = []
+        for what in ("pass@1", "pass@10"):
+            sft, ref, after = (arm.matrix(what, seeds, problems, src=src) for src in (arm.sft, arm.before, arm.after))
+            mean = sum(map(sum, sft)) / max(1, len(seeds) * len(problems))
+            cells += [f"{mean:.3f}", _ci(*two_way_bootstrap([[x - y for x, y in zip(a, b)] for a, b in zip(sft, ref)])),
+                      _ci(*two_way_bootstrap([[x - y for x, y in zip(a, b)] for a, b in zip(after, sft)]))]
+        rows.append(f"| {arm.name} | {len(seeds)} x {len(problems)} | {kept} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["## The SFT stage: what SFT alone gave, and what RL added", "",
+            "The SFT'd policy (the run's start and pi_0) evaluated before RL, paired per seed and problem with the "
+            "reference and with the same run after RL. Steps kept: early stopping on the validation problems' "
+            "response NLL (sft.eval_every), per seed.", "",
+            "| arm | seeds x problems | SFT steps kept | SFT'd pass@1 | minus reference | RL's change over it | "
+            "SFT'd pass@10 | minus reference | RL's change over it |", "|---|---|---|---|---|---|---|---|---|",
+            *rows, ""]
 
 
 TAIL_STEPS = 10  # the issue-48 section averages each run's last this many logged steps

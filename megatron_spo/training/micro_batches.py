@@ -15,6 +15,7 @@ import torch
 
 from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import TrainBatch, collate, group_numbers, split_by_token_budget
+from megatron_spo.data.trajectory import record_tokens
 from megatron_spo.training.config import TrainConfig
 from megatron_spo.training.sources import GUIDE_SOURCE
 
@@ -41,7 +42,7 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
             return micro_batches(trajs, cfg, keep_groups=True, pad_id=pad_id, dp_rank=dp_rank, device=device)
         except (ValueError, ConfigError):
             pass
-    lengths = [len(t.prompt_tokens) + len(t.response_tokens) - 1 for t in trajs]
+    lengths = [record_tokens(t) - 1 for t in trajs]
     too_long = [i for i, n in enumerate(lengths) if n + 1 > cfg.batch.max_seq_length]
     if too_long:
         i = too_long[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from megatron_spo.data.batching import OfflineCursor, source_counts
+from megatron_spo.data.trajectory import record_tokens
 from megatron_spo.training.config import GUIDE_SOURCE, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ def refuse_too_long(records: list, max_seq_length: int | None, where: str) -> No
     the step that first draws it."""
     if max_seq_length is None:
         return
-    long = [r for r in records if len(r.prompt_tokens) + len(r.response_tokens) > max_seq_length]
+    long = [r for r in records if record_tokens(r) > max_seq_length]
     if long:
         from megatron_spo.config import ConfigError
 
