@@ -201,11 +201,11 @@ def test_study_data_arms_and_the_quickstart_data_source():
                                        "sft_steps": 40}, "compare")
     over = {a: quickstart_overrides(study, RunSpec("runs", a, 0, ()), Path("/r")) for a in study.arms}
     assert [o for o in over["sft-grpo"] if o.startswith(("offline_data", "sft"))] == [
-        'offline_data=["/d/expert"]', "sft.steps=40"]
+        'offline_data=["/d/expert"]', "sft.steps=40", "sft.eval_every=25"]
     assert not [o for o in over["grpo"] if o.startswith(("offline_data", "sft"))]
     assert [o for o in over["spo-data"] if o.startswith(("offline_data", "sft"))] == ['offline_data=["/d/expert"]']
     assert [o for o in over["sft-spo"] if o.startswith(("offline_data", "sft"))] == [
-        "offline_data_fraction=0", 'offline_data=["/d/expert"]', "sft.steps=40"]
+        "offline_data_fraction=0", 'offline_data=["/d/expert"]', "sft.steps=40", "sft.eval_every=25"]
     with pytest.raises(ConfigError, match="sft.steps 5: the SFT stage trains on offline_data, which is empty"):
         build_config(QuickstartConfig, {"sft": {"steps": 5}}, "quickstart")
     cfg = build_config(QuickstartConfig, {"offline_data": ["/d/expert"]}, "quickstart")
@@ -330,6 +330,6 @@ def test_offline_data_split_and_the_generation_budget_warning(tmp_path):
         build_config(StudyConfig, arms, "compare")
     study = build_config(StudyConfig, {**arms, "validation_held_out": True}, "compare")
     over = quickstart_overrides(study, RunSpec("runs", "sft-grpo", 0, ()), Path("/r"))
-    assert {"validation_problems=30", "sft.steps=60", "sft.eval_every=5"} <= set(over)
+    assert {"validation_problems=30", "sft.steps=600", "sft.eval_every=5"} <= set(over)
     assert not [o for o in quickstart_overrides(study, RunSpec("runs", "spo-data", 0, ()), Path("/r"))
                 if o.startswith("sft")]

@@ -616,7 +616,7 @@ def test_the_report_gives_what_sft_alone_gave_and_what_rl_added(tmp_path):
     from megatron_spo.experiments.study_report import archive
 
     root = tmp_path / "study"
-    study = build_config(st.StudyConfig, {"out_dir": str(root), "arms": ["sft-grpo", "grpo"], "data": ["/d"],
+    study = build_config(st.StudyConfig, {"out_dir": str(root), "arms": ["sft-grpo", "grpo"], "data": ["/d"], "validation_held_out": True,
                                           "seeds": [0, 1], "sweep": {"enabled": False}, "long_run": {"seeds": []}})
     root.mkdir()
     for seed in (0, 1):
