@@ -175,7 +175,7 @@ def lora_runs(tmp_path_factory, hf):
     """SPO with LoRA, 2 steps each: TP 1 ("single"), the same without LoRA ("full"), 1 step + a resumed second
     ("resumed"), a resume of that run onto another base model ("other-base", refused); TP 2 and PP 2 (2 ranks)."""
     from lora_helpers import train_lora_and_dump
-    from test_trainer import _cfg
+    from trainer_helpers import trainer_config
 
     from megatron_spo.models.parallel import spawn_local
 
@@ -183,7 +183,7 @@ def lora_runs(tmp_path_factory, hf):
     other = make_tiny_hf(str(tmp_path_factory.mktemp("hf-other") / "tiny"), seed=1)
 
     def run(name, tp=1, pp=1, steps=2, **kw):
-        return _cfg(root, hf, name, tp=tp, pp=pp, steps=steps, **{"lora": LORA, **kw}), str(root / f"{name}.pt")
+        return trainer_config(root, hf, name, tp=tp, pp=pp, steps=steps, **{"lora": LORA, **kw}), str(root / f"{name}.pt")
 
     other_base = run("resumed", steps=3, init={"hf": other}, checkpoint={"interval": 100, "allow_config_change": True})
     spawn_local(train_lora_and_dump, 1, [run("single"), run("full", lora=None), run("resumed", steps=1),

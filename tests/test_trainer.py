@@ -11,7 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from selection import is_selected, selected_params
-from trainer_helpers import DeterministicSource, Traj, make_tiny_hf, run_spawned, train_with_failing_pushes
+from trainer_helpers import (
+    DeterministicSource,
+    Traj,
+    make_tiny_hf,
+    run_spawned,
+    train_with_failing_pushes,
+    trainer_config,
+)
 
 from megatron_spo.config import ConfigError, build_config
 from megatron_spo.training.config import TrainConfig
@@ -24,31 +31,6 @@ pytestmark = [pytest.mark.multiproc]
 
 ALGOS = ("spo", "agro", "ppo", "grpo", "grpo-guided")  # grpo-guided: GRPO with demonstrations (grpo.guide_path)
 LAYOUTS = (("single", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2))
-
-
-def _guide_file(root) -> str:
-    """Demonstrations for prompts p0 and p2 (DeterministicSource's first groups of steps 1 and 2; p1, p3 get none)."""
-    path = root / "guide.jsonl"
-    rows = [{"prompt_id": p, "prompt_tokens": [1, 2, 3, 4], "response_tokens": [5, 6, 7, 8, 9], "reward": 0.0,
-             "source": "expert", "policy_version": 0} for p in ("p0", "p2")]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def _cfg(tmp_path, hf, name, algo="spo", tp=1, pp=1, steps=2, **kw):
-    if algo == "grpo-guided":
-        algo, kw = "grpo", {"grpo": {"guide_path": _guide_file(tmp_path)}, **kw}
-    cfg = dict(run_dir=str(tmp_path / name), steps=steps, algo=algo, beta=0.5, init={"hf": hf},
-               parallel={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
-               optimizer={"lr": 1e-3, "warmup_steps": 2},
-               batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
-               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False})
-    if algo in ("agro", "grpo"):  # whole prompt groups (4 sequences) per micro-batch
-        cfg["batch"] = dict(cfg["batch"], max_tokens_per_micro_batch=64)
-    if algo in ("ppo", "grpo"):  # importance ratios: the behaviour log-probs are of T = 1, top-p 1 sampling
-        cfg["rollout"] = {"temperature_range": [1.0, 1.0], "top_p": 1.0}
-    cfg.update(kw)
-    return cfg
 
 
 def _metrics(tmp_path, name):
@@ -67,7 +49,7 @@ def trained(tmp_path_factory, hf):
     root = tmp_path_factory.mktemp("runs")
     for layout, tp, pp in LAYOUTS:
         kw = {"logprobs": {"chunk_size": 5, "backend": "torch"}} if layout == "tp2" else {}
-        runs = [(_cfg(root, hf, f"{layout}-{algo}", algo, tp, pp, **kw), str(root / f"{layout}-{algo}.pt"))
+        runs = [(trainer_config(root, hf, f"{layout}-{algo}", algo, tp, pp, **kw), str(root / f"{layout}-{algo}.pt"))
                 for algo in ALGOS]
         run_spawned(runs, tp * pp)
     return root
@@ -188,7 +170,7 @@ def test_centred_spo_trains_alike_however_micro_batches_cut_its_prompt_groups(tm
     online = {"online": {"centre": True, "trust_region": 0.2}}
 
     def cfg(name, budget, pp=1):
-        c = _cfg(tmp_path, hf, name, pp=pp, sources=online)
+        c = trainer_config(tmp_path, hf, name, pp=pp, sources=online)
         c["batch"] = dict(c["batch"], max_tokens_per_micro_batch=budget)
         return c, str(tmp_path / f"{name}.pt")
 
@@ -211,7 +193,7 @@ def test_packed_micro_batches_train_like_padded_ones(tmp_path, hf):
     runs = []
     for algo in ("spo", "ppo"):
         for pack in (True, False):
-            c = _cfg(tmp_path, hf, f"{algo}-{'packed' if pack else 'padded'}", algo)
+            c = trainer_config(tmp_path, hf, f"{algo}-{'packed' if pack else 'padded'}", algo)
             c["batch"] = dict(c["batch"], max_tokens_per_micro_batch=512, pack_sequences=pack)
             runs.append((c, str(tmp_path / f"{c['run_dir'].rsplit('/', 1)[1]}.pt")))
     run_spawned(runs, 1)
@@ -227,7 +209,7 @@ def test_centred_spo_keeps_prompt_groups_whole_where_they_fit_the_budget():
     trajs = DeterministicSource().take(8)  # 2 prompt groups of 4, ~40 tokens each
 
     def cut(budget):
-        cfg = TrainConfig.model_validate(_cfg(Path("/nonexistent"), "/nonexistent", "x", batch={
+        cfg = TrainConfig.model_validate(trainer_config(Path("/nonexistent"), "/nonexistent", "x", batch={
             "sequences_per_step": 8, "max_tokens_per_micro_batch": budget, "max_seq_length": 64}))
         mbs = micro_batches(trajs, cfg, keep_groups=False, prefer_groups=True, pad_id=0, dp_rank=0)
         return len(mbs), cuts_a_group(mbs, frozenset({"online"}))
@@ -246,7 +228,7 @@ def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, 
                 "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}}
     runs = []
     for name, fields in variants.items():
-        c = _cfg(tmp_path, hf, f"recompute-{name}")
+        c = trainer_config(tmp_path, hf, f"recompute-{name}")
         c["parallel"] = dict(c["parallel"], **fields)
         runs.append((c, str(tmp_path / f"recompute-{name}.pt")))
     run_spawned(runs, 1)
@@ -261,7 +243,7 @@ def test_a_reference_refresh_copies_the_policy_and_a_resume_keeps_it(tmp_path, h
     online = {"online": {"loss": "squared"}}  # centred by default: what a refresh needs
 
     def cfg(name, steps=3, **kw):
-        return _cfg(tmp_path, hf, name, steps=steps, sources=online, **kw), str(tmp_path / f"{name}.pt")
+        return trainer_config(tmp_path, hf, name, steps=steps, sources=online, **kw), str(tmp_path / f"{name}.pt")
 
     # "late": 2 steps without refreshes, then resumed with them on (its checkpoint holds no reference: the init's)
     late = [cfg("late", 2), cfg("late", 3, reference_refresh_interval=2,
@@ -291,7 +273,7 @@ def test_a_reference_refresh_copies_the_policy_and_a_resume_keeps_it(tmp_path, h
 
 
 def _vpp_cfg(root, hf, name, algo, budget, **kw):
-    cfg = _cfg(root, hf, name, algo, parallel={"pipeline_model_parallel_size": 2,
+    cfg = trainer_config(root, hf, name, algo, parallel={"pipeline_model_parallel_size": 2,
                                                "virtual_pipeline_model_parallel_size": 2}, **kw)
     cfg["batch"] = dict(cfg["batch"], max_tokens_per_micro_batch=budget)
     return cfg
@@ -313,7 +295,7 @@ def trained_vpp(request, tmp_path_factory, hf4):
         names.add("ppo")
     algos = sorted({VPP_RUNS[name][0] for name in names})
     root = tmp_path_factory.mktemp("vpp")
-    run_spawned([(_cfg(root, hf4, f"single-{algo}", algo), str(root / f"single-{algo}.pt")) for algo in algos], 1)
+    run_spawned([(trainer_config(root, hf4, f"single-{algo}", algo), str(root / f"single-{algo}.pt")) for algo in algos], 1)
     runs = [(_vpp_cfg(root, hf4, f"vpp-{name}", algo, budget), str(root / f"vpp-{name}.pt"))
             for name, (algo, budget) in VPP_RUNS.items() if name in names]
     if is_selected(request, "test_virtual_pipeline_checkpoint_resumes_exactly"):
@@ -415,7 +397,7 @@ def test_a_push_that_reached_no_engine_is_sent_again_then_stops_the_run(hf, tmp_
     from megatron_spo.models.parallel import spawn_local
 
     out = tmp_path / "result.json"
-    spawn_local(train_with_failing_pushes, 2, _cfg(tmp_path, hf, "run", tp=2, steps=2), failures, str(out))
+    spawn_local(train_with_failing_pushes, 2, trainer_config(tmp_path, hf, "run", tp=2, steps=2), failures, str(out))
     result = json.loads(out.read_text())
     n_tensors = result["pushes"][0][1]
     if failures == 2:
@@ -436,8 +418,8 @@ def test_train_deterministic_turns_on_torchs_deterministic_algorithms_for_the_ru
     from megatron_spo.models.parallel import spawn_local
 
     out = tmp_path / "seen.json"
-    spawn_local(train_recording_determinism, 1, _cfg(tmp_path, hf, "det", steps=2, deterministic=True), str(out))
+    spawn_local(train_recording_determinism, 1, trainer_config(tmp_path, hf, "det", steps=2, deterministic=True), str(out))
     seen = json.loads(out.read_text())
     assert seen == {"during": [[True, ":4096:8"]] * 2, "after": False}
     with pytest.raises(ConfigError, match="^deterministic: Input should be a valid boolean"):
-        build_config(TrainConfig, _cfg(tmp_path, hf, "bad", deterministic="sometimes"))
+        build_config(TrainConfig, trainer_config(tmp_path, hf, "bad", deterministic="sometimes"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass, field
@@ -48,6 +49,35 @@ class DeterministicSource:
     def load_state_dict(self, state: dict) -> None:
         self.rng.setstate(tuple(state["rng"][0:1]) + (tuple(state["rng"][1]),) + tuple(state["rng"][2:]))
         self.drawn = state["drawn"]
+
+
+def guide_file(root) -> str:
+    """Demonstrations for prompts p0 and p2 (DeterministicSource's first groups of steps 1 and 2; p1, p3 get none)."""
+    path = os.path.join(str(root), "guide.jsonl")
+    rows = [{"prompt_id": p, "prompt_tokens": [1, 2, 3, 4], "response_tokens": [5, 6, 7, 8, 9], "reward": 0.0,
+             "source": "expert", "policy_version": 0} for p in ("p0", "p2")]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def trainer_config(root, hf: str, name: str, algo: str = "spo", tp: int = 1, pp: int = 1, steps: int = 2,
+                   **overrides) -> dict:
+    """The trainer tests' TrainConfig data (tests/test_trainer.py, tools/gpu_part_training.py): a run of `steps`
+    steps of 8 sequences on DeterministicSource; algo "grpo-guided" is GRPO with guide_file's demonstrations."""
+    if algo == "grpo-guided":
+        algo, overrides = "grpo", {"grpo": {"guide_path": guide_file(root)}, **overrides}
+    cfg = dict(run_dir=os.path.join(str(root), name), steps=steps, algo=algo, beta=0.5, init={"hf": hf},
+               parallel={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+               optimizer={"lr": 1e-3, "warmup_steps": 2},
+               batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
+               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False})
+    if algo in ("agro", "grpo"):  # whole prompt groups (4 sequences) per micro-batch
+        cfg["batch"] = dict(cfg["batch"], max_tokens_per_micro_batch=64)
+    if algo in ("ppo", "grpo"):  # importance ratios: the behaviour log-probs are of T = 1, top-p 1 sampling
+        cfg["rollout"] = {"temperature_range": [1.0, 1.0], "top_p": 1.0}
+    cfg.update(overrides)
+    return cfg
 
 
 def make_tiny_hf(path: str, seed: int = 0, num_layers: int = 2) -> str:

@@ -21,30 +21,12 @@ from gpu_result import PartResult, part_main
 ALGOS = ("spo", "grpo", "ppo", "grpo-guided")  # grpo-guided: GRPO with demonstrations (grpo.guide_path)
 
 
-def guide_file(root: str) -> str:
-    """tests/test_trainer.py's demonstrations: prompts p0 and p2 (the source's first groups of steps 1 and 2)."""
-    path = Path(root, "guide.jsonl")
-    rows = [{"prompt_id": p, "prompt_tokens": [1, 2, 3, 4], "response_tokens": [5, 6, 7, 8, 9], "reward": 0.0,
-             "source": "expert", "policy_version": 0} for p in ("p0", "p2")]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def run_config(root: str, hf: str, algo: str, name: str, steps: int, **overrides) -> dict:
-    """The trainer tests' settings (tests/test_trainer.py _cfg) for one process."""
-    if algo == "grpo-guided":
-        algo, overrides = "grpo", {"grpo": {"guide_path": guide_file(root)}, **overrides}
-    cfg = dict(run_dir=f"{root}/{name}", steps=steps, algo=algo, beta=0.5, init={"hf": hf},
-               optimizer={"lr": 1e-3, "warmup_steps": 2},
-               batch={"sequences_per_step": 8, "max_tokens_per_micro_batch": 48, "max_seq_length": 64},
-               model_update_interval=1, checkpoint={"interval": 100}, logging={"progress": False},
-               deterministic=True)  # without it an H100 rerun of PPO differed by 4e-9 (2026-11-26)
-    if algo in ("agro", "grpo"):  # whole prompt groups (4 sequences) per micro-batch
-        cfg["batch"] = dict(cfg["batch"], max_tokens_per_micro_batch=64)
-    if algo in ("ppo", "grpo"):  # the behaviour log-probs are of T = 1, top-p 1 sampling
-        cfg["rollout"] = {"temperature_range": [1.0, 1.0], "top_p": 1.0}
-    cfg.update(overrides)
-    return cfg
+    """The trainer tests' settings (tests/trainer_helpers.trainer_config) for one process, deterministic."""
+    from trainer_helpers import trainer_config
+
+    # deterministic: without it an H100 rerun of PPO differed by 4e-9 (2026-11-26)
+    return trainer_config(root, hf, name, algo, steps=steps, deterministic=True, **overrides)
 
 
 def train(runs: list[tuple[dict, str]]) -> None:
