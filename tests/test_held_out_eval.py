@@ -175,8 +175,13 @@ def test_the_quickstart_passes_train_eval_interval_to_the_trainer(tmp_path):
         return train_config(cfg, tmp_path, tmp_path / "ref", tmp_path / "init", endpoints, tmp_path / "q0.jsonl", None)
 
     assert trainer_cfg().eval.interval == 0
-    ev = trainer_cfg("train.eval_interval=20", "heldout_limit=30", "eval_n=4").eval
-    assert (ev.interval, ev.n, ev.ks, ev.temperature, ev.top_p, ev.limit, ev.paths) == (20, 4, (1,), 0.4, 0.95, 30, [])
+    ev = trainer_cfg("train.eval_interval=20", "heldout_limit=30", "eval_n=12").eval
+    assert (ev.interval, ev.n, ev.ks, ev.temperature, ev.top_p, ev.limit, ev.paths) == (20, 12, (1, 10), 0.4, 0.95, 30,
+                                                                                       [])
+    # the quickstart's tables report pass@10: fewer samples are refused when the config is read, not after the
+    # reference, its Q0 and the fleet are built (eval_n=4 did fail there, in the evaluation's ks check)
+    with pytest.raises(ConfigError, match=r"eval_n: Input should be greater than or equal to 10"):
+        build_config(QuickstartConfig, {"eval_n": 4}, "quickstart")
     # refused when the quickstart's config is read (it validates the trainer config it will make), not at step 6
     # of 6 after the reference, Q0 and the fleet are built
     with pytest.raises(ConfigError, match=r"^quickstart: the trainer would refuse this run .*: eval.interval: 15 is "

@@ -302,11 +302,48 @@ def test_sft_early_stopping_keeps_the_step_with_the_lowest_validation_nll(tmp_pa
         sft_on_trajectories(ref, train, tmp_path / "sft2", cfg, validation=held[1:])
 
 
-def test_offline_data_split_and_the_generation_budget_warning(tmp_path):
+def test_sft_cached_trains_once_per_reference_data_and_settings(tmp_path):
+    """A study's sft-grpo and sft-spo of a seed share one SFT: the second call reuses the first's folder (the same
+    bytes as training anew), another record, setting or reference trains apart, a stopped stage's .partial folder
+    is not taken for done, and a corrupted cached file is an error naming it."""
+    from megatron_spo.checkpoint_digest import CheckpointDigestError
+    from megatron_spo.data.trajectory import Trajectory
+    from megatron_spo.experiments.sft_stage import SFTStageConfig, sft_cached, sft_on_trajectories
+
+    def rec(response, reward=0.0):
+        return Trajectory(prompt_id="a", prompt_tokens=[1, 10, 11], response_tokens=response, reward=reward,
+                          source="expert", policy_version=0)
+
+    ref = _tiny_hf(tmp_path / "ref")
+    data = [rec([20, 21, 2]), rec([22, 2]), rec([30, 2], reward=-1.0)]
+    cfg = SFTStageConfig(steps=3, batch_size=2, lr=3e-2, warmup_steps=0, num_threads=1)
+    cache = tmp_path / "shared"
+    (cache / "sft-0000000000000000.partial").mkdir(parents=True)  # an unrelated stopped stage stays where it is
+    first, reused = sft_cached(ref, data, cache, cfg, "ab" * 32)
+    assert not reused and first.parent == cache and first.name.startswith("sft-")
+    assert not first.with_name(first.name + ".partial").exists()
+    again, reused = sft_cached(ref, data, cache, cfg, "ab" * 32)
+    assert (again, reused) == (first, True)
+    fresh = sft_on_trajectories(ref, data, tmp_path / "fresh", cfg)
+    assert (fresh / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()  # deterministic
+    others = {sft_cached(ref, d, cache, c, sha)[0] for d, c, sha in [
+        (data[:2] + [rec([30, 2], reward=0.0)], cfg, "ab" * 32),  # a record's reward
+        (data[::-1], cfg, "ab" * 32),  # the order (the draws index the records)
+        (data, cfg.model_copy(update={"lr": 1e-2}), "ab" * 32),  # a setting
+        (data, cfg, "cd" * 32)]}  # the reference's weights
+    assert len(others) == 4 and first not in others
+    with open(first / "config.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(CheckpointDigestError, match="config.json"):
+        sft_cached(ref, data, cache, cfg, "ab" * 32)
+
+
+def test_offline_data_split_and_the_generation_budget_warning(tmp_path, caplog):
     from megatron_spo.config import ConfigError, build_config
     from megatron_spo.data.trajectory import Trajectory, write_jsonl
-    from megatron_spo.experiments.quickstart import QuickstartConfig, long_response_warning, training_data
+    from megatron_spo.experiments.quickstart import QuickstartConfig, training_data
     from megatron_spo.experiments.study import RunSpec, StudyConfig, quickstart_overrides
+    from megatron_spo.training.sources import long_response_warning
 
     rows = [Trajectory(prompt_id=pid, prompt_tokens=[1] * 4, response_tokens=[5] * n, reward=0.0, source="expert",
                        policy_version=0) for pid, n in (("t1", 3), ("t2", 10), ("t2", 30), ("v1", 4), ("v1", 40),
@@ -316,11 +353,24 @@ def test_offline_data_split_and_the_generation_budget_warning(tmp_path):
                                                         validation_ids={"v1"})
     assert [len(r.response_tokens) for r in kept] == [3, 10] and [len(r.response_tokens) for r in validation] == [4]
     assert (dropped, too_long) == (1, 1)  # h1 is another problem's; t2's 34 tokens do not fit (v1's 44 not counted)
-    assert long_response_warning(kept, 10) == ""
-    assert long_response_warning(kept, 8) == (
+    assert long_response_warning(kept, 10, "train.max_new_tokens") == ""
+    assert long_response_warning(kept, 8, "train.max_new_tokens") == (
         "1 of 2 responses (50%) are longer than train.max_new_tokens 8 (up to 10 tokens): rollouts and evaluations "
         "stop there, so a policy that learns to write like them (SFT, or SPO on them) is cut off; raise "
         "train.max_new_tokens to 10 or more")
+    # the trainer's sources say it too (megatron-spo train with such a store: rollout.max_new_tokens)
+    import logging
+
+    from megatron_spo.training.sources import GuideSource, OfflineSource
+
+    with caplog.at_level(logging.WARNING, logger="megatron_spo.training.sources"):
+        OfflineSource("expert", str(tmp_path / "d.jsonl"), seed=0, max_new_tokens=30)
+        GuideSource(str(tmp_path / "d.jsonl"), per_prompt=1, max_new_tokens=40)
+        OfflineSource("quiet", str(tmp_path / "d.jsonl"), seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"sources.expert ({tmp_path / 'd.jsonl'}): 1 of 6 responses (17%) are longer than rollout.max_new_tokens 30 "
+        "(up to 40 tokens): rollouts and evaluations stop there, so a policy that learns to write like them (SFT, or "
+        "SPO on them) is cut off; raise rollout.max_new_tokens to 40 or more"]
     with pytest.raises(ConfigError, match="sft.eval_every 5: early stopping reads the validation problems' "
                                           "offline_data, and validation_problems is 0"):
         build_config(QuickstartConfig, {"offline_data": ["/d"], "sft": {"steps": 10, "eval_every": 5}}, "quickstart")

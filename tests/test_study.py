@@ -229,6 +229,7 @@ def test_sweep_and_test_runs_share_the_seed_but_not_the_split(tmp_path):
     assert len(split["train"]) == 90 and split["validation"] == [] and len(split["heldout"]) == 120
     val = split_problems(build_config(QuickstartConfig, sweep), task_from_config(cfg.reference))
     assert len(val["validation"]) == 30 and {p.id for p in val["train"]} == ids["train"]
+    assert val["held_out_validation"] == val["validation"] == split["held_out_validation"]  # evaluated or not
     assert not ({p.id for p in val["validation"]} & (ids["train"] | ids["heldout"]))
     # the trainer's own prompt set (its task config) is those 90 problems: the validation ones stay out of
     # training (they did not, and a sweep's every SPO run stopped on their missing Q0)

@@ -151,7 +151,7 @@ class QuickstartConfig(StrictModel):
                                 "`offline_data` before RL (sft.steps > 0): the SFT'd model is the policy's start "
                                 "and pi_0; the 'before' evaluation stays the reference's; the SFT'd policy is evaluated "
                                 "too (results.json sft.policy)")
-    eval_n: int = Field(20, gt=0)
+    eval_n: int = Field(20, ge=10, description="samples per problem (the tables report pass@10)")
     eval_temperature: float = 0.4
     eval_top_p: float = 0.95
     heldout_limit: int | None = Field(None, gt=0, description="evaluate on the first N held-out problems")
@@ -337,7 +337,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "checkpoint": {"interval": max(t.steps // 2, 1), "keep_last": 1},
         "logging": {"progress": cfg.progress, "max_log_ratio": 50.0, "max_residual": t.max_residual,
                     "max_residual_rms": t.max_residual_rms},
-        "eval": {"interval": t.eval_interval, "n": cfg.eval_n, "ks": [k for k in (1, 10) if k <= cfg.eval_n],
+        "eval": {"interval": t.eval_interval, "n": cfg.eval_n, "ks": [1, 10],
                  "temperature": cfg.eval_temperature, "top_p": cfg.eval_top_p, "limit": cfg.heldout_limit},
         "nproc": t.nproc,
         "lora": None if t.lora is None else t.lora.model_dump(),
@@ -485,29 +485,11 @@ def claim_reuse_dir(shared: Path, identity: dict, who: str = "quickstart") -> No
     write_text_atomic(stamp, json.dumps(identity, indent=1) + "\n")
 
 
-def long_response_warning(records, max_new_tokens: int) -> str:
-    """'' or one line: how many responses are longer than the run's generation budget (rollouts and evaluations
-    stop at max_new_tokens, so a policy that learns to write like them is cut off there)."""
-    long = [len(r.response_tokens) for r in records if len(r.response_tokens) > max_new_tokens]
-    if not long:
-        return ""
-    return (f"{len(long)} of {len(records)} responses ({len(long) / len(records):.0%}) are longer than "
-            f"train.max_new_tokens {max_new_tokens} (up to {max(long)} tokens): rollouts and evaluations stop there, "
-            "so a policy that learns to write like them (SFT, or SPO on them) is cut off; raise "
-            f"train.max_new_tokens to {max(long)} or more")
-
-
-def held_out_validation_ids(cfg: QuickstartConfig, toy) -> set[str]:
-    """The prompt ids of the validation problems (the last validation_problems training problems, never trained
-    on), whether or not they are evaluated."""
-    train = list(toy.train)
-    return {str(p.id) for p in train[len(train) - cfg.validation_problems:]} if cfg.validation_problems else set()
-
-
 def split_problems(cfg: QuickstartConfig, toy) -> dict[str, list]:
     """The problems of each role: "train" (RL prompts), "validation" (the last validation_problems of the task's
-    training split, never trained on), "heldout" (the test problems), "training_prompts" (train_eval_limit of
-    the RL prompts, scored on hidden tests)."""
+    training split, never trained on, when evaluated), "heldout" (the test problems), "training_prompts"
+    (train_eval_limit of the RL prompts, scored on hidden tests); "held_out_validation": the validation problems
+    whether evaluated or not (the SFT stage's early stopping reads their data)."""
     from megatron_spo.config import ConfigError
 
     train = list(toy.train)
@@ -515,9 +497,10 @@ def split_problems(cfg: QuickstartConfig, toy) -> dict[str, list]:
     if n_val >= len(train):
         raise ConfigError(f"quickstart: validation_problems {n_val} leaves nothing to train on (the task has "
                           f"{len(train)} training problems)")
-    validation = train[len(train) - n_val:] if "validation" in cfg.eval_splits else []
+    validation = train[len(train) - n_val:]
     train = train[: len(train) - n_val][: cfg.train_limit]
-    return {"train": train, "validation": validation,
+    return {"train": train, "validation": validation if "validation" in cfg.eval_splits else [],
+            "held_out_validation": validation,
             "heldout": list(toy.heldout)[: cfg.heldout_limit] if "heldout" in cfg.eval_splits else [],
             "training_prompts": train[: cfg.train_eval_limit]}
 
@@ -605,7 +588,7 @@ def run(cfg: QuickstartConfig) -> dict:
     train_prompts = prompts["train"]
     data, data_validation, data_dropped, data_long = training_data(
         cfg.offline_data, {p.prompt_id for p in train_prompts}, cfg.reference.max_position_embeddings,
-        validation_ids=held_out_validation_ids(cfg, task_from_config(cfg.reference)) if cfg.sft.eval_every else set())
+        validation_ids={p.prompt_id for p in prompts["held_out_validation"]} if cfg.sft.eval_every else set())
     if cfg.offline_data:
         console.print(f"offline_data: {len(data)} trajectories of the training prompts "
                       f"({sum(r.reward >= 0 for r in data)} pass); {data_dropped} of other problems left out"
@@ -615,16 +598,21 @@ def run(cfg: QuickstartConfig) -> dict:
                          if cfg.sft.eval_every else ""))
         if not data:
             raise ValueError(f"offline_data {cfg.offline_data}: no trajectory of this run's training prompts")
-        warning = long_response_warning(data, cfg.train.max_new_tokens)
+        from megatron_spo.training.sources import long_response_warning
+
+        warning = long_response_warning(data, cfg.train.max_new_tokens, "train.max_new_tokens")
         if warning:
             console.print(f"[yellow]offline_data: {warning}")
     policy = ref  # the policy's start and pi_0: the reference, or the reference after the SFT stage
     if cfg.sft.steps:
-        from megatron_spo.experiments.sft_stage import SFT_INFO, sft_on_trajectories
+        from megatron_spo.experiments.sft_stage import SFT_INFO, sft_cached
 
         t0 = stage(f"1b SFT on offline_data: {cfg.sft.steps} steps x {cfg.sft.batch_size} sequences")
-        policy = sft_on_trajectories(ref, data, out / "sft_policy", cfg.sft, validation=data_validation)
+        # in the shared folder: a study's arms of this seed with the same data and SFT settings train it once
+        policy, reused = sft_cached(ref, data, shared, cfg.sft, identity["sha256"], validation=data_validation)
         sft_info = json.loads((policy / SFT_INFO).read_text())
+        if reused:
+            console.print(f"SFT: {policy} is this reference's SFT on the same data and settings (digests verified)")
         console.print(f"SFT: loss {sft_info['first_loss']:.3f} -> {sft_info['final_loss']:.3f} on "
                       f"{sft_info['trajectories']} passing trajectories -> {policy}"
                       + ("; validation NLL " + ", ".join(f"{c['step']}: {c['nll']:.3f}" for c in sft_info[
@@ -666,7 +654,13 @@ def run(cfg: QuickstartConfig) -> dict:
                 push_hf_checkpoint(policy, fleet.engine_urls, "0")  # policy version 0: the run's start
                 q0_dir = out
                 t0 = stage("4b evaluate the SFT'd policy (the run's start and pi_0)")
-                sft_eval = {name: asyncio.run(eval_now(eval_file(out, "sft", name), name)) for name in evaluated}
+                # beside the SFT'd policy (its folder holds its digests' files only), shared like the reference's
+                # evaluations; a copy in the run's folder
+                evals = policy.with_name(policy.name + "-evals")
+                evals.mkdir(exist_ok=True)
+                sft_eval = {name: asyncio.run(eval_now(eval_file(evals, "sft", name), name)) for name in evaluated}
+                for name in evaluated:
+                    shutil.copyfile(eval_file(evals, "sft", name), eval_file(out, "sft", name))
                 wall["eval_sft"] = time.perf_counter() - t0
 
             t0 = stage(f"5/6 Q0: {cfg.q0_samples} reference samples x {len(train_prompts)} training prompts")

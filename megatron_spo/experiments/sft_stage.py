@@ -11,10 +11,14 @@ trainer and serves as the arm's pi_0.
 Early stopping (eval_every > 0), the common recipe: every eval_every steps the mean response NLL on validation
 records (the validation problems' trajectories, never trained on) is measured, and the weights of the best such
 step are kept; cfg.steps is then the most it trains.
+
+The stage is deterministic (cfg.seed, not the run's seed): `sft_cached` trains once per (reference weights, data,
+settings) into a folder named by their digest, which the arms of a study's seed share (sft-grpo and sft-spo).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -152,3 +156,32 @@ def sft_on_trajectories(ref: str | Path, records: Sequence, out: str | Path, cfg
     (out / SFT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     write_manifest(out)
     return out
+
+
+def sft_key(reference_sha256: str, records: Sequence, validation: Sequence, cfg: SFTStageConfig) -> str:
+    """The digest (hex) of what decides the SFT'd weights: the reference's weights, every record's tokens and reward
+    in order (the draws index them), the validation records, and the settings."""
+    h = hashlib.sha256(json.dumps({"reference": reference_sha256, "settings": cfg.model_dump()}).encode())
+    for part, rows in (("train", records), ("validation", validation)):
+        h.update(part.encode())
+        for r in rows:
+            h.update(json.dumps([list(r.prompt_tokens), list(r.response_tokens), float(r.reward)]).encode())
+    return h.hexdigest()
+
+
+def sft_cached(ref: str | Path, records: Sequence, cache_root: str | Path, cfg: SFTStageConfig, reference_sha256: str,
+               validation: Sequence = ()) -> tuple[Path, bool]:
+    """(the SFT'd checkpoint, whether it was reused): cache_root/sft-<sft_key[:16]>, trained there by
+    sft_on_trajectories unless a complete one is (its digests verified); written under a .partial name and renamed,
+    so a stopped stage leaves nothing that looks done."""
+    from megatron_spo.checkpoint_digest import MANIFEST, verify_manifest
+
+    out = Path(cache_root) / f"sft-{sft_key(reference_sha256, records, validation, cfg)[:16]}"
+    if (out / MANIFEST).is_file():
+        verify_manifest(out)  # a corrupted copy is an error naming the file, not a silently different pi_0
+        return out, True
+    partial = out.with_name(out.name + ".partial")
+    sft_on_trajectories(ref, records, partial, cfg, validation=validation)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    return out, False

@@ -175,8 +175,7 @@ class StudyConfig(StrictModel):
         need = [a for a in self.arms if ARMS[a].uses]
         if need and not self.data:
             raise ValueError(f"data: arms {need} learn from the study's data; give data=[STORE, ...]")
-        held_out = self.sweep.enabled if self.validation_held_out is None else self.validation_held_out
-        if self.sft_eval_every and not held_out and any("sft" in ARMS[a].uses for a in self.arms):
+        if self.sft_eval_every and not self.holds_out_validation and any("sft" in ARMS[a].uses for a in self.arms):
             raise ValueError(f"sft_eval_every {self.sft_eval_every}: early stopping reads the validation problems' "
                              "data, which these runs train on; set validation_held_out=true (or sft_eval_every=0)")
         return self
@@ -186,6 +185,12 @@ class StudyConfig(StrictModel):
     def _settings_arms(cls, v: dict) -> dict:
         _known_arms(list(v))
         return v
+
+    @property
+    def holds_out_validation(self) -> bool:
+        """Whether the runs keep the sweep's validation problems out of training (validation_held_out, else the
+        sweep's)."""
+        return self.sweep.enabled if self.validation_held_out is None else self.validation_held_out
 
     def fixed_settings(self) -> dict[str, dict]:
         """The chosen settings of a study without a sweep."""
@@ -227,8 +232,7 @@ def quickstart_overrides(study: StudyConfig, spec: RunSpec, root: Path) -> list[
     if spec.kind == "sweep":
         extra.update({"validation_problems": study.sweep.validation_problems, "eval_splits": ["validation"]})
     else:  # the same training problems as the sweep (validation stays out), scored on the test problems
-        held_out = study.sweep.enabled if study.validation_held_out is None else study.validation_held_out
-        extra.update({"validation_problems": study.sweep.validation_problems if held_out else 0,
+        extra.update({"validation_problems": study.sweep.validation_problems if study.holds_out_validation else 0,
                       "eval_splits": ["heldout"]})
     if arm.uses:  # the same data and SFT budget for every arm that uses them
         extra["offline_data"] = list(study.data)

@@ -179,8 +179,12 @@ def compare(a: ArmRuns, b: ArmRuns | None, what: str) -> tuple[float, float, flo
         return math.nan, math.nan, math.nan, 0, 0
     x = a.matrix(what, seeds, problems)
     y = b.matrix(what, seeds, problems) if b else a.matrix(what, seeds, problems, before=True)
-    diff = [[xi - yi for xi, yi in zip(rx, ry)] for rx, ry in zip(x, y)]
-    return (*two_way_bootstrap(diff), len(seeds), len(problems))
+    return (*paired_difference(x, y), len(seeds), len(problems))
+
+
+def paired_difference(x: list[list[float]], y: list[list[float]]) -> tuple[float, float, float]:
+    """x - y, both [seed][problem] on the same seeds and problems: mean and two-way bootstrap 95% CI."""
+    return two_way_bootstrap([[xi - yi for xi, yi in zip(rx, ry)] for rx, ry in zip(x, y)])
 
 
 def _resources(arm: ArmRuns) -> dict[str, Any]:
@@ -518,8 +522,7 @@ def _sft_stage(arms: list[ArmRuns]) -> list[str]:
         for what in ("pass@1", "pass@10"):
             sft, ref, after = (arm.matrix(what, seeds, problems, src=src) for src in (arm.sft, arm.before, arm.after))
             mean = sum(map(sum, sft)) / max(1, len(seeds) * len(problems))
-            cells += [f"{mean:.3f}", _ci(*two_way_bootstrap([[x - y for x, y in zip(a, b)] for a, b in zip(sft, ref)])),
-                      _ci(*two_way_bootstrap([[x - y for x, y in zip(a, b)] for a, b in zip(after, sft)]))]
+            cells += [f"{mean:.3f}", _ci(*paired_difference(sft, ref)), _ci(*paired_difference(after, sft))]
         rows.append(f"| {arm.name} | {len(seeds)} x {len(problems)} | {kept} | " + " | ".join(cells) + " |")
     if not rows:
         return []

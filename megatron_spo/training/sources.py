@@ -33,14 +33,33 @@ def refuse_too_long(records: list, max_seq_length: int | None, where: str) -> No
                           f"{max_seq_length}`) or raise batch.max_seq_length")
 
 
+def warn_long_responses(records: list, max_new_tokens: int | None, where: str) -> None:
+    if max_new_tokens is not None and (warning := long_response_warning(records, max_new_tokens)):
+        log.warning(f"{where}: {warning}")
+
+
+def long_response_warning(records: list, max_new_tokens: int, field: str = "rollout.max_new_tokens") -> str:
+    """'' or one line: how many responses are longer than the run's generation budget ``field`` (rollouts and
+    evaluations stop at max_new_tokens, so a policy that learns to write like them is cut off there). A warning,
+    not a refusal: the loss may train on longer rows."""
+    long = [len(r.response_tokens) for r in records if len(r.response_tokens) > max_new_tokens]
+    if not long:
+        return ""
+    return (f"{len(long)} of {len(records)} responses ({len(long) / len(records):.0%}) are longer than "
+            f"{field} {max_new_tokens} (up to {max(long)} tokens): rollouts and evaluations stop there, so a policy "
+            f"that learns to write like them (SFT, or SPO on them) is cut off; raise {field} to {max(long)} or more")
+
+
 class OfflineSource:
     """Trajectories from a JSONL file or an offline store, drawn in resumable shuffled epochs."""
 
     def __init__(self, name: str, path: str, seed: int, select=None, *, q0: dict[str, float] | None = None,
-                 q0_path: str | None = None, needs_q0: bool = False, max_seq_length: int | None = None):
+                 q0_path: str | None = None, needs_q0: bool = False, max_seq_length: int | None = None,
+                 max_new_tokens: int | None = None):
         """select: a ProvenanceSelect (config) or None: only records of that provenance are drawn.
         needs_q0: the algorithm reads Q0 (SPO): records without q0 take their prompt's from ``q0`` (the table
-        of task.q0_path), or the source is refused naming the prompt. max_seq_length: refuse longer records."""
+        of task.q0_path), or the source is refused naming the prompt. max_seq_length: refuse longer records;
+        max_new_tokens: warn of longer responses (long_response_warning)."""
         from megatron_spo.data.trajectory import load_trajectories
 
         self.name = name
@@ -58,6 +77,7 @@ class OfflineSource:
                 raise ConfigError(f"sources.{name}.select: none of the {total} records of {path} match "
                                   f"{select.model_dump(exclude_none=True)}")
         refuse_too_long(self.records, max_seq_length, f"sources.{name} ({path})")
+        warn_long_responses(self.records, max_new_tokens, f"sources.{name} ({path})")
         if needs_q0:
             from megatron_spo.config import ConfigError
             from megatron_spo.data.q0 import fill_missing_q0
@@ -84,7 +104,8 @@ class GuideSource:
     """Demonstrations for mixed-policy GRPO: ``splice`` adds ``per_prompt`` records of each online group's prompt
     to the group (source GUIDE_SOURCE), a prompt's records taken round-robin (resumable)."""
 
-    def __init__(self, path: str, per_prompt: int, max_seq_length: int | None = None):
+    def __init__(self, path: str, per_prompt: int, max_seq_length: int | None = None,
+                 max_new_tokens: int | None = None):
         from megatron_spo.config import ConfigError
         from megatron_spo.data.trajectory import RecordError, load_trajectories
 
@@ -93,6 +114,7 @@ class GuideSource:
         except (OSError, RecordError) as err:
             raise ConfigError(f"grpo.guide_path: {err}") from None
         refuse_too_long(records, max_seq_length, f"grpo.guide_path ({path})")
+        warn_long_responses(records, max_new_tokens, f"grpo.guide_path ({path})")
         self.by_prompt: dict[str, list] = {}
         for r in records:
             r.source = GUIDE_SOURCE
@@ -187,9 +209,10 @@ def build_sampler(cfg: TrainConfig, online_source=None):
         else:
             sources[name] = OfflineSource(name, src.path, seed=cfg.seed, select=src.select, q0=q0,
                                           q0_path=cfg.task.q0_path, needs_q0=needs_q0,
-                                          max_seq_length=cfg.batch.max_seq_length)
-    guide = GuideSource(cfg.grpo.guide_path, cfg.grpo.guide_per_prompt, cfg.batch.max_seq_length) \
-        if cfg.grpo.guide_path else None
+                                          max_seq_length=cfg.batch.max_seq_length,
+                                          max_new_tokens=cfg.rollout.max_new_tokens)
+    guide = GuideSource(cfg.grpo.guide_path, cfg.grpo.guide_per_prompt, cfg.batch.max_seq_length,
+                        cfg.rollout.max_new_tokens) if cfg.grpo.guide_path else None
     return BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()}, guide), online
 
 
