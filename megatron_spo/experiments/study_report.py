@@ -464,6 +464,8 @@ def write_report(study, root: Path, chosen: dict) -> Path:
                 cells = [_ci(*compare(by["spo"], arm, w)[:3]) for w in ("pass@1", "pass@10", "gap", "distinct")]
                 lines.append(f"| {arm.name} | " + " | ".join(cells) + " |")
         lines.append("")
+    if "grpo" in by and any(ARMS[a.name].uses for a in arms):
+        lines += _against_grpo(arms, by["grpo"])
     if "spo" in by and "spo-lora" in by:
         lines += _lora(by["spo"], by["spo-lora"])
     if "grpo" in by and "trl-grpo" in by:  # our GRPO held to an outside implementation: the same rollouts per step
@@ -503,6 +505,23 @@ def _lora(full: ArmRuns, lora: ArmRuns) -> list[str]:
     return lines + ["", "MB per push: the bytes sent to the engines per training push (weight_sync/bytes; an adapter "
                     "push sends the adapters alone); trainer peak RSS: rank 0's peak resident set (VmHWM), on CPU "
                     "the whole trainer (model, reference or none, gradients, optimizer state, activations).", ""]
+
+
+def _against_grpo(arms: list[ArmRuns], grpo: ArmRuns) -> list[str]:
+    """Issue 48: with the study's data, each arm against what a user runs today without it (GRPO), paired per seed
+    and problem over the seeds both have; the README's recommendation table is this one."""
+    rows = []
+    for arm in arms:
+        seeds, problems = _common([arm])
+        means = " / ".join(f"{arm.mean(w, seeds, problems):.3f}" for w in KS_NAMES)
+        cells = [_ci(*compare(arm, grpo, w)[:3]) for w in KS_NAMES] if arm is not grpo else ["", ""]
+        rows.append(f"| {arm.name} | {len(seeds)} | {means} | " + " | ".join(cells)
+                    + f" | {arm.mean('distinct', seeds, problems):.2f} |")
+    return ["## With the study's data: each arm against GRPO without it", "",
+            "What a user with such data would run today is GRPO, which cannot use it: each arm minus grpo, paired "
+            "per seed and problem over the seeds both ran.", "",
+            "| arm | seeds | pass@1 / pass@10 | minus grpo: pass@1 | pass@10 | distinct correct / problem |",
+            "|---|---|---|---|---|---|", *rows, ""]
 
 
 def _sft_stage(arms: list[ArmRuns]) -> list[str]:
