@@ -383,3 +383,53 @@ def test_offline_data_split_and_the_generation_budget_warning(tmp_path, caplog):
     assert {"validation_problems=30", "sft.steps=600", "sft.eval_every=5"} <= set(over)
     assert not [o for o in quickstart_overrides(study, RunSpec("runs", "spo-data", 0, ()), Path("/r"))
                 if o.startswith("sft")]
+
+
+def test_a_source_weight_schedule_anneals_the_data_share_and_bad_schedules_are_refused(tmp_path):
+    """sources.NAME.weight_final / weight_steps: the weight goes linearly from `weight` (step 1) to weight_final
+    (step weight_steps), then stays; the batch's counts follow it, step by step; the quickstart's
+    offline_data_anneal_steps makes its data source such a schedule, refused where there is no data source."""
+    from megatron_spo.config import ConfigError, build_config
+    from megatron_spo.data.trajectory import Trajectory, write_jsonl
+    from megatron_spo.experiments.quickstart import QuickstartConfig, train_config
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.sources import build_sampler
+
+    for name in ("own", "data"):
+        write_jsonl([Trajectory(prompt_id=f"{name}{i}", prompt_tokens=[1, 2], response_tokens=[3], reward=0.0,
+                                source=name, policy_version=0) for i in range(4)], tmp_path / f"{name}.jsonl")
+    base = dict(init={"hf": "x"}, algo="agro", sources={
+        "own": {"path": str(tmp_path / "own.jsonl")},
+        "data": {"path": str(tmp_path / "data.jsonl"), "weight": 1.0, "weight_final": 0.0, "weight_steps": 5}})
+    cfg = build_config(TrainConfig, base)
+    assert [cfg.sources["data"].weight_at(s) for s in (1, 2, 3, 5, 9)] == [1.0, 0.75, 0.5, 0.0, 0.0]
+    sampler, _ = build_sampler(cfg)
+    counts = []
+    for step in (1, 2, 3, 4, 5, 9):
+        batch = sampler.next(8, step)
+        counts.append(sum(r.source == "data" for r in batch))
+        assert len(batch) == 8
+    assert counts == [4, 3, 3, 2, 0, 0]  # 8 x w / (1 + w), largest remainder: w 1, .75, .5, .25, 0, 0
+
+    def refused(sources: dict, match: str) -> None:
+        with pytest.raises(ConfigError, match=match):
+            build_config(TrainConfig, {**base, "sources": sources}, "train")
+
+    refused({"own": {"path": "o", "weight_final": 0.5}},
+            r"sources.own: .*weight_final 0.5 with weight_steps 0: a schedule needs both")
+    refused({"own": {"path": "o", "weight_final": 0.0, "weight_steps": 3}},
+            r"sources: the weights at the end of their schedules \{'own': 0.0\} must have a positive sum")
+
+    def quick(**kw):
+        return build_config(QuickstartConfig, {"offline_data": [str(tmp_path / "data.jsonl")], **kw}, "quickstart")
+
+    where = tmp_path / "run"
+    fleet = SimpleNamespace(router_url="http://127.0.0.1:1", engine_urls=["http://127.0.0.1:2"] * 2)
+    made = train_config(quick(offline_data_anneal_steps=30), where, where / "ref", where / "init", fleet,
+                        where / "q0.jsonl", where / "offline.jsonl", data_path=where / "data.jsonl")
+    data = made.sources["data"]
+    assert (data.weight, data.weight_final, data.weight_steps) == (0.25, 0.0, 30)
+    assert made.sources["offline"].weight_final is None
+    with pytest.raises(ConfigError, match=r"offline_data_anneal_steps 30: this run has no `offline_data` source to "
+                                          r"anneal .* not 'grpo'\)"):
+        quick(offline_data_anneal_steps=30, algo="grpo")

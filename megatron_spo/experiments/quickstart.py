@@ -137,6 +137,9 @@ class QuickstartConfig(StrictModel):
                                     "the SFT stage's data (sft.steps)")
     offline_data_fraction: float = Field(0.25, ge=0, lt=1, description="share of each SPO batch from "
                                          "`offline_data` (taken out of the offline share)")
+    offline_data_anneal_steps: int = Field(0, ge=0, description="the `offline_data` source's weight falls "
+                                           "linearly from offline_data_fraction at step 1 to 0 at this step (its "
+                                           "share goes to the other sources in proportion); 0: constant")
     offline_data_loss: LossName | None = Field(None, description="the `offline_data` source's SPO loss (unset: "
                                                "train.loss). squared under a cross-entropy arm: on expert text "
                                                "the cross-entropy loss overshoots to Q_T > 0 (docs/offpolicy-data.md)")
@@ -254,12 +257,17 @@ class QuickstartConfig(StrictModel):
         where = Path("/quickstart-dry-build")
         endpoints = SimpleNamespace(router_url="http://127.0.0.1:1", engine_urls=["http://127.0.0.1:2"] * self.engines)
         try:
-            train_config(self, where, where / "ref", where / "init", endpoints, where / "q0.jsonl",
-                         where / "offline.jsonl", data_path=where / "data.jsonl" if self.offline_data else None)
+            made = train_config(self, where, where / "ref", where / "init", endpoints, where / "q0.jsonl",
+                                where / "offline.jsonl", data_path=where / "data.jsonl" if self.offline_data else None)
         except ConfigError as err:
             raise ValueError(f"the trainer would refuse this run (train.* makes its sources.online; "
                              f"train.online_fraction < 1 adds sources.offline): "
                              f"{str(err).removeprefix(TRAIN_CONFIG_SOURCE + ': ')}") from None
+        if self.offline_data_anneal_steps and "data" not in made.sources:
+            raise ValueError(f"offline_data_anneal_steps {self.offline_data_anneal_steps}: this run has no "
+                             "`offline_data` source to anneal (it needs offline_data, offline_data_fraction > 0, "
+                             f"train.online_fraction < 1 and an algorithm that learns from offline data, not "
+                             f"'{self.algo}')")
 
 
 TRAIN_CONFIG_SOURCE = "quickstart train config"  # how the trainer config's errors are prefixed
@@ -304,6 +312,8 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
             sources["data"] = {"weight": share, "path": str(data_path), "objective": t.objective,
                                "loss": cfg.offline_data_loss or t.loss,
                                "max_coefficient": cfg.offline_data_max_coefficient}
+            if cfg.offline_data_anneal_steps:
+                sources["data"].update(weight_final=0.0, weight_steps=cfg.offline_data_anneal_steps)
     else:  # PPO is on-policy; AGRO needs whole prompt groups, which the online source delivers
         sources = {"online": {"weight": 1.0, **online}}
     # on-policy algorithms push every step, unless their behaviour correction takes stale samples (the

@@ -95,6 +95,10 @@ ARMS: dict[str, Arm] = {
                        uses=("data",)),
     "spo-data": Arm("spo", (), "train.beta", (PAPER_BETA, 0.5), "SPO with the study's data as an offline source "
                     "(quickstart offline_data_fraction of each batch, out of the offline share)", uses=("data",)),
+    "spo-data-anneal": Arm("spo", ("offline_data_anneal_steps=30",), "train.beta", (PAPER_BETA, 0.5),
+                           "SPO with the study's data as a source whose share falls linearly to 0 over the first 30 "
+                           "steps (quickstart offline_data_anneal_steps; the freed share goes to the other sources)",
+                           uses=("data",)),
     "sft-spo": Arm("spo", ("offline_data_fraction=0",), "train.beta", (PAPER_BETA, 0.5),
                    "SFT on the study's data (the same sft_steps), then SPO at its usual mix", uses=("sft",)),
 }

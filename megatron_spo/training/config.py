@@ -88,7 +88,12 @@ class SourceConfig(StrictModel):
     source reads trajectories from `path` (a JSONL file or an offline-store directory), optionally only those
     of some provenance (`select`)."""
 
-    weight: float = Field(1.0, ge=0, description="share of each batch's trajectories")
+    weight: float = Field(1.0, ge=0, description="share of each batch's trajectories (relative to the other "
+                          "sources' weights)")
+    weight_final: float | None = Field(None, ge=0, description="a schedule: the weight goes linearly from `weight` "
+                                       "at step 1 to this at step weight_steps, then stays (e.g. off-policy data "
+                                       "early, then less of it: docs/offpolicy-data.md). Unset: constant")
+    weight_steps: int = Field(0, ge=0, description="the steps weight_final is reached in (with weight_final)")
     path: str | None = None
     select: ProvenanceSelect | None = None
     objective: Objective = "terminal"
@@ -127,11 +132,21 @@ class SourceConfig(StrictModel):
         "them: in TRANSFORMS order around the built-ins it names, before its hooks. coefficient_baseline instead of "
         "centre_groups: baselines over the whole step, every step (one more no-grad forward)")
 
+    def weight_at(self, step: int) -> float:
+        """The source's weight at training step ``step`` (1-based)."""
+        if self.weight_final is None:
+            return self.weight
+        done = min(1.0, (step - 1) / max(1, self.weight_steps - 1))
+        return self.weight + (self.weight_final - self.weight) * done
+
     @model_validator(mode="after")
     def _check_pair(self) -> SourceConfig:
         from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES, UNSUPPORTED
         from megatron_spo.algorithms.spo_transforms import CENTRINGS, NEEDS_COEFFICIENT
 
+        if (self.weight_final is None) != (self.weight_steps == 0):
+            raise ValueError(f"weight_final {self.weight_final} with weight_steps {self.weight_steps}: a schedule "
+                             "needs both (the final weight and the steps to reach it)")
         why = UNSUPPORTED.get((self.objective, self.loss))
         if why:
             raise ValueError(f"objective '{self.objective}' with loss '{self.loss}' is not supported ({why})")
@@ -462,6 +477,9 @@ class TrainConfig(StrictModel):
             raise ValueError("sources: at least one data source is needed")
         if sum(s.weight for s in self.sources.values()) <= 0:
             raise ValueError("sources: the weights must have a positive sum")
+        final = {n: s.weight if s.weight_final is None else s.weight_final for n, s in self.sources.items()}
+        if sum(final.values()) <= 0:
+            raise ValueError(f"sources: the weights at the end of their schedules {final} must have a positive sum")
         if GUIDE_SOURCE in self.sources:
             raise ValueError(f"sources.{GUIDE_SOURCE}: the name '{GUIDE_SOURCE}' is reserved for grpo.guide_path's "
                              "demonstrations; name the source otherwise")

@@ -159,12 +159,19 @@ class BatchSampler:
     """Mixes sources by weight into one global batch of trajectories (and splices a guide's demonstrations into
     the online groups)."""
 
-    def __init__(self, sources: dict, weights: dict[str, float], guide: GuideSource | None = None):
+    def __init__(self, sources: dict, weights: dict, guide: GuideSource | None = None):
+        """weights: per source a float, or a function of the step (1-based) giving it (SourceConfig.weight_at)."""
         self.sources, self.weights, self.guide = sources, weights, guide
 
-    def next(self, n: int) -> list:
+    def weights_at(self, step: int | None) -> dict[str, float]:
+        """Each source's weight at ``step`` (None: the first step's)."""
+        return {name: w(step or 1) if callable(w) else w for name, w in self.weights.items()}
+
+    def next(self, n: int, step: int | None = None) -> list:
+        """n trajectories mixed by the sources' weights at training step ``step`` (1-based)."""
         out = []
-        for name, k in source_counts(self.weights, n).items():
+        weights = self.weights_at(step)
+        for name, k in source_counts({name: w for name, w in weights.items() if w > 0}, n).items():
             if k:
                 out.extend(self.sources[name].take(k))
         return self.guide.splice(out) if self.guide is not None else out
@@ -213,7 +220,8 @@ def build_sampler(cfg: TrainConfig, online_source=None):
                                           max_new_tokens=cfg.rollout.max_new_tokens)
     guide = GuideSource(cfg.grpo.guide_path, cfg.grpo.guide_per_prompt, cfg.batch.max_seq_length,
                         cfg.rollout.max_new_tokens) if cfg.grpo.guide_path else None
-    return BatchSampler(sources, {n: s.weight for n, s in cfg.sources.items()}, guide), online
+    return BatchSampler(sources, {n: s.weight if s.weight_final is None else s.weight_at
+                                  for n, s in cfg.sources.items()}, guide), online
 
 
 def build_archive(cfg: TrainConfig):

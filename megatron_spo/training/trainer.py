@@ -253,7 +253,7 @@ class Trainer:
         payload = [None]
         if self.rank == 0:
             try:
-                payload = [self.sampler.next(self.cfg.batch.sequences_per_step)]
+                payload = [self.sampler.next(self.cfg.batch.sequences_per_step, self.step)]
             except WAIT_ENDED as err:  # SIGTERM, or no engine ever answered: every rank learns it below
                 payload = [err]
             else:
