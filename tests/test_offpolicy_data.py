@@ -410,6 +410,13 @@ def test_a_source_weight_schedule_anneals_the_data_share_and_bad_schedules_are_r
         counts.append(sum(r.source == "data" for r in batch))
         assert len(batch) == 8
     assert counts == [4, 3, 3, 2, 0, 0]  # 8 x w / (1 + w), largest remainder: w 1, .75, .5, .25, 0, 0
+    from megatron_spo.training.metrics import PANELS, panel_names
+    from megatron_spo.training.step_metrics import trajectory_metrics
+
+    logged = trajectory_metrics(sampler.next(8, 3), 0)  # the step's mix is logged, and plotted
+    assert (logged["batch_share/data"], logged["batch_share/own"]) == (3 / 8, 5 / 8)
+    assert any(panel_names(title, logged) == ["batch_share/data", "batch_share/own"] for title in PANELS)
+    assert not any(k.startswith("batch_share/") for k in trajectory_metrics(sampler.next(8, 9), 0))  # one source
 
     def refused(sources: dict, match: str) -> None:
         with pytest.raises(ConfigError, match=match):

@@ -80,6 +80,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "grad norm": ("grad_norm", "grad_norm/*"),
     "learning rate": ("lr",),
     "online samples per step": ("samples/online",),
+    "share of each batch per source (sources.*.weight and its schedule)": ("batch_share/*",),
     "trainer peak RSS (GB)": ("memory/peak_rss_gb",),
 }
 # Panels on a log y axis (when every value is positive): a correct push's 1e-7 and a broken one's 0.5 on one plot.

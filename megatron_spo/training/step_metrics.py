@@ -5,6 +5,7 @@ Every value is a float; names are the ones metrics.jsonl, wandb and the plot pan
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from megatron_spo.memory import peak_rss_gb
@@ -21,8 +22,12 @@ class StepTimes:
 
 
 def trajectory_metrics(trajs: list, policy_version: int) -> dict[str, float]:
-    """Mean reward, and for online samples their reward, count and staleness (policy versions behind)."""
+    """Mean reward, each source's share of the batch (when it mixes several), and for online samples their
+    reward, count and staleness (policy versions behind)."""
     metrics = {"reward": sum(t.reward for t in trajs) / len(trajs)}
+    counts = Counter(t.source for t in trajs)
+    if len(counts) > 1:  # the mix the sources' weights (and their schedules) gave this step
+        metrics.update({f"batch_share/{name}": n / len(trajs) for name, n in counts.items()})
     online = [t for t in trajs if t.source == "online"]
     if online:  # offline data has no meaningful version
         versions = [t.policy_version for t in online]
