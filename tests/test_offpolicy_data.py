@@ -424,6 +424,8 @@ def test_a_source_weight_schedule_anneals_the_data_share_and_bad_schedules_are_r
 
     refused({"own": {"path": "o", "weight_final": 0.5}},
             r"sources.own: .*weight_final 0.5 with weight_steps 0: a schedule needs both")
+    refused({"own": {"path": "o", "weight_final": 0.5, "weight_steps": 1}},
+            r"sources.own: .*weight_final 0.5 with weight_steps 1: a schedule needs both .* 2 or later")
     refused({"own": {"path": "o", "weight_final": 0.0, "weight_steps": 3}},
             r"sources: the weights at the end of their schedules \{'own': 0.0\} must have a positive sum")
 

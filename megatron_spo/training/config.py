@@ -93,7 +93,8 @@ class SourceConfig(StrictModel):
     weight_final: float | None = Field(None, ge=0, description="a schedule: the weight goes linearly from `weight` "
                                        "at step 1 to this at step weight_steps, then stays (e.g. off-policy data "
                                        "early, then less of it: docs/offpolicy-data.md). Unset: constant")
-    weight_steps: int = Field(0, ge=0, description="the steps weight_final is reached in (with weight_final)")
+    weight_steps: int = Field(0, ge=0, description="the step weight_final is reached at (with weight_final; 2 or "
+                              "later)")
     path: str | None = None
     select: ProvenanceSelect | None = None
     objective: Objective = "terminal"
@@ -144,9 +145,10 @@ class SourceConfig(StrictModel):
         from megatron_spo.algorithms.spo import CENTRABLE_OBJECTIVES, UNSUPPORTED
         from megatron_spo.algorithms.spo_transforms import CENTRINGS, NEEDS_COEFFICIENT
 
-        if (self.weight_final is None) != (self.weight_steps == 0):
+        if (self.weight_final is None) != (self.weight_steps == 0) or self.weight_steps == 1:
             raise ValueError(f"weight_final {self.weight_final} with weight_steps {self.weight_steps}: a schedule "
-                             "needs both (the final weight and the steps to reach it)")
+                             "needs both (the final weight and the step it is reached at, 2 or later: step 1 has "
+                             "`weight`)")
         why = UNSUPPORTED.get((self.objective, self.loss))
         if why:
             raise ValueError(f"objective '{self.objective}' with loss '{self.loss}' is not supported ({why})")
