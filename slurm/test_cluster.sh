@@ -25,7 +25,9 @@ free_port_block() {  # first port of $1 consecutive free TCP ports
 import random, socket, sys
 n = int(sys.argv[1])
 for _ in range(200):
-    base = random.randrange(20000, 60000 - n)
+    # 10000-19999: below the test jobs' ports (spo.sbatch: 20000-32699) and Linux's ephemeral range (32768+),
+    # where any process's outgoing connection may take a port between this probe and the daemon's bind.
+    base = random.randrange(10000, 20000 - n)
     socks = []
     try:
         for p in range(base, base + n):
@@ -106,14 +108,30 @@ EOF
   while [ $SECONDS -lt $deadline ]; do
     idle="$(sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l || true)"
     [ "$idle" -ge "$nodes" ] && break
+    grep -qs "Address already in use" "$dir"/log/slurm*.log && break
     sleep 0.5
   done
   if [ "$idle" -lt "$nodes" ]; then
+    local taken=0
+    grep -qs "Address already in use" "$dir"/log/slurm*.log && taken=1
+    [ "$taken" = 1 ] && [ -z "${PORT_BASE:-}" ] && [ "${CLUSTER_ATTEMPT:-3}" -lt 3 ] && return 2
     tail -n 5 "$dir"/log/slurmctld.log "$dir"/log/slurmd.*.log >&2 || true
     stop_cluster
     die "only $idle of $nodes nodes became idle within 30 s (logs above)"
   fi
   echo "export SLURM_CONF=$SLURM_CONF"
+}
+
+start_retrying() {  # a port taken between the probe and a daemon's bind: stop, pick another block, start again
+  local attempt rc
+  for attempt in 1 2 3; do
+    # Its own process, so that set -e holds inside (it does not in a function whose status is tested).
+    rc=0; CLUSTER_ATTEMPT=$attempt bash "$0" start-once "$dir" "$@" || rc=$?
+    [ "$rc" = 2 ] || return "$rc"
+    echo "test_cluster.sh: a port of block $(sed -n 's/^SlurmctldPort=//p' "$SLURM_CONF") was taken; trying another" >&2
+    stop_cluster
+    rm -rf "$dir"/log "$dir"/state "$dir"/spool "$dir"/run
+  done
 }
 
 kill_pidfile() {
@@ -161,7 +179,8 @@ stop_cluster() {
 }
 
 case "$cmd" in
-  start) start "${3:-4}" ;;
+  start) start_retrying "${3:-4}" ;;
+  start-once) start "${3:-4}" ;;
   stop) stop_cluster ;;
   *) die "unknown command '$cmd' (start|stop)" ;;
 esac
