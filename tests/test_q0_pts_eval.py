@@ -264,15 +264,20 @@ class Interrupted(Exception):
 class CountingClient:
     """A real EngineClient that counts /generate calls and can fail the call number ``fail_at``."""
 
-    def __init__(self, url, fail_at=None):
+    def __init__(self, url, fail_at=None, engine_errors=(), error=None):
         from megatron_spo.rollout.client import EngineClient
 
         self.inner, self.calls, self.fail_at = EngineClient(url, timeout_s=60), 0, fail_at
+        self.engine_errors, self.error = set(engine_errors), error  # the calls that raise ``error``
+        self.seeds = []  # each call's sampling seed
 
     async def generate(self, prompts, params, **kw):
         self.calls += 1
+        self.seeds.append(params.sampling_seed)
         if self.calls == self.fail_at:
             raise Interrupted(f"cut at call {self.calls}")
+        if self.calls in self.engine_errors or self.engine_errors == {"all"}:
+            raise self.error
         return await self.inner.generate(prompts, params, **kw)
 
 
@@ -367,6 +372,39 @@ def test_seeded_samples_of_one_prompt_differ_on_a_deterministic_engine(engine, t
             return {tuple(c.output_ids) for c in group}
 
     assert len(asyncio.run(shared())) == 1
+
+
+def test_a_stalled_request_is_sent_again_and_the_evaluation_ends_as_an_undisturbed_one(engine, tokenizer, tmp_path):
+    """The offline tools (eval, estimate-q0, pts, sample) send a request that fails retryably again, with its seed:
+    an engine timeout under load used to end a whole study run's evaluation."""
+    from megatron_spo.data.toy_code import make_task
+    from megatron_spo.rollout.client import EngineError
+
+    prompts = make_prompts(list(make_task(num_problems=12).train[:3]), tokenizer)
+    sampling = ToolSamplingConfig(max_new_tokens=12, seed=3, concurrency=1, max_retries=2, retry_backoff_s=0.01)
+
+    def run(out, client):
+        return run_with(client, lambda c: evaluate(prompts, c, TextReward("e"), n=4, ks=(1,), temperature=1.0,
+                                                   sampling=sampling, out_path=out))
+
+    calm = CountingClient(engine.url)
+    run(tmp_path / "calm.jsonl", calm)
+    assert calm.calls == 12
+    timeout = EngineError("http://engine/generate", "timed out after 300 s")
+    stalled = CountingClient(engine.url, engine_errors={2, 5, 7}, error=timeout)  # 5: 2's retry
+    run(tmp_path / "stalled.jsonl", stalled)
+    assert stalled.calls == 15 and (tmp_path / "stalled.jsonl").read_bytes() == (tmp_path / "calm.jsonl").read_bytes()
+    assert stalled.seeds[1] == stalled.seeds[4] == stalled.seeds[5] and set(stalled.seeds) == set(calm.seeds)
+
+    bad_request = EngineError("http://engine/generate", "HTTP 400: bad", status=400, retryable=False)
+    refused = CountingClient(engine.url, engine_errors={2}, error=bad_request)
+    with pytest.raises(EngineError, match="HTTP 400"):
+        run(tmp_path / "refused.jsonl", refused)
+    assert refused.seeds.count(refused.seeds[1]) == 1  # a request the engine refuses is not sent again
+    down = CountingClient(engine.url, engine_errors={"all"}, error=timeout)
+    with pytest.raises(EngineError, match="timed out after 300 s"):
+        run(tmp_path / "down.jsonl", down)
+    assert down.seeds.count(down.seeds[0]) == 3  # 1 + max_retries sends of a request, then the tool stops
 
 
 def test_read_q0_at_a_beta_derives_q0_from_counts_and_refuses_a_mixed_file_without_one(tmp_path):

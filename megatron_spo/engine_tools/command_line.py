@@ -47,12 +47,15 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: ToolSamplingCon
                         "engines with deterministic inference). Default: engine randomness, n per request")
     g.add_argument("--samples-per-request", type=int, default=defaults.samples_per_request)
     g.add_argument("--concurrency", type=int, default=defaults.concurrency, help="prompts in flight")
+    g.add_argument("--max-retries", type=int, default=defaults.max_retries,
+                   help="retries of a request that timed out, lost its connection or got a 5xx")
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
     return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
             "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-            "samples_per_request": args.samples_per_request, "concurrency": args.concurrency}
+            "samples_per_request": args.samples_per_request, "concurrency": args.concurrency,
+            "max_retries": args.max_retries}
 
 
 def apply_train_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

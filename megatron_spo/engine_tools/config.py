@@ -24,6 +24,9 @@ class ToolSamplingConfig(StrictModel):
                              "one seed among the n samples of a request and ignores seeds otherwise)")
     samples_per_request: int = Field(64, gt=0, description="n of one /generate call; more samples = more calls")
     concurrency: int = Field(8, gt=0, description="prompts in flight at once")
+    max_retries: int = Field(3, ge=0, description="a request that fails retryably (timeout, lost connection, 5xx) "
+                             "is sent again up to this many times, then the tool stops (its finished items kept)")
+    retry_backoff_s: float = Field(2.0, gt=0, description="wait before the first retry; doubles per retry (to 60 s)")
 
     @model_validator(mode="after")
     def _check_top_k(self) -> ToolSamplingConfig:

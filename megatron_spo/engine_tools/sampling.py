@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from megatron_spo.data.result_log import ResultLog
 from megatron_spo.engine_tools.config import ToolSamplingConfig
+from megatron_spo.rollout.client import EngineError
 from megatron_spo.rollout.protocol import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 60.0
 
 
 def derive_seed(seed: int | None, *parts: Any) -> int | None:
@@ -32,7 +37,9 @@ async def sample(client: Any, tokens: list[int], n: int, sampling: ToolSamplingC
     """n completions of one prompt, sent concurrently: requests of at most samples_per_request samples, or,
     with sampling.seed, one request per sample with its own sampling_seed. SGLang gives every sample of one
     request the same seed (under deterministic inference; seeds do nothing otherwise), so n seeded samples
-    in one request would be n copies of one: Q0 from them would be degenerate."""
+    in one request would be n copies of one: Q0 from them would be degenerate. A request that fails retryably
+    (EngineError.retryable: a timeout, a lost connection, a 5xx) is sent again, the same seed included, up to
+    sampling.max_retries times: one stalled request under load does not end a long evaluation."""
     if sampling.seed is None:
         chunk = sampling.samples_per_request
         sizes = [min(chunk, n - start) for start in range(0, n, chunk)]
@@ -43,8 +50,19 @@ async def sample(client: Any, tokens: list[int], n: int, sampling: ToolSamplingC
         params = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, n=m,
                                 sampling_seed=derive_seed(sampling.seed, *seed_key, i))
-        [group] = await client.generate([tokens], params, return_logprob=False)
-        return group
+        backoff = sampling.retry_backoff_s
+        for attempt in range(sampling.max_retries + 1):
+            try:
+                [group] = await client.generate([tokens], params, return_logprob=False)
+                return group
+            except EngineError as err:
+                if not err.retryable or attempt == sampling.max_retries:
+                    raise
+                log.warning("%s (attempt %d of %d); sent again in %.1f s", err, attempt + 1,
+                            sampling.max_retries + 1, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+        raise AssertionError("unreachable")
 
     groups = await gather_or_cancel([request(i, m) for i, m in enumerate(sizes)])
     return [c for group in groups for c in group]

@@ -84,9 +84,10 @@ class HeldOutEval:
     def sampling(self):
         from megatron_spo.engine_tools.config import ToolSamplingConfig
 
-        ev = self.cfg.eval
-        return ToolSamplingConfig(temperature=ev.temperature, top_p=ev.top_p, top_k=self.cfg.rollout.top_k,
-                                  max_new_tokens=ev.max_new_tokens or self.cfg.rollout.max_new_tokens)
+        ev, rollout = self.cfg.eval, self.cfg.rollout
+        return ToolSamplingConfig(temperature=ev.temperature, top_p=ev.top_p, top_k=rollout.top_k,
+                                  max_new_tokens=ev.max_new_tokens or rollout.max_new_tokens,
+                                  max_retries=rollout.max_retries, retry_backoff_s=rollout.retry_backoff_s)
 
     async def evaluate(self):
         """engine_tools/eval.py's EvalResult of the engines' current weights on the held-out prompts."""
