@@ -167,9 +167,9 @@ def _change_minus_change(a_long: ArmRuns, a: ArmRuns, b_long: ArmRuns, b: ArmRun
     seeds, problems = _common([a_long, a, b_long, b])
     if not problems:
         return math.nan, math.nan, math.nan, 0, 0
-    m = [x.matrix(what, seeds, problems) for x in (a_long, a, b_long, b)]
-    diff = [[al - as_ - (bl - bs) for al, as_, bl, bs in zip(*rows)] for rows in zip(*m)]
-    return (*two_way_bootstrap(diff), len(seeds), len(problems))
+    gain_a, gain_b = (_minus(long.matrix(what, seeds, problems), short.matrix(what, seeds, problems))
+                      for long, short in ((a_long, a), (b_long, b)))
+    return (*paired_difference(gain_a, gain_b), len(seeds), len(problems))
 
 
 def compare(a: ArmRuns, b: ArmRuns | None, what: str) -> tuple[float, float, float, int, int]:
@@ -184,7 +184,11 @@ def compare(a: ArmRuns, b: ArmRuns | None, what: str) -> tuple[float, float, flo
 
 def paired_difference(x: list[list[float]], y: list[list[float]]) -> tuple[float, float, float]:
     """x - y, both [seed][problem] on the same seeds and problems: mean and two-way bootstrap 95% CI."""
-    return two_way_bootstrap([[xi - yi for xi, yi in zip(rx, ry)] for rx, ry in zip(x, y)])
+    return two_way_bootstrap(_minus(x, y))
+
+
+def _minus(x: list[list[float]], y: list[list[float]]) -> list[list[float]]:
+    return [[xi - yi for xi, yi in zip(rx, ry)] for rx, ry in zip(x, y)]
 
 
 def _resources(arm: ArmRuns) -> dict[str, Any]:
