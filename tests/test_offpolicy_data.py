@@ -417,6 +417,9 @@ def test_a_source_weight_schedule_anneals_the_data_share_and_bad_schedules_are_r
     assert (logged["batch_share/data"], logged["batch_share/own"]) == (3 / 8, 5 / 8)
     assert any(panel_names(title, logged) == ["batch_share/data", "batch_share/own"] for title in PANELS)
     assert not any(k.startswith("batch_share/") for k in trajectory_metrics(sampler.next(8, 9), 0))  # one source
+    guided = [Trajectory(prompt_id="p", prompt_tokens=[1], response_tokens=[3], reward=0.0, source=source,
+                         policy_version=0) for source in ("online", "online", "guide")]
+    assert not any(k.startswith("batch_share/") for k in trajectory_metrics(guided, 0))  # GRPO's guide_share says it
 
     def refused(sources: dict, match: str) -> None:
         with pytest.raises(ConfigError, match=match):

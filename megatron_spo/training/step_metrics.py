@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megatron_spo.memory import peak_rss_gb
+from megatron_spo.training.config import GUIDE_SOURCE
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ def trajectory_metrics(trajs: list, policy_version: int) -> dict[str, float]:
     """Mean reward, each source's share of the batch (when it mixes several), and for online samples their
     reward, count and staleness (policy versions behind)."""
     metrics = {"reward": sum(t.reward for t in trajs) / len(trajs)}
-    counts = Counter(t.source for t in trajs)
+    counts = Counter(t.source for t in trajs if t.source != GUIDE_SOURCE)  # the guide's: GRPO's guide_share
     if len(counts) > 1:  # the mix the sources' weights (and their schedules) gave this step
         metrics.update({f"batch_share/{name}": n / len(trajs) for name, n in counts.items()})
     online = [t for t in trajs if t.source == "online"]
