@@ -410,6 +410,14 @@ def test_a_source_weight_schedule_anneals_the_data_share_and_bad_schedules_are_r
         counts.append(sum(r.source == "data" for r in batch))
         assert len(batch) == 8
     assert counts == [4, 3, 3, 2, 0, 0]  # 8 x w / (1 + w), largest remainder: w 1, .75, .5, .25, 0, 0
+    # a run resumed from step 2's checkpoint draws what an unstopped one draws (cursors in the state, the step given)
+    unstopped, _ = build_sampler(cfg)
+    drawn = [[r.prompt_id for r in unstopped.next(8, step)] for step in (1, 2, 3, 4)]
+    stopped, _ = build_sampler(cfg)
+    first = [[r.prompt_id for r in stopped.next(8, step)] for step in (1, 2)]
+    resumed, _ = build_sampler(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(stopped.state_dict())))
+    assert first + [[r.prompt_id for r in resumed.next(8, step)] for step in (3, 4)] == drawn
     from megatron_spo.training.metrics import PANELS, panel_names
     from megatron_spo.training.step_metrics import trajectory_metrics
 
