@@ -527,36 +527,38 @@ def test_an_archived_study_rewrites_its_report_from_its_own_settings(tmp_path, c
             assert row[6] == f"{long[arm][3]} / {long[arm][5]}", row
 
 
-OFFPOLICY_CODE = REPO / "docs" / "study-2026-11-28-offpolicy" / "code"
+OFFPOLICY = REPO / "docs" / "study-2026-11-28-offpolicy"
+OFFPOLICY_ARCHIVES = sorted(p.parent.name for p in OFFPOLICY.glob("*/study.json"))
 
 
-def test_the_offpolicy_archive_rewrites_its_report_and_holds_the_readme_recommendation_table(tmp_path, capsys):
-    """Issue 48's archive: `compare --report-only` gives its report back byte for byte, and the README's table of
-    what to run with such data is the report's "each arm against GRPO without it" table, row for row."""
+@pytest.mark.parametrize("name", OFFPOLICY_ARCHIVES)
+def test_each_offpolicy_archive_rewrites_its_report_byte_for_byte(tmp_path, capsys, name):
+    """Issue 48's archives (one per task and kind of data): `compare --report-only` gives each report back."""
     import shutil
 
-    out = tmp_path / "code"
-    shutil.copytree(OFFPOLICY_CODE, out)
+    out = tmp_path / name
+    shutil.copytree(OFFPOLICY / name, out)
     for made in ("report.md", "report.json"):
         (out / made).unlink()
     assert st.main(["--report-only", f"out_dir={out}"]) == 0
     capsys.readouterr()
-    report = (out / "report.md").read_text()
-    assert report == (OFFPOLICY_CODE / "report.md").read_text()
+    assert (out / "report.md").read_text() == (OFFPOLICY / name / "report.md").read_text()
 
-    against = {r[0]: r for r in _table(report, "| arm | seeds | pass@1 / pass@10 | minus grpo: pass@1 |")}
-    reference = next(r for r in _table(report, "| arm | seeds x problems | pass@1 | change |") if r[0] == "reference")
-    readme = (REPO / "README.md").read_text()
-    header = next(ln for ln in readme.splitlines() if ln.startswith("| what you run with the data |"))
-    assert f"(reference {reference[2]} / {reference[4]})" in header
-    rows = _table(readme, "| what you run with the data |")
-    arms = {"GRPO alone": "grpo", "SPO alone": "spo", "mixed-policy GRPO": "grpo-guided",
-            "SPO with the data as a source": "spo-data", "SFT on the data, then GRPO": "sft-grpo",
-            "the same SFT, then SPO": "sft-spo"}
-    assert len(rows) == len(arms) == len(against)
+
+def test_the_readme_recommendation_table_is_the_archives_against_grpo_tables():
+    """The README's table of what to run with each kind of data: one row per archive (its link names it), each cell
+    the archive report's "each arm against GRPO without it" cell (minus grpo, pass@1 / pass@10, with intervals)."""
+    rows = _table((REPO / "README.md").read_text(), "| task | the data |")
+    arms = ["spo-data", "grpo-guided", "sft-grpo", "sft-spo"]
+    linked = []
     for row in rows:
-        arm = next(a for prefix, a in arms.items() if row[0].startswith(prefix))
-        assert row[1:] == against[arm][2:], (arm, row)
+        name = row[1].split("](docs/study-2026-11-28-offpolicy/")[1].split("/report.md)")[0]
+        linked.append(name)
+        report = (OFFPOLICY / name / "report.md").read_text()
+        against = {r[0]: r for r in _table(report, "| arm | seeds | pass@1 / pass@10 | minus grpo: pass@1 |")}
+        assert row[2:4] == against["grpo"][1:3], (name, row)
+        assert row[4:] == [f"{against[a][3]} / {against[a][4]}" for a in arms], (name, row)
+    assert sorted(linked) == OFFPOLICY_ARCHIVES  # every archive has its row
 
 
 def test_an_archived_study_refuses_other_settings_in_one_line(tmp_path, capsys):
