@@ -179,3 +179,32 @@ def test_wait_healthy_stops_at_once_when_the_process_behind_a_url_died():
     assert time.monotonic() - t0 < 5
     with pytest.raises(RuntimeError, match=rf"^engine-0 not healthy after 0 s: {url} \("):
         wait_healthy([url], timeout_s=0.2, poll_s=0.1, what="engine-0")
+
+
+def test_an_engine_whose_port_was_taken_before_it_bound_starts_on_another(model_dir, monkeypatch, caplog):
+    """A port the fleet probed can be taken by another process before the engine binds it (the class of a CI
+    failure: an outgoing connection took a probed port): the engine starts again on a new port, and the router
+    is given the URL it ended on. A port the user gave is not moved: the start fails in one line."""
+    import socket
+
+    import megatron_spo.rollout.fleet as fleet_module
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    probes = iter([taken])
+    monkeypatch.setattr(fleet_module, "free_port", lambda: next(probes, None) or free_port())
+    try:
+        with caplog.at_level("WARNING", logger="megatron_spo.fleet"), Fleet(model_dir, 1, env=engine_env()) as f:
+            [url] = f.engine_urls
+            assert url != f"http://127.0.0.1:{taken}" and get_json(url + "/health", 10)[0] == 200
+            assert f"--worker-urls {url} " in " ".join(f.router.command)
+            status, body = post_json(f.router_url + "/generate", {"input_ids": [3, 4], "sampling_params": {
+                "max_new_tokens": 2, "temperature": 0.0}}, 60)
+            assert status == 200 and len(body["output_ids"]) == 2
+        assert f"engine0: port {taken} was taken before it could bind; starting it on {url}" in caplog.text
+        with pytest.raises(fleet_module.FleetError, match=r"^engine0 exited with code \d+ before becoming healthy"):
+            Fleet(model_dir, 1, env=engine_env(), engine_ports=[taken], router=False).start()
+    finally:
+        holder.close()

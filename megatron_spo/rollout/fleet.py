@@ -21,6 +21,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +46,20 @@ def _die_with_parent() -> None:
 
 class FleetError(RuntimeError):
     pass
+
+
+PORT_TRIES = 3  # starts of one process whose probed port another process took before it bound
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether another socket holds ``port`` on ``host`` (a listener or a connection's end; TIME_WAIT does not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -100,25 +115,33 @@ class Fleet:
         self.env = dict(os.environ if env is None else env)
         if threads_per_engine:
             self.env.update(OMP_NUM_THREADS=str(threads_per_engine), MKL_NUM_THREADS=str(threads_per_engine))
+        self._engine_spec = (engine_command, engine_args or [], threads_per_engine)
+        self._engine_ports_chosen = engine_ports is None  # probed here: moved if taken before the engine binds
         ports = engine_ports or [free_port() for _ in range(num_engines)]
-        self.engines = [
-            ManagedProcess(f"engine{i}", self._engine_command(engine_command, engine_args or [], port,
-                                                              threads_per_engine), f"http://{host}:{port}")
-            for i, port in enumerate(ports)
-        ]
+        self.engines = [self._engine(i, port) for i, port in enumerate(ports)]
         self.router: ManagedProcess | None = None
         self._watcher: threading.Thread | None = None
         self._stopping = threading.Event()
         self.removed_dead: list[str] = []
+        self._router_spec = (router_health or RouterHealth(), router_args or [])
+        self._router_port_chosen = router_port is None
         if router:
-            port = router_port or free_port()
-            cmd = [sys.executable, "-m", "megatron_spo.cli", "router", "--host", host, "--port", str(port),
-                   "--worker-urls", *[e.url for e in self.engines], "--policy", "round_robin",
-                   "--log-level", "warn", *(router_health or RouterHealth()).args(),
-                   "--worker-startup-timeout-secs", str(int(startup_timeout_s)),
-                   # its metrics exporter binds a fixed default port: a second router on the host would panic
-                   "--prometheus-host", host, "--prometheus-port", str(free_port()), *(router_args or [])]
-            self.router = ManagedProcess("router", cmd, f"http://{host}:{port}")
+            self.router = self._router(router_port or free_port())
+
+    def _engine(self, i: int, port: int) -> ManagedProcess:
+        template, extra, threads = self._engine_spec
+        return ManagedProcess(f"engine{i}", self._engine_command(template, extra, port, threads),
+                              f"http://{self.host}:{port}")
+
+    def _router(self, port: int) -> ManagedProcess:
+        health, extra = self._router_spec
+        cmd = [sys.executable, "-m", "megatron_spo.cli", "router", "--host", self.host, "--port", str(port),
+               "--worker-urls", *[e.url for e in self.engines], "--policy", "round_robin",
+               "--log-level", "warn", *health.args(),
+               "--worker-startup-timeout-secs", str(int(self.startup_timeout_s)),
+               # its metrics exporter binds a fixed default port: a second router on the host would panic
+               "--prometheus-host", self.host, "--prometheus-port", str(free_port()), *extra]
+        return ManagedProcess("router", cmd, f"http://{self.host}:{port}")
 
     def _engine_command(self, template: str | None, extra: list[str], port: int, threads: int | None) -> list[str]:
         if template is not None:
@@ -155,11 +178,13 @@ class Fleet:
         try:
             for engine in self.engines:
                 self._spawn(engine)
-            for engine in self.engines:
-                self.wait_healthy(engine)
+            for i in range(len(self.engines)):
+                self.engines[i] = self._healthy_or_moved(self.engines[i], self._engine_ports_chosen,
+                                                         lambda port, i=i: self._engine(i, port))
             if self.router is not None:
+                self.router = self._router(int(self.router.url.rsplit(":", 1)[1]))  # the engines' final URLs
                 self._spawn(self.router)
-                self.wait_healthy(self.router)
+                self.router = self._healthy_or_moved(self.router, self._router_port_chosen, self._router)
                 self.wait_router_workers(len(self.engines))
                 self._watcher = threading.Thread(target=self._watch, name="fleet-watch", daemon=True)
                 self._watcher.start()
@@ -183,6 +208,25 @@ class Fleet:
                     self.removed_dead.append(engine.url)
                 except (OSError, FleetError) as err:
                     log.error("could not remove %s from the router: %s", engine.url, err)
+
+    def _healthy_or_moved(self, mp: ManagedProcess, port_chosen: bool, rebuild) -> ManagedProcess:
+        """Wait for ``mp``'s /health. A process on a port this fleet probed that exits before it is healthy while
+        its port is bound by someone else lost a race for the port (another process took it between the probe and
+        the bind): start it again on a new port, up to PORT_TRIES times. Returns the process that became healthy."""
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                self.wait_healthy(mp)
+                return mp
+            except FleetError:
+                port = int(mp.url.rsplit(":", 1)[1])
+                if not port_chosen or mp.alive or attempt == PORT_TRIES or not _port_in_use(self.host, port):
+                    raise
+                moved = rebuild(free_port())
+                log.warning("%s: port %d was taken before it could bind; starting it on %s", mp.name, port,
+                            moved.url)
+                mp = moved
+                self._spawn(mp)
+        raise AssertionError("unreachable")
 
     def wait_healthy(self, mp: ManagedProcess, timeout_s: float | None = None) -> None:
         def dead(_url: str) -> str | None:
