@@ -178,11 +178,13 @@ class Fleet:
         try:
             for engine in self.engines:
                 self._spawn(engine)
+            urls = self.engine_urls
             for i in range(len(self.engines)):
                 self.engines[i] = self._healthy_or_moved(self.engines[i], self._engine_ports_chosen,
                                                          lambda port, i=i: self._engine(i, port))
             if self.router is not None:
-                self.router = self._router(int(self.router.url.rsplit(":", 1)[1]))  # the engines' final URLs
+                if self.engine_urls != urls:  # an engine moved: the router is given its new URL
+                    self.router = self._router(int(self.router.url.rsplit(":", 1)[1]))
                 self._spawn(self.router)
                 self.router = self._healthy_or_moved(self.router, self._router_port_chosen, self._router)
                 self.wait_router_workers(len(self.engines))
