@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -60,30 +60,46 @@ def start_engine(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
                             env=engine_env(), start_new_session=True)
 
 
-def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
-    from megatron_spo.rollout.client import get_json
+class ServerExited(RuntimeError):
+    """A server process ended before it was healthy, on every port tried (``.proc``: the last one)."""
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def __init__(self, message: str, proc: subprocess.Popen):
+        super().__init__(message)
+        self.proc = proc
+
+
+def start_on_free_port(start: Callable[[int], subprocess.Popen], what: str, timeout_s: float = 120.0,
+                       tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """(process, URL) of a server ``start(port)`` launched on a probed port, healthy. A probed port can be taken
+    before the server binds it: a server that exits before it is healthy starts again on another port, as the
+    fleet's do (rollout/fleet.py); the last exit raises ServerExited. A server that hangs raises at timeout_s."""
+    from megatron_spo.net import free_port
+    from megatron_spo.rollout.client import wait_healthy as wait
+
+    for attempt in range(1, tries + 1):
+        port = free_port()
+        proc = start(port)
+        url = f"http://127.0.0.1:{port}"
         try:
-            if get_json(url + "/health", 1.0)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+            wait([url], timeout_s, poll_s=0.1, what=what,
+                 dead=lambda _url, proc=proc: f"{what} exited ({proc.returncode})" if proc.poll() is not None
+                 else None)
+            return proc, url
+        except RuntimeError as err:
+            if proc.poll() is None:  # not an exit: a timeout
+                proc.kill()
+                proc.wait(30)
+                raise
+            if attempt == tries:
+                raise ServerExited(f"{err} on each of {tries} ports", proc) from err
+    raise AssertionError("unreachable")
 
 
 @contextmanager
 def serving_engine(model_dir: str, timeout_s: float = 120.0) -> Iterator[str]:
     """One `megatron-spo serve` engine of model_dir on a free port, healthy: yields its URL; stopped after."""
-    from megatron_spo.net import free_port
-
-    port = free_port()
-    engine = start_engine(model_dir, port)
+    engine, url = start_on_free_port(lambda port: start_engine(model_dir, port), "engine", timeout_s)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, timeout_s)
         yield url
     finally:
         engine.terminate()
@@ -94,7 +110,7 @@ class FaultyServer:
     """An HTTP server on a thread answering /generate with HTTP 500 ('error'), malformed JSON ('garbage')
     or nothing for 30 s ('slow'); /health is fine, so only the response exposes it."""
 
-    def __init__(self, port: int, kind: str):
+    def __init__(self, kind: str):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.hits = 0
@@ -125,7 +141,8 @@ class FaultyServer:
                 else:
                     self._reply(200, b'[{"text": "x", "output_ids": "not-a-list", "meta_info": {}}]')
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # bound here: the OS picks the port
+        self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> FaultyServer:
@@ -141,14 +158,17 @@ class ServerThread:
     """An EngineServer (the real aiohttp app around an in-process LocalEngine) on a background event loop,
     so tests reach it over HTTP without paying a process start."""
 
-    def __init__(self, engine, port: int, **kw):
+    def __init__(self, engine, port: int = 0, **kw):
         import asyncio
 
+        from megatron_spo.net import listening_socket
         from megatron_spo.rollout.engine_server import EngineServer
 
-        self.engine, self.port = engine, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = EngineServer(engine, host="127.0.0.1", port=port, **kw)
+        # port 0: a socket bound and listening now, so no other test's process can take the port meanwhile
+        self.sock = listening_socket() if port == 0 else None
+        self.engine, self.port = engine, self.sock.getsockname()[1] if self.sock else port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = EngineServer(engine, host="127.0.0.1", port=self.port, **kw)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.runner = None
@@ -163,7 +183,9 @@ class ServerThread:
         async def up():
             self.runner = web.AppRunner(self.server.build_app(), access_log=None, handler_cancellation=True)
             await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+            site = web.SockSite(self.runner, self.sock) if self.sock else web.TCPSite(self.runner, "127.0.0.1",
+                                                                                      self.port)
+            await site.start()
 
         asyncio.run_coroutine_threadsafe(up(), self.loop).result(30)
         return self

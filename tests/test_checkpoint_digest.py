@@ -158,7 +158,8 @@ import json, sys, torch.distributed as dist, torch.multiprocessing as mp
 from pathlib import Path
 
 def work(rank, root, port):
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)  # the parent hosts it (no port race)
+    dist.init_process_group("gloo", rank=rank, world_size=2, store=store)
     from megatron_spo.checkpoint_digest import CheckpointDigestError, verify_checkpoint, write_manifest
     root = Path(root)
     if rank == 0:
@@ -183,18 +184,19 @@ def work(rank, root, port):
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    mp.start_processes(work, args=(sys.argv[1], int(sys.argv[2])), nprocs=2, start_method="spawn")
+    from datetime import timedelta
+    from megatron_spo.net import hosted_store
+    store = hosted_store(2, timedelta(minutes=5))
+    mp.start_processes(work, args=(sys.argv[1], store.port), nprocs=2, start_method="spawn")
 """
 
 
 def test_ranks_share_the_digests_and_raise_the_same_line(tmp_path):
     """A multi-rank save: each rank digests its share and rank 0 writes one manifest; a resume: each rank checks its
     share and every rank raises the same line, naming the file rank 1 checked."""
-    from megatron_spo.net import free_port
-
     script = tmp_path / "ranks.py"
     script.write_text(_RANKS)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(free_port())], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     root = tmp_path / "ckpt"

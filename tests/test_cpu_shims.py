@@ -76,10 +76,10 @@ def test_megatron_ddp_grad_sync_runs_on_cpu():
         import torch
         import torch.distributed as dist
         from megatron_spo.models.cpu_shims import apply_cpu_shims
-        from megatron_spo.net import free_port
+        from datetime import timedelta
+        from megatron_spo.net import hosted_store
         assert apply_cpu_shims()
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", rank=0, world_size=1, store=hosted_store(1, timedelta(minutes=1)))
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer import TransformerConfig

@@ -228,7 +228,7 @@ class FlakyEngine(LocalEngine):
 
 
 def test_health_blocks_while_paused_then_answers_503_as_sglang_does(model_dir):
-    with ServerThread(LocalEngine(model_dir), free_port(), health_timeout_s=1.0) as srv:
+    with ServerThread(LocalEngine(model_dir), health_timeout_s=1.0) as srv:
         assert get_json(srv.url + "/health", 5)[0] == 200
         assert post_json(srv.url + "/pause_generation", {"mode": "retract"}, 10)[0] == 200
         t0 = time.monotonic()
@@ -249,8 +249,8 @@ def test_a_lagging_engine_is_resynced_with_sglang_health_behaviour(model_dir):
 
     new_state = perturbed_state_dict(model_dir, seed=21)
     torch.set_num_threads(1)
-    with ServerThread(LocalEngine(model_dir, seed=0), free_port(), health_timeout_s=1.0) as good, \
-            ServerThread(FlakyEngine(model_dir, seed=1), free_port(), health_timeout_s=1.0) as flaky, \
+    with ServerThread(LocalEngine(model_dir, seed=0), health_timeout_s=1.0) as good, \
+            ServerThread(FlakyEngine(model_dir, seed=1), health_timeout_s=1.0) as flaky, \
             WeightBroadcaster([good.url, flaky.url], bucket_bytes=20_000) as sync:
         flaky.engine.failures = 1
         report = sync.push(new_state.items(), version="1")
@@ -270,7 +270,7 @@ def test_the_first_push_finds_an_engine_a_stopped_run_left_paused(model_dir):
     """A resumed trainer's first push waits for the engines; one that a stopped run's push left paused answers
     /health 503 (SGLang) for ever, so the wait asks /model_info and the push resyncs it."""
     new_state = perturbed_state_dict(model_dir, seed=3)
-    with ServerThread(LocalEngine(model_dir), free_port(), health_timeout_s=0.5) as srv:
+    with ServerThread(LocalEngine(model_dir), health_timeout_s=0.5) as srv:
         assert post_json(srv.url + "/pause_generation", {"mode": "retract"}, 10)[0] == 200
         source = source_on(srv.url, engine_wait_s=4.0)
         source.broadcaster = WeightBroadcaster([srv.url], bucket_bytes=20_000)
@@ -296,7 +296,7 @@ def test_sigterm_during_a_push_to_a_hung_engine_ends_it_within_the_grace(model_d
     new_state = perturbed_state_dict(model_dir, seed=4)
     handler = PreemptionHandler()
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
-    with ServerThread(LocalEngine(model_dir), free_port()) as good, FaultyServer(free_port(), "slow") as hung:
+    with ServerThread(LocalEngine(model_dir)) as good, FaultyServer("slow") as hung:
         hung_url = f"http://127.0.0.1:{hung.server.server_address[1]}"
         source = source_on(good.url)
         source._fleet_seen_healthy = True

@@ -64,13 +64,12 @@ def peft(model_cfg):
 @pytest.fixture(scope="module")
 def engine(hf, model_cfg):
     """A local engine started with LoRA as engine_lora_args says, over HTTP."""
-    from megatron_spo.net import free_port
     from megatron_spo.rollout.engine_server import build_parser
     from megatron_spo.rollout.local_engine import LocalEngine
 
     args = build_parser().parse_args(["--model", hf, *ap.engine_lora_args(LORA, model_cfg)])
     lora = {"max_rank": args.max_lora_rank, "target_modules": args.lora_target_modules}
-    with ServerThread(LocalEngine(hf, lora=lora), free_port()) as server:
+    with ServerThread(LocalEngine(hf, lora=lora)) as server:
         yield server
 
 
@@ -323,7 +322,6 @@ def test_the_trainers_online_source_decides_the_push_and_switches_rollouts(engin
     switches nothing and retires nothing, and keeps its one-line error for the rollout-wait message."""
     from types import SimpleNamespace
 
-    from megatron_spo.net import free_port
     from megatron_spo.rollout.local_engine import LocalEngine
     from megatron_spo.training.online import OnlineSource
 
@@ -348,7 +346,7 @@ def test_the_trainers_online_source_decides_the_push_and_switches_rollouts(engin
         return s
 
     auto = LoraConfig(rank=4, alpha=8, rslora=True)
-    with ServerThread(LocalEngine(hf), free_port()) as plain:
+    with ServerThread(LocalEngine(hf)) as plain:
         s = source(plain.url)
         assert s.push_mode(auto, model_cfg, hf) == "merged"
         with pytest.raises(ap.AdapterPushError, match=rf"^lora.push: {plain.url} was not started with --enable-lora"):

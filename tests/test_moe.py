@@ -242,7 +242,6 @@ def test_engine_returns_routed_experts_in_sglangs_format(hf_dir):
     from rollout_helpers import ServerThread
 
     from megatron_spo.data.routes import RoutedExperts
-    from megatron_spo.net import free_port
     from megatron_spo.rollout.client import post_json
     from megatron_spo.rollout.local_engine import LocalEngine
     from megatron_spo.rollout.protocol import GenerateRequest, SamplingParams, parse_generate_response
@@ -256,7 +255,7 @@ def test_engine_returns_routed_experts_in_sglangs_format(hf_dir):
     parsed = sglang_source.parse_http_body(sglang_source.io_struct().GenerateReqInput, body)
     assert (parsed.return_routed_experts, parsed.routed_experts_start_len) == (True, 0)
     extract = _sglang_extract()
-    with ServerThread(LocalEngine(str(hf_dir), return_routed_experts=True), free_port()) as server:
+    with ServerThread(LocalEngine(str(hf_dir), return_routed_experts=True)) as server:
         status, out = post_json(f"{server.url}/generate", body, 60)
         assert status == 200, out
         groups = parse_generate_response(out, 2, 2)
@@ -313,7 +312,6 @@ def _manager_group(url: str):
 def test_engine_without_the_flag_returns_no_routes_and_the_manager_says_so(hf_dir, caplog):
     from rollout_helpers import ServerThread
 
-    from megatron_spo.net import free_port
     from megatron_spo.rollout.local_engine import LocalEngine, Req
     from megatron_spo.rollout.protocol import SamplingParams
 
@@ -321,7 +319,7 @@ def test_engine_without_the_flag_returns_no_routes_and_the_manager_says_so(hf_di
     assert engine.routes is None
     (req,) = engine.generate([Req([3, 4], SamplingParams(max_new_tokens=2), "r", routes=None)])
     assert req.routes is None and len(req.output_ids) == 2
-    with ServerThread(engine, free_port()) as server, caplog.at_level("ERROR", logger="megatron_spo.rollout"):
+    with ServerThread(engine) as server, caplog.at_level("ERROR", logger="megatron_spo.rollout"):
         group, metrics = _manager_group(server.url)
     assert group == [] and metrics.failed_requests == 1  # not retried
     assert "returned no routed_experts: start the engines with --enable-return-routed-experts, or set " \

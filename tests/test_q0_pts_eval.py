@@ -29,7 +29,6 @@ from megatron_spo.engine_tools.config import ToolSamplingConfig  # noqa: E402
 from megatron_spo.engine_tools.estimate_q0 import estimate_q0  # noqa: E402
 from megatron_spo.engine_tools.eval import ProblemEval, evaluate  # noqa: E402
 from megatron_spo.engine_tools.pts import BisectionSearch, PivotalToken, bisect_oracle, pivotal_token_search  # noqa: E402
-from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rewards.reward import RewardResult  # noqa: E402
 from megatron_spo.rollout.protocol import Completion, SamplingParams  # noqa: E402
 
@@ -246,7 +245,7 @@ def model_dir(tmp_path_factory):
 def engine(model_dir):
     from megatron_spo.rollout.local_engine import LocalEngine
 
-    with ServerThread(LocalEngine(model_dir, seed=0, deterministic=True), free_port()) as srv:
+    with ServerThread(LocalEngine(model_dir, seed=0, deterministic=True)) as srv:
         yield srv
 
 
@@ -575,7 +574,7 @@ def test_cli_estimate_q0_stops_on_sigusr1_keeps_finished_prompts_and_resumes(mod
 
     limit = 8
     # --seed: one request per sample with its own seed, reproducible on an engine with deterministic inference
-    with ServerThread(PacedEngine(model_dir, seed=0, deterministic=True), free_port()) as srv:
+    with ServerThread(PacedEngine(model_dir, seed=0, deterministic=True)) as srv:
         def cli(out: str) -> list[str]:
             return [sys.executable, "-m", "megatron_spo.cli", "estimate-q0", "--engine-url", srv.url, "--task", "toy",
                     "--limit", str(limit), "--samples", "4", "--samples-per-request", "4", "--concurrency", "1",

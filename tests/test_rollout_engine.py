@@ -20,7 +20,6 @@ from rollout_helpers import FaultyServer, ServerThread, make_tiny_llama, perturb
 from sglang_source import SGLANG_NOT_INSTALLED, sglang_root  # noqa: E402
 
 from megatron_spo.config import ConfigError, build_config  # noqa: E402
-from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout.client import EngineClient, EngineError, post_json  # noqa: E402
 from megatron_spo.rollout.config import RolloutConfig  # noqa: E402
 from megatron_spo.rollout.local_engine import LocalEngine, Req  # noqa: E402
@@ -61,7 +60,7 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(engine, free_port()) as srv:
+    with ServerThread(engine) as srv:
         yield srv
 
 
@@ -381,7 +380,7 @@ def test_manager_staleness_bound(server, policy):
 def test_manager_routes_around_500s_and_garbage(server):
     cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=3, max_inflight_requests=2, max_retries=6,
                         retry_backoff_s=0.01, endpoint_max_failures=2, endpoint_cooldown_s=30.0)
-    with FaultyServer(free_port(), "error") as err500, FaultyServer(free_port(), "garbage") as garbage:
+    with FaultyServer("error") as err500, FaultyServer("garbage") as garbage:
         async def go():
             manager = RolloutManager(cfg, PROMPTS, length_reward,
                                      endpoints=[server.url, f"http://127.0.0.1:{err500.server.server_port}",
@@ -402,7 +401,7 @@ def test_manager_routes_around_500s_and_garbage(server):
 def test_manager_times_out_a_hung_engine_and_retries_elsewhere(server):
     cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=3, max_inflight_requests=2, request_timeout_s=0.5,
                         retry_backoff_s=0.01, endpoint_max_failures=1, endpoint_cooldown_s=30.0)
-    with FaultyServer(free_port(), "slow") as slow:
+    with FaultyServer("slow") as slow:
         async def go():
             manager = RolloutManager(cfg, PROMPTS, length_reward,
                                      endpoints=[server.url, f"http://127.0.0.1:{slow.server.server_port}"])
@@ -421,7 +420,7 @@ def test_manager_times_out_a_hung_engine_and_retries_elsewhere(server):
 
 
 def test_client_raises_engine_error_for_garbage():
-    with FaultyServer(free_port(), "garbage") as garbage:
+    with FaultyServer("garbage") as garbage:
         async def go():
             async with EngineClient(f"http://127.0.0.1:{garbage.server.server_port}") as client:
                 await client.generate([[1, 2]], SamplingParams())

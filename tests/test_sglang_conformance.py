@@ -23,10 +23,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import sglang_source as sgl  # noqa: E402
-from rollout_helpers import ServerThread, engine_env, make_tiny_llama, perturbed_state_dict  # noqa: E402
+from rollout_helpers import (  # noqa: E402
+    ServerExited,
+    ServerThread,
+    engine_env,
+    make_tiny_llama,
+    perturbed_state_dict,
+    start_on_free_port,
+)
 
 from megatron_spo.engine_tools.config import ToolSamplingConfig  # noqa: E402
-from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout import client as client_module  # noqa: E402
 from megatron_spo.rollout import weight_sync  # noqa: E402
 from megatron_spo.rollout.config import RolloutConfig  # noqa: E402
@@ -53,7 +59,7 @@ def io():
 @pytest.fixture(scope="module")
 def server(model_dir):
     torch.set_num_threads(1)
-    with ServerThread(LocalEngine(model_dir, seed=0), free_port()) as srv:
+    with ServerThread(LocalEngine(model_dir, seed=0)) as srv:
         yield srv
 
 
@@ -239,7 +245,7 @@ def test_every_weight_update_body_parses_as_sglang_parses_it(model_dir, io, monk
             return super().load_named_tensors(named)
 
     state = perturbed_state_dict(model_dir, seed=1)
-    with ServerThread(LocalEngine(model_dir), free_port()) as a, ServerThread(Fails(model_dir), free_port()) as b:
+    with ServerThread(LocalEngine(model_dir)) as a, ServerThread(Fails(model_dir)) as b:
         with WeightBroadcaster([a.url, b.url], bucket_bytes=20_000) as sync:
             sync.push(state.items(), version="1")
             sync.push(state.items(), version="2")
@@ -280,22 +286,15 @@ def test_buckets_rebuild_with_sglang_flattened_tensor_bucket():
 @pytest.fixture(scope="module")
 def sglang_core(model_dir):
     """tests/sglang_core_server.py: an engine whose control path is SGLang's own code, in a subprocess."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "sglang_core_server.py"),
-                             "--model", model_dir, "--port", str(port)], env=engine_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if client_module.get_json(url + "/health", 1.0)[0] == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"sglang core server did not start:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.2)
+    def start(port: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "sglang_core_server.py"),
+                                 "--model", model_dir, "--port", str(port)], env=engine_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    try:
+        proc, url = start_on_free_port(start, "sglang core server")
+    except ServerExited as err:
+        pytest.fail(f"sglang core server did not start: {err}\n{err.proc.stdout.read()[-3000:]}")
     yield url
     proc.kill()
     proc.wait(10)

@@ -61,7 +61,7 @@ def models(model_dir):
 def engines(model_dir, *tp_sizes, cls=LocalEngine):
     torch.set_num_threads(1)
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(ServerThread(cls(model_dir, seed=i, tp_size=tp), free_port()))
+        yield [stack.enter_context(ServerThread(cls(model_dir, seed=i, tp_size=tp)))
                for i, tp in enumerate(tp_sizes)]
 
 
@@ -357,7 +357,7 @@ def test_pause_abort_returns_once_nothing_is_in_flight(model_dir):
 def test_manager_refuses_engines_whose_n_samples_would_be_copies(model_dir):
     """Point 4 for rollouts: under SGLang's deterministic inference the n samples of a request share a seed."""
     cfg = RolloutConfig(samples_per_prompt=4, max_new_tokens=4)
-    with ServerThread(LocalEngine(model_dir, deterministic=True), free_port()) as srv:
+    with ServerThread(LocalEngine(model_dir, deterministic=True)) as srv:
         async def go():
             manager = RolloutManager(cfg, [Prompt("p", [3, 4])], lambda p, t: 0.0, endpoints=[srv.url])
             with pytest.raises(ValueError, match=r"run with --enable-deterministic-inference: the 4 samples"):

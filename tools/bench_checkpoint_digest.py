@@ -110,14 +110,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dir", default=None, help="where to write (default: the system's temporary folder)")
     args = parser.parse_args(argv)
 
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     from megatron_spo.checkpoint_digest import checkpoint_files, digest_files, verify_manifest, write_manifest
-    from megatron_spo.net import free_port
+    from megatron_spo.net import hosted_store
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=hosted_store(1, timedelta(minutes=5)))
     named = tensors(args.mb)
     size = sum(t.numel() * 4 for t in named.values())
     root = Path(tempfile.mkdtemp(prefix="bench_digest.", dir=args.dir))

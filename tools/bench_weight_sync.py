@@ -17,12 +17,13 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_spo.net import free_port  # noqa: E402
+from megatron_spo.net import hosted_store  # noqa: E402
 from megatron_spo.rollout.weight_sync import (  # noqa: E402
     init_custom_process_group,
     iter_buckets,
@@ -88,12 +89,12 @@ def main() -> None:
     memcpy_s = time.perf_counter() - start
     del targets
 
-    port = free_port()
+    store = hosted_store(2, timedelta(seconds=300))  # listening before the receiver is told the port
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=receiver, args=(port, shapes, dtype, bucket_bytes, args.threads))
+    proc = ctx.Process(target=receiver, args=(store.port, shapes, dtype, bucket_bytes, args.threads))
     proc.start()
-    group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port, rank=0,
-                                      world_size=2, group_name="bench")
+    group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=store.port, rank=0,
+                                      world_size=2, group_name="bench", store=store)
     torch.distributed.barrier(group=group)  # both sides ready: time the transfer only
     start = time.perf_counter()
     num_buckets, flatten_s = 0, 0.0

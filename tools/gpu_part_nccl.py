@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import time
+from datetime import timedelta
 
 import torch
 from gpu_result import PartResult, part_main
@@ -52,7 +53,7 @@ def receiver(port: int, size: str, backend: str, device: str, out_path: str) -> 
 
 
 def body(result: PartResult, args) -> None:
-    from megatron_spo.net import free_port
+    from megatron_spo.net import hosted_store
     from megatron_spo.rollout.weight_sync import init_custom_process_group, iter_buckets
 
     if args.device == "cuda":
@@ -78,12 +79,13 @@ def body(result: PartResult, args) -> None:
     sync()
     copy_s = time.perf_counter() - start
     del copies
-    port = free_port()
+    store = hosted_store(2, timedelta(seconds=300))  # listening before the receiver is told the port
     out_path = f"{args.work}/receiver.json"
-    proc = mp.get_context("spawn").Process(target=receiver, args=(port, args.size, backend, recv_device, out_path))
+    proc = mp.get_context("spawn").Process(target=receiver, args=(store.port, args.size, backend, recv_device,
+                                                                  out_path))
     proc.start()
-    group = init_custom_process_group(backend=backend, master_address="127.0.0.1", master_port=port, rank=0,
-                                      world_size=2, group_name="gpu-check-push")
+    group = init_custom_process_group(backend=backend, master_address="127.0.0.1", master_port=store.port, rank=0,
+                                      world_size=2, group_name="gpu-check-push", store=store)
     staging = None
     torch.distributed.barrier(group=group)
     start = time.perf_counter()

@@ -95,16 +95,17 @@ def _atomic_dir(out: Path):
 
 @contextmanager
 def _single_process_world():
-    """A world of one process (gloo/NCCL) with TP = PP = 1, torn down afterwards."""
+    """A world of one process (gloo/NCCL) with TP = PP = 1 on a store of its own, torn down afterwards."""
     from megatron_spo.models.parallel import destroy_parallel, init_parallel
-    from megatron_spo.net import free_port
+    from megatron_spo.net import STORE_HOSTED_ENV
 
-    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", STORE_HOSTED_ENV)
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if os.environ["WORLD_SIZE"] == "1":  # init_parallel hosts the store on a port bound as it is chosen
+        os.environ.pop("MASTER_PORT", None)
+        os.environ.pop(STORE_HOSTED_ENV, None)
     try:
         yield init_parallel
     finally:

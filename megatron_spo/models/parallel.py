@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_spo.config import ConfigError
 from megatron_spo.models.config import ModelConfig, ParallelConfig
 from megatron_spo.models.cpu_shims import apply_cpu_shims
-from megatron_spo.net import free_port
+from megatron_spo.net import STORE_HOSTED_ENV, hosted_store
 
 
 def _env_int(name: str, default: int) -> int:
@@ -84,17 +84,9 @@ def init_parallel(
     if not dist.is_initialized():
         if on_gpu:
             torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            # a lone process (no launcher) picks a free port: two single-process jobs on one machine (the
-            # quickstart's trainer next to another run) must not collide on a fixed default
-            os.environ["MASTER_PORT"] = str(free_port()) if world_size == 1 else "29500"
-        dist.init_process_group(
-            backend="nccl" if on_gpu else "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend="nccl" if on_gpu else "gloo", rank=rank, world_size=world_size,
+                                timeout=timeout, store=_rendezvous_store(world_size, timeout))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
@@ -110,6 +102,24 @@ def init_parallel(
         tensor_parallel.model_parallel_cuda_manual_seed(
             seed, inference_rng_tracker=True, force_reset_rng=True
         )
+
+
+def _rendezvous_store(world_size: int, timeout: datetime.timedelta):
+    """The store the default group meets on; None: torch's env:// (MASTER_ADDR/MASTER_PORT, rank 0 hosts).
+
+    A launcher hosting the store (``start_local``) makes every rank a client of it. A lone process with no
+    MASTER_PORT hosts its own on a port bound as it is chosen: two single-process jobs on one machine (the
+    quickstart's conversion next to another run) neither share a fixed default nor race for a probed port."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if os.environ.get(STORE_HOSTED_ENV) == "1":
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                             is_master=False, timeout=timeout)
+    if "MASTER_PORT" in os.environ:
+        return None
+    if world_size == 1:
+        return hosted_store(1, timeout)
+    os.environ["MASTER_PORT"] = "29500"  # torch's own default, for a launcher that set everything else
+    return None
 
 
 def destroy_parallel() -> None:
@@ -128,6 +138,7 @@ def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
+        **{STORE_HOSTED_ENV: "1"},  # start_local's caller hosts the store on the port
     )
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)  # a forked rank inherits its helper's mask
     torch.set_num_threads(1)
@@ -235,16 +246,21 @@ def start_local(fn: Callable[..., Any], world_size: int, *args: Any):
     ``fn`` must be importable (module level)."""
     import torch.multiprocessing as mp
 
+    # the ranks meet on a store this process hosts, bound before any rank starts, and kept with the context
+    store = hosted_store(world_size, datetime.timedelta(minutes=30))
     if torch.cuda.is_available() or (world_size == 1 and not FORK_SERVER):
-        return mp.start_processes(_spawn_entry, args=(world_size, free_port(), fn, args), nprocs=world_size,
-                                  join=False, start_method="spawn")
-    if FORK_SERVER:
+        ctx = mp.start_processes(_spawn_entry, args=(world_size, store.port, fn, args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+    elif FORK_SERVER:
         mp.get_context("forkserver").set_forkserver_preload([__name__, *RANK_IMPORTS])
         caller = (dict(os.environ), os.getcwd(), tuple(_CallersFd(fd) for fd in (0, 1, 2)))
-        return mp.start_processes(_fork_ranks, args=(world_size, free_port(), fn, args, caller), nprocs=1,
-                                  join=False, start_method="forkserver")
-    return mp.start_processes(_fork_ranks, args=(world_size, free_port(), fn, args), nprocs=1, join=False,
-                              start_method="spawn")
+        ctx = mp.start_processes(_fork_ranks, args=(world_size, store.port, fn, args, caller), nprocs=1,
+                                 join=False, start_method="forkserver")
+    else:
+        ctx = mp.start_processes(_fork_ranks, args=(world_size, store.port, fn, args), nprocs=1, join=False,
+                                 start_method="spawn")
+    ctx.rendezvous_store = store
+    return ctx
 
 
 def rank_failure(err: Exception) -> tuple[str, str]:

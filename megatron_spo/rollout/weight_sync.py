@@ -40,7 +40,7 @@ from datetime import timedelta
 
 import torch
 
-from megatron_spo.net import free_port
+from megatron_spo.net import hosted_store
 from megatron_spo.rollout.client import get_json, post_json
 from megatron_spo.rollout.protocol import (
     SYNC_PAUSE_MODES,
@@ -66,14 +66,15 @@ class WeightSyncError(RuntimeError):
 # Process groups outside the default group (the trainer's megatron world is a different group)
 # -------------------------------------------------------------------------------------------------
 def init_custom_process_group(*, backend: str, master_address: str, master_port: int, rank: int,
-                              world_size: int, group_name: str, timeout_s: float = 300.0):
+                              world_size: int, group_name: str, timeout_s: float = 300.0, store=None):
     """A process group that does not touch the default one: what SGLang's init_custom_process_group
     builds (TCP rendezvous at master_address:master_port hosted by rank 0, a store prefixed by
     group_name), so a trainer using this joins real SGLang engines.
 
     Several ranks of one group may live in one process (the local engine standing in for a TP engine,
     or a test holding the sender and an engine): torch registers group names per process, so a second
-    local rank registers under its own name and reaches the group's store keys through a renaming store."""
+    local rank registers under its own name and reaches the group's store keys through a renaming store.
+    ``store``: rank 0's own, already serving on master_port (``net.hosted_store``), instead of binding it here."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -83,8 +84,9 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
     )
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                  timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     with _LOCAL_NAMES_LOCK:
@@ -365,8 +367,10 @@ class WeightBroadcaster:
         self._destroy_group()
         self._generation += 1
         name = f"megatron_spo_weights_{os.getpid()}_{self._generation}_{uuid.uuid4().hex[:8]}"
-        port = free_port()
         world = 1 + sum(self.tp_sizes[u] for u in members)
+        timeout_s = min(self.timeout_s, 120.0)
+        store = hosted_store(world, timedelta(seconds=timeout_s))  # listening before any engine is told its port
+        port = store.port
         futures, offset = [], 1
         for url in members:
             body = InitWeightsUpdateGroupRequest(master_address=self.master_address, master_port=port,
@@ -378,7 +382,7 @@ class WeightBroadcaster:
         try:
             group = init_custom_process_group(backend=self.backend, master_address=self.master_address,
                                               master_port=port, rank=0, world_size=world, group_name=name,
-                                              timeout_s=min(self.timeout_s, 120.0))
+                                              timeout_s=timeout_s, store=store)
         except Exception as err:
             failed = _failures(futures)
             raise WeightSyncError(f"weight group '{name}' with {list(members)} did not form: {err}"
