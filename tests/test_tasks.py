@@ -128,3 +128,29 @@ def test_prompts_use_the_chat_template_or_a_plain_layout():
     m = Problem(id="m", prompt="1+1?", kind="math", answer="2")
     assert build_prompt(m, instruction="").endswith("1+1?\n\nSolution:\n")
     assert "\\boxed{}" in build_prompt(m)
+
+
+def test_every_command_takes_the_quickstarts_task_names():
+    """The quickstart says task=toy_code; sample, eval, import-text and a training config's task.kind take that
+    name too (it means TASK_KINDS' toy), and an unknown one is refused naming the choices."""
+    import argparse
+
+    from pydantic import ValidationError
+
+    from megatron_spo.data.config import TaskConfig
+    from megatron_spo.data.importers import add_import_args
+    from megatron_spo.engine_tools.command_line import add_task_args
+
+    tools = argparse.ArgumentParser()
+    add_task_args(tools, default_split="train")
+    offline = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    add_import_args(offline, "import-text", "")
+    text = offline.choices["import-text"]
+    for name, kind in (("toy_code", "toy"), ("toy", "toy"), ("toy_math", "toy_math"), ("math", "math")):
+        assert tools.parse_args(["--task", name]).task == kind
+        assert text.parse_args(["--task", name, "--store", "s", "f"]).task == kind
+        assert TaskConfig(kind=name).kind == kind
+    with pytest.raises(SystemExit):
+        tools.parse_args(["--task", "toy_kode"])
+    with pytest.raises(ValidationError, match="unknown task kind 'toy_kode' .*toy_code = toy"):
+        TaskConfig(kind="toy_kode")

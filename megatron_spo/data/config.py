@@ -41,11 +41,11 @@ class ToyCodeTaskConfig(StrictModel):
 
 
 def _task_kind(value: str) -> str:
-    from megatron_spo.data.tasks import TASK_KINDS
+    from megatron_spo.data.tasks import TASK_ALIASES, TASK_KINDS, task_kind_name
 
-    if value not in TASK_KINDS:
-        raise ValueError(f"unknown task kind '{value}' (choose from {', '.join(TASK_KINDS)})")
-    return value
+    if task_kind_name(value) not in TASK_KINDS:
+        raise ValueError(f"unknown task kind '{value}' (choose from {', '.join(TASK_KINDS)}; {TASK_ALIASES})")
+    return task_kind_name(value)
 
 
 TaskKindName = Annotated[str, AfterValidator(_task_kind)]

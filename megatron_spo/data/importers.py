@@ -47,7 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron_spo.config import loads_json
-from megatron_spo.data.tasks import codecontests_problem, taco_problem
+from megatron_spo.data.tasks import (
+    GENERATED_TASKS,
+    TASK_ALIASES,
+    TASK_KINDS,
+    codecontests_problem,
+    taco_problem,
+    task_kind_name,
+)
 from megatron_spo.data.trajectory import (
     PROVENANCE_KINDS,
     ImportReport,
@@ -393,14 +400,15 @@ def add_import_args(sub, name: str, help_text: str):
     p.add_argument("--sandbox-slots", type=non_negative_int, default=0, help="concurrent sandboxes (0 = CPUs)")
     p.add_argument("--isolation", default="bubblewrap", choices=["bubblewrap", "rlimits-only"])
     if name == "import-text":
-        p.add_argument("--task", default=None, help="task kind: toy | codecontests | taco | math | jsonl")
+        p.add_argument("--task", default=None, type=task_kind_name, choices=list(TASK_KINDS),
+                       help=f"the task ({TASK_ALIASES})")
         p.add_argument("--data", default=None, help="task file(s) (glob); not for --task toy")
         p.add_argument("--split", default="all", help="toy task split")
         p.add_argument("--toy-seed", type=non_negative_int, default=0)
         p.add_argument("--kind", default="other-model", choices=PROVENANCE_KINDS,
                        help="provenance kind of rows that do not say")
     elif name == "import-expert":
-        p.add_argument("--task", required=True, choices=["toy_code", "toy_math"], help="the generated task")
+        p.add_argument("--task", required=True, choices=list(GENERATED_TASKS), help="the generated task")
         p.add_argument("--split", default="train", help="toy task split: train | heldout | all (train: the "
                        "quickstart keeps only its training prompts of it, never its validation ones)")
         p.add_argument("--toy-seed", type=non_negative_int, default=0)
@@ -495,7 +503,6 @@ def _tokenizer_and_problems(args) -> tuple[Any, list]:
     problems: list = []
     if args.op == "import-expert":
         from megatron_spo.data.problems import load_problems
-        from megatron_spo.data.tasks import GENERATED_TASKS
 
         problems = load_problems(GENERATED_TASKS[args.task], split=args.split, toy_seed=args.toy_seed)
     elif args.op == "import-text":

@@ -331,6 +331,15 @@ TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
 GENERATED_TASKS: dict[str, str] = {"toy_code": "toy", "toy_math": "toy_math"}
 
 
+def task_kind_name(name: str) -> str:
+    """The TASK_KINDS name a user's task name means: itself, or a generated task's kind (toy_code -> toy), so
+    every command takes the name the quickstart uses. Unknown names come back unchanged (for the caller's error)."""
+    return name if name in TASK_KINDS else GENERATED_TASKS.get(name, name)
+
+
+TASK_ALIASES = ", ".join(f"{g} = {k}" for g, k in GENERATED_TASKS.items() if g != k)
+
+
 def generated_task(kind: str, settings: Any):
     """The generated task of TASK_KINDS ``kind`` ("toy" or "toy_math") from a ToyCodeTaskConfig's settings
     (toy_math reads seed, num_problems, heldout_fraction, max_solutions, num_sft_problems)."""

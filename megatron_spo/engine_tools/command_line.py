@@ -21,9 +21,10 @@ from megatron_spo.engine_tools.config import ToolSamplingConfig
 def add_task_args(parser: argparse.ArgumentParser, *, default_split: str) -> None:
     parser.add_argument("--engine-url", "--router-url", dest="engine_url", default=None,
                         help="an engine or the router, e.g. http://127.0.0.1:30000")
-    from megatron_spo.data.tasks import TASK_KINDS
+    from megatron_spo.data.tasks import TASK_ALIASES, TASK_KINDS, task_kind_name
 
-    parser.add_argument("--task", default=None, choices=list(TASK_KINDS))
+    parser.add_argument("--task", default=None, type=task_kind_name, choices=list(TASK_KINDS),
+                        help=f"the task ({TASK_ALIASES})")
     parser.add_argument("--data", default=None, help="task file(s) (glob); not for --task toy")
     parser.add_argument("--split", default=default_split, help="toy task split: train | heldout | all")
     parser.add_argument("--toy-seed", type=int, default=0, help="seed of the generated toy task")
