@@ -139,10 +139,9 @@ def test_killed_engine_requests_retried_and_restart_rejoins_after_catch_up(fleet
 
 
 def test_sigint_of_fleet_up_leaves_no_process(model_dir, tmp_path):
-    port = free_port()
-    stderr = open(tmp_path / "fleet.stderr", "w+")
+    stderr = open(tmp_path / "fleet.stderr", "w+")  # the fleet picks its ports (and moves one taken meanwhile)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_spo.cli", "fleet", "up", "--model", model_dir,
-                             "--engines", "1", "--router-port", str(port), "--log-dir", str(tmp_path)],
+                             "--engines", "1", "--log-dir", str(tmp_path)],
                             env=engine_env(), stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -155,7 +154,8 @@ def test_sigint_of_fleet_up_leaves_no_process(model_dir, tmp_path):
         assert line.startswith("fleet up:"), "fleet never came up"
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 2  # one engine + the router
-        assert get_json(f"http://127.0.0.1:{port}/health")[0] == 200
+        router_url = line.split()[3].rstrip(",")  # "fleet up: router URL, engines URL ..."
+        assert get_json(f"{router_url}/health")[0] == 200
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         survivors = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
