@@ -203,7 +203,14 @@ def test_an_engine_whose_port_was_taken_before_it_bound_starts_on_another(model_
             status, body = post_json(f.router_url + "/generate", {"input_ids": [3, 4], "sampling_params": {
                 "max_new_tokens": 2, "temperature": 0.0}}, 60)
             assert status == 200 and len(body["output_ids"]) == 2
-        assert f"engine0: port {taken} was taken before it could bind; starting it on {url}" in caplog.text
+        assert f"engine0: port {taken} was taken before it could bind; starting it again as {url}" in caplog.text
+        caplog.clear()
+        probes = iter([None, None, taken])  # the engine's, the router's, then its metrics exporter's: taken
+        with caplog.at_level("WARNING", logger="megatron_spo.fleet"), Fleet(model_dir, 1, env=engine_env()) as f:
+            assert f"--prometheus-port {taken} " not in " ".join(f.router.command)
+            assert get_json(f.router_url + "/health", 10)[0] == 200
+        assert f"router: port {taken} was taken before it could bind; starting it again as {f.router_url}" \
+            in caplog.text
         with pytest.raises(fleet_module.FleetError, match=r"^engine0 exited with code \d+ before becoming healthy"):
             Fleet(model_dir, 1, env=engine_env(), engine_ports=[taken], router=False).start()
     finally:

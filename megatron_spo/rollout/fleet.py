@@ -90,6 +90,7 @@ class ManagedProcess:
     command: list[str]
     url: str
     proc: subprocess.Popen | None = None
+    side_ports: tuple[int, ...] = ()  # other ports the fleet probed for it (the router's metrics exporter)
 
     @property
     def alive(self) -> bool:
@@ -140,8 +141,8 @@ class Fleet:
                "--log-level", "warn", *health.args(),
                "--worker-startup-timeout-secs", str(int(self.startup_timeout_s)),
                # its metrics exporter binds a fixed default port: a second router on the host would panic
-               "--prometheus-host", self.host, "--prometheus-port", str(free_port()), *extra]
-        return ManagedProcess("router", cmd, f"http://{self.host}:{port}")
+               "--prometheus-host", self.host, "--prometheus-port", str(metrics_port := free_port()), *extra]
+        return ManagedProcess("router", cmd, f"http://{self.host}:{port}", side_ports=(metrics_port,))
 
     def _engine_command(self, template: str | None, extra: list[str], port: int, threads: int | None) -> list[str]:
         if template is not None:
@@ -212,20 +213,22 @@ class Fleet:
                     log.error("could not remove %s from the router: %s", engine.url, err)
 
     def _healthy_or_moved(self, mp: ManagedProcess, port_chosen: bool, rebuild) -> ManagedProcess:
-        """Wait for ``mp``'s /health. A process on a port this fleet probed that exits before it is healthy while
-        its port is bound by someone else lost a race for the port (another process took it between the probe and
-        the bind): start it again on a new port, up to PORT_TRIES times. Returns the process that became healthy."""
+        """Wait for ``mp``'s /health. A process that exits before it is healthy while a port this fleet probed for
+        it is bound by someone else lost a race for the port (another process took it between the probe and the
+        bind): start it again on new ports (its own only if the fleet chose it), up to PORT_TRIES times. Returns
+        the process that became healthy."""
         for attempt in range(1, PORT_TRIES + 1):
             try:
                 self.wait_healthy(mp)
                 return mp
             except FleetError:
                 port = int(mp.url.rsplit(":", 1)[1])
-                if not port_chosen or mp.alive or attempt == PORT_TRIES or not _port_in_use(self.host, port):
+                taken = [p for p in ((port,) if port_chosen else ()) + mp.side_ports if _port_in_use(self.host, p)]
+                if mp.alive or attempt == PORT_TRIES or not taken:
                     raise
-                moved = rebuild(free_port())
-                log.warning("%s: port %d was taken before it could bind; starting it on %s", mp.name, port,
-                            moved.url)
+                moved = rebuild(free_port() if port_chosen else port)
+                log.warning("%s: port %s was taken before it could bind; starting it again as %s", mp.name,
+                            " and ".join(map(str, taken)), moved.url)
                 mp = moved
                 self._spawn(mp)
         raise AssertionError("unreachable")
