@@ -164,7 +164,8 @@ def test_train_config_refuses_bad_combinations(tmp_path):
 
 
 def test_a_lone_process_does_not_collide_on_the_default_master_port():
-    """Two single-process trainers on one machine (the quickstart's next to another run) both start."""
+    """Two single-process trainers on one machine (the quickstart's next to another run) both start: a lone
+    process hosts its own store on a port bound as it is chosen (tests/test_held_ports.py), not torch's 29500."""
     import os
     import socket
 
@@ -173,7 +174,7 @@ def test_a_lone_process_does_not_collide_on_the_default_master_port():
         "from megatron_spo.models.parallel import destroy_parallel, init_parallel\n"
         "init_parallel(ParallelConfig(), ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128,"
         " num_attention_heads=4, num_query_groups=2, vocab_size=100))\n"
-        "import os; print('port', os.environ['MASTER_PORT']); destroy_parallel()\n"
+        "import os; print('port', os.environ.get('MASTER_PORT')); destroy_parallel()\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK")}
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
@@ -185,7 +186,7 @@ def test_a_lone_process_does_not_collide_on_the_default_master_port():
             pass  # already taken by someone else: the same situation
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "port 29500" not in proc.stdout
+    assert "port None" in proc.stdout  # nothing set for a later launch in this process to mistake for its own
 
 
 def test_logprobs_settings_reach_the_op_and_are_checked_before_any_model(monkeypatch):
