@@ -37,8 +37,9 @@ def test_a_conversion_forms_its_one_process_world_while_the_probed_port_is_held(
     assert net.free_port() == probed_port_held  # the rig holds
     hf = make_tiny_llama(str(tmp_path / "hf"))
     hf_to_megatron(hf, tmp_path / "megatron")  # was: DistNetworkError ... EADDRINUSE on the probed port
-    assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").exists() or any(
-        (tmp_path / "megatron").iterdir())
+    from megatron_spo.checkpoint_digest import verify_checkpoint
+
+    assert verify_checkpoint(tmp_path / "megatron") == "verified"  # a whole checkpoint, its digests matching
     assert "MASTER_PORT" not in os.environ  # nothing left behind for a later launch to mistake for its own
 
 
