@@ -340,6 +340,12 @@ def test_pause_abort_returns_once_nothing_is_in_flight(model_dir):
     with engines(model_dir, 1) as [srv], concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = [pool.submit(post_json, srv.url + "/generate", {"input_ids": [3 + i, 4], "sampling_params": LONG})
                    for i in range(2)]
+        # both past the pause gate (a request that reaches the engine after the pause waits for the continue, as
+        # in SGLang; this test is about the ones in flight): each holds the lock while it runs
+        deadline = time.monotonic() + 30
+        while srv.server.model_update_lock.readers < 2:
+            assert time.monotonic() < deadline, "the two requests never reached the engine"
+            time.sleep(0.005)
         wait_for_progress(srv, 3)
         assert post_json(srv.url + "/pause_generation", {"mode": "abort"})[0] == 200
         # abort returned only once no /generate held the lock (read on the server: the clients' futures finish a
