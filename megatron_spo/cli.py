@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("megatron_spo.rollout.router:main", "sglang-router's Rust router, as sglang_router.launch_router "
                "starts it, without importing sglang"),
     "estimate-q0": ("megatron_spo.engine_tools.estimate_q0:main", "Monte-Carlo Q0 per prompt from reference samples"),
-    "trajectories": ("megatron_spo.data.trajectory:main", "trajectory files: import JSONL -> offline store, export, check"),
+    "trajectories": ("megatron_spo.data.trajectory_cli:main", "trajectory files: import JSONL -> offline store, export, check"),
     "offline": ("megatron_spo.data.experience:main", "experience store: import text / CodeContests / TACO, build, stats"),
     "pts": ("megatron_spo.engine_tools.pts:main", "pivotal token search: MC-annotated trajectories"),
     "sample": ("megatron_spo.engine_tools.sample_store:main", "any model's samples, scored, failures kept -> "

@@ -19,12 +19,17 @@ from megatron_spo.data.experience import (
     select_records,
     store_stats,
 )
-from megatron_spo.data.offline_store import OfflineStore, OfflineStoreWriter, iter_records, write_store
+from megatron_spo.data.offline_store import (
+    OfflineStore,
+    OfflineStoreWriter,
+    iter_records,
+    load_trajectories,
+    write_store,
+)
 from megatron_spo.data.trajectory import (
     Provenance,
     RecordError,
     Trajectory,
-    load_trajectories,
     read_jsonl,
     write_jsonl,
 )

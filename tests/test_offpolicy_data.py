@@ -84,8 +84,7 @@ def test_expert_solutions_are_correct_and_in_a_style_pi0_never_saw(tasks):
 def test_import_expert_writes_scored_records_with_provenance(tmp_path, tasks):
     from megatron_spo.data.char_tokenizer import build_char_tokenizer
     from megatron_spo.data.experience import store_stats
-    from megatron_spo.data.expert import expert_candidates
-    from megatron_spo.data.importers import run_import
+    from megatron_spo.data.importers import expert_candidates, run_import
     from megatron_spo.data.offline_store import iter_records
 
     tok = build_char_tokenizer()

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_spo.data import offline_store
-from megatron_spo.data.offline_store import OfflineStore, OfflineStoreWriter, write_store
-from megatron_spo.data.trajectory import RecordError, Trajectory, load_trajectories, read_jsonl, write_jsonl
+from megatron_spo.data.offline_store import OfflineStore, OfflineStoreWriter, load_trajectories, write_store
+from megatron_spo.data.trajectory import RecordError, Trajectory, read_jsonl, write_jsonl
 from megatron_spo.fsutil import sha256_file
 
 

@@ -10,7 +10,8 @@ The program is the grammar's first program (toy_code.programs(...)[0]) wrapped i
 problem's tests exactly when that program does; a math solution recomputes the chain from the problem's numbers.
 
     rows = expert_rows(task.train)        # [{problem_id, response, kind: human, model: expert-generator}]
-    `megatron-spo offline import-expert --task toy_code --tokenizer REF --store STORE`   (imports, sandbox-scored)
+    `megatron-spo offline import-expert --task toy_code --tokenizer REF --store STORE`   (imports, sandbox-scored:
+    data/importers.expert_candidates)
 """
 
 from __future__ import annotations
@@ -59,12 +60,3 @@ def expert_rows(problems: Iterable[Any]) -> Iterator[dict]:
     """One import-text row per problem (data/importers.py text schema)."""
     for p in problems:
         yield {"problem_id": str(p.id), "response": expert_solution(p), "kind": "human", "model": EXPERT_MODEL}
-
-
-def expert_candidates(problems: Iterable[Any]):
-    """importers.Candidate per problem, provenance kind human, model expert-generator, origin this module."""
-    from megatron_spo.data.importers import Candidate
-
-    for p in problems:
-        yield Candidate(f"expert:{p.id}", p, expert_solution(p),
-                        {"kind": "human", "model": EXPERT_MODEL, "origin": EXPERT_ORIGIN})

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_spo.config import loads_json
+from megatron_spo.data.expert import EXPERT_MODEL, EXPERT_ORIGIN, expert_solution
 from megatron_spo.data.tasks import (
     GENERATED_TASKS,
     TASK_ALIASES,
@@ -183,6 +184,14 @@ def codecontests_candidates(path: str | Path, *, max_per_problem: int | None = N
         for program in python[:max_per_problem]:
             yield Candidate(where, problem, program if raw else fence(program),
                             {"kind": "human", "origin": "codecontests"})
+
+
+def expert_candidates(problems: Iterable[Any]) -> Iterator[Candidate]:
+    """The expert solution of each generated problem (data/expert.py): provenance kind human, model
+    expert-generator, origin megatron_spo.data.expert."""
+    for p in problems:
+        yield Candidate(f"expert:{p.id}", p, expert_solution(p),
+                        {"kind": "human", "model": EXPERT_MODEL, "origin": EXPERT_ORIGIN})
 
 
 def taco_candidates(path: str | Path, *, max_per_problem: int | None = None, raw: bool = False,
@@ -433,8 +442,6 @@ def run_import_command(args) -> int:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"'{path}' not found")
         if args.op == "import-expert":
-            from megatron_spo.data.expert import expert_candidates
-
             def candidates():
                 return expert_candidates(problems)
         elif args.op == "import-text":

@@ -64,6 +64,7 @@ from megatron_spo.data.trajectory import (
     Provenance,
     RecordError,
     Trajectory,
+    read_jsonl,
     record_tokens,
     validate_provenance,
     validate_record,
@@ -583,3 +584,13 @@ def remove_store(path: str | Path) -> None:
     path = Path(path)
     (path / INDEX).unlink(missing_ok=True)
     shutil.rmtree(path)
+
+
+def load_trajectories(path: str | Path, *, skip_invalid: bool = False) -> list[Trajectory]:
+    """Records from a JSONL file or an offline store folder (this module's format)."""
+    path = Path(path)
+    if path.is_dir():
+        return OfflineStore(path, skip_invalid=skip_invalid).trajectories()
+    if not path.is_file():
+        raise FileNotFoundError(f"trajectories: '{path}' is neither a JSONL file nor an offline store folder")
+    return read_jsonl(path, skip_invalid=skip_invalid)[0]

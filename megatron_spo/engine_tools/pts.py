@@ -250,7 +250,7 @@ def main(argv: list[str]) -> int:
         "success_reward": args.success_reward, "source": args.source, "sampling": sampling_from_args(args)})
 
     async def body() -> int:
-        from megatron_spo.data.trajectory import load_trajectories
+        from megatron_spo.data.offline_store import load_trajectories
         from megatron_spo.rollout.client import EngineClient
 
         trajectories = load_trajectories(args.trajectories)

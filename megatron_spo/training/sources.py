@@ -60,7 +60,7 @@ class OfflineSource:
         needs_q0: the algorithm reads Q0 (SPO): records without q0 take their prompt's from ``q0`` (the table
         of task.q0_path), or the source is refused naming the prompt. max_seq_length: refuse longer records;
         max_new_tokens: warn of longer responses (long_response_warning)."""
-        from megatron_spo.data.trajectory import load_trajectories
+        from megatron_spo.data.offline_store import load_trajectories
 
         self.name = name
         self.records = load_trajectories(path)
@@ -107,7 +107,8 @@ class GuideSource:
     def __init__(self, path: str, per_prompt: int, max_seq_length: int | None = None,
                  max_new_tokens: int | None = None):
         from megatron_spo.config import ConfigError
-        from megatron_spo.data.trajectory import RecordError, load_trajectories
+        from megatron_spo.data.offline_store import load_trajectories
+        from megatron_spo.data.trajectory import RecordError
 
         try:
             records = load_trajectories(path)
