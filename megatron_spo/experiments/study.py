@@ -9,7 +9,9 @@
 2. runs: every arm with its chosen settings at every seed, on the held-out test problems; the reference's
    evaluations and Q0 are made once per seed and shared by the arms, so arms are compared on the same draws;
 3. long runs: long_run.arms at long_run.steps_factor x the steps, for stability (grad norm, log-ratio);
-4. report.md + PNGs (training/study_report.py).
+4. report.md + PNGs (experiments/study_report.py).
+
+The arms and where a run lives: experiments/arms.py.
 
 Each run is a `megatron-spo quickstart` subprocess writing results.json when it is done: a study that is
 stopped and started again skips the finished runs (and redoes an unfinished one from its start).
@@ -30,79 +32,13 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from megatron_spo.config import ConfigError, StrictModel, apply_overrides, build_config, quote, read_yaml
-from megatron_spo.data.q0 import PAPER_BETA
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One contender: the quickstart algorithm, its fixed overrides, and the coefficient the sweep varies."""
-
-    algo: str
-    overrides: tuple[str, ...]
-    coefficient: str  # dotted quickstart path of the swept KL coefficient (train.beta for every algorithm)
-    grid: tuple[float, ...]
-    about: str
-    uses: tuple[str, ...] = ()  # the study's data: "data" (an SPO offline source), "sft" (the SFT stage first)
-    lr_scale: float = 1.0  # the sweep tries sweep.lrs times this (LoRA: 10x full fine-tuning's grid)
-
-
-ARMS: dict[str, Arm] = {
-    "spo": Arm("spo", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "SPO, online + offline (the quickstart)"),
-    "spo-online": Arm("spo", ("train.online_fraction=1.0",), "train.beta", (PAPER_BETA, 0.5, 1.0),
-                      "SPO, online rollouts only (centred coefficient, trust region 0.2)"),
-    "spo-online-plain": Arm("spo", ("train.online_fraction=1.0", "train.centre=false", "train.trust_region=null"),
-                            "train.beta", (PAPER_BETA, 0.5, 1.0),
-                            "SPO, online only, uncentred coefficient and no trust region (before issue 26)"),
-    "spo-online-refresh": Arm("spo", ("train.online_fraction=1.0", "train.reference_refresh_interval=30"),
-                              "train.beta", (PAPER_BETA, 0.5, 1.0),
-                              "SPO, online only, the reference refreshed to the policy every 30 steps (the paper's "
-                              "suggestion: the fixed point moves from pi* towards the highest reward)"),
-    "spo-paper": Arm("spo", ("train.loss=cross_entropy", "train.temperature_range=[0.1,0.8]", "train.top_p=0.95",
-                             "train.online_fraction=0.5", "train.model_update_interval=10", "train.centre=false",
-                             "train.trust_region=null"), "train.beta",
-                     (PAPER_BETA,), "SPO at the paper's settings: terminal cross-entropy, beta 1/log(1e5), "
-                     "T ~ U(0.1, 0.8), top-p 0.95, 50/50 online/offline, push every 10 steps, no centring or "
-                     "trust region"),
-    # issue 46: LoRA (rank 8, alpha 16, every linear; adapter pushes) at 10x SPO's lr 3e-5, not swept: LoRA's best
-    # lr is commonly ~10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025; Biderman et al. 2024)
-    "spo-lora": Arm("spo", ("train.lora={}", "train.lr=0.0003"), "train.beta", (PAPER_BETA, 0.5, 1.0),
-                    "SPO (the quickstart's, online + offline) training LoRA adapters (rank 8, alpha 16, every linear; "
-                    "pi_0 = the policy with its adapters off; pushes send the adapters alone) at lr 3e-4, 10x full "
-                    "SPO's 3e-5 without a sweep; a sweep tries 10x its learning rates: LoRA's best lr is commonly ~10x "
-                    "full fine-tuning's (Thinking Machines, \"LoRA Without Regret\", 2025; Biderman et al. 2024)",
-                    lr_scale=10.0),
-    "agro": Arm("agro", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "AGRO, online"),
-    "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
-    "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
-    "grpo-tis": Arm("grpo", ("train.model_update_interval=10", "train.grpo.behaviour_correction=tis"),
-                    "train.beta", (0.0, 0.04), "asynchronous GRPO: pushes every 10 steps like SPO, stale "
-                    "samples weighted by min(pi_old / mu, 2) (TIS, as slime / AReaL / verl run it)"),
-    "trl-grpo": Arm("grpo", ("trainer=trl",), "train.beta", (0.0, 0.04),
-                    "TRL's GRPOTrainer (outside reference)"),
-    # issue 48: the study's own data (StudyConfig.data: expert solutions, another policy's samples, ...)
-    "sft-grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "SFT on the study's data (sft_steps), then GRPO: the "
-                    "common recipe", uses=("sft",)),
-    "grpo-guided": Arm("grpo", ("offline_data_guide=1",), "train.beta", (0.0, 0.04), "mixed-policy GRPO (LUFFY, "
-                       "Yan et al. 2025): one record of the study's data added to each prompt's rollout group, "
-                       "sharing its advantages, trained through the shaped term -p / (p + 0.1) x advantage",
-                       uses=("data",)),
-    "spo-data": Arm("spo", (), "train.beta", (PAPER_BETA, 0.5), "SPO with the study's data as an offline source "
-                    "(quickstart offline_data_fraction of each batch, out of the offline share)", uses=("data",)),
-    "spo-data-anneal": Arm("spo", ("offline_data_anneal_steps=30",), "train.beta", (PAPER_BETA, 0.5),
-                           "SPO with the study's data as a source whose share falls linearly to 0 over the first 30 "
-                           "steps (quickstart offline_data_anneal_steps; the freed share goes to the other sources)",
-                           uses=("data",)),
-    "sft-spo": Arm("spo", ("offline_data_fraction=0",), "train.beta", (PAPER_BETA, 0.5),
-                   "SFT on the study's data (the same sft_steps), then SPO at its usual mix", uses=("sft",)),
-}
-DATA_ARMS = tuple(a for a, arm in ARMS.items() if arm.uses)  # need StudyConfig.data
+from megatron_spo.experiments.arms import ARMS, DATA_ARMS, RunSpec
 
 
 def _known_arms(arms: list[str]) -> list[str]:
@@ -199,21 +135,6 @@ class StudyConfig(StrictModel):
     def fixed_settings(self) -> dict[str, dict]:
         """The chosen settings of a study without a sweep."""
         return {a: {"settings": dict(self.settings.get(a, {}))} for a in self.arms}
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    kind: str  # sweep | runs | long
-    arm: str
-    seed: int
-    settings: tuple[tuple[str, Any], ...]  # (dotted path, value) on top of the arm's overrides
-
-    @property
-    def tag(self) -> str:
-        return "_".join(f"{path.split('.')[-1]}{value:g}" for path, value in self.settings) or "default"
-
-    def run_dir(self, root: Path) -> Path:
-        return root / self.kind / self.arm / f"{self.tag}_seed{self.seed}" / ARMS[self.arm].algo
 
 
 def _flat(data: dict, prefix: str = "") -> list[str]:

@@ -15,6 +15,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from megatron_spo.experiments.arms import ARMS, RunSpec
+
 KS = (1, 10)
 KS_NAMES = tuple(f"pass@{k}" for k in KS)
 
@@ -342,7 +344,6 @@ def _stability(arm: ArmRuns, short: ArmRuns | None) -> dict[str, float]:
 def run_dirs(study, root: Path, chosen: dict, kind: str, name: str) -> dict[int, Path]:
     """Per seed, where the arm's run of this kind is (or would be)."""
     from megatron_spo.experiments.quickstart import QuickstartTrainConfig
-    from megatron_spo.experiments.study import RunSpec
 
     settings = tuple(chosen.get(name, {}).get("settings", {}).items())
     extra = ()
@@ -406,7 +407,6 @@ def _long_runs(study, root: Path, chosen: dict, long: list[ArmRuns], by: dict[st
 
 
 def write_report(study, root: Path, chosen: dict) -> Path:
-    from megatron_spo.experiments.study import ARMS
 
     arms = load_arms(study, root, chosen, "runs", study.arms)
     long = load_arms(study, root, chosen, "long", [a for a in study.long_run.arms if a in study.arms])
