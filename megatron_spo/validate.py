@@ -153,7 +153,8 @@ def _check_prompt_lengths(cfg: TrainConfig, problems: list, tokenizer, r: Report
 
 def _check_data(cfg: TrainConfig, r: Report, tokenizer=None) -> None:
     from megatron_spo.data.q0 import ESTIMATE_HINT, q0_table
-    from megatron_spo.training.sources import OfflineSource, algorithm_needs_q0
+    from megatron_spo.training.algos import algorithm_needs_q0
+    from megatron_spo.training.sources import OfflineSource
 
     needs_q0 = bool(r.check("algo", algorithm_needs_q0, cfg))
     table = None

@@ -69,7 +69,7 @@ def preflight_data(cfg: TrainConfig) -> None:
     paths and, with an online source, the tokenizer, the task's files, Q0 and the fleet's endpoints (else
     found only after the rollouts started)."""
     from megatron_spo.data.q0 import ESTIMATE_HINT
-    from megatron_spo.training.sources import algorithm_needs_q0
+    from megatron_spo.training.algos import algorithm_needs_q0
 
     for name, src in cfg.sources.items():
         if src.path is not None and not Path(src.path).exists():

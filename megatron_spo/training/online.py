@@ -61,7 +61,7 @@ def online_q0_table(cfg: TrainConfig, prompts: list) -> dict[str, float] | None:
     An algorithm that reads Q0 (SPO) is refused without the file or with a prompt missing from it, in one
     line: Q0 = 0 is the largest value rewards in {0, -1} allow, not a neutral default."""
     from megatron_spo.data.q0 import ESTIMATE_HINT, q0_table
-    from megatron_spo.training.sources import algorithm_needs_q0
+    from megatron_spo.training.algos import algorithm_needs_q0
 
     if not algorithm_needs_q0(cfg):  # at beta 0 (GRPO's default) there is no soft value to read
         return q0_table(cfg.task.q0_path, cfg.beta) if cfg.beta > 0 else None

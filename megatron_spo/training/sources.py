@@ -12,6 +12,7 @@ import logging
 
 from megatron_spo.data.batching import OfflineCursor, source_counts
 from megatron_spo.data.trajectory import record_tokens
+from megatron_spo.training.algos import algorithm_needs_q0
 from megatron_spo.training.config import GUIDE_SOURCE, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -189,13 +190,6 @@ class BatchSampler:
                 s.load_state_dict(state[name])
         if self.guide is not None and GUIDE_SOURCE in state:
             self.guide.load_state_dict(state[GUIDE_SOURCE])
-
-
-def algorithm_needs_q0(cfg: TrainConfig) -> bool:
-    """Whether cfg's algorithm reads each trajectory's Q0 (SPO; a hooked class by its ``uses_q0`` flag)."""
-    from megatron_spo.training.algos import algorithm_class
-
-    return algorithm_class(cfg.algo).uses_q0
 
 
 def build_sampler(cfg: TrainConfig, online_source=None):

@@ -16,7 +16,7 @@ import pkgutil
 
 from megatron_spo.training.algos.base import Algorithm, StepInputs, Update
 
-__all__ = ["Algorithm", "StepInputs", "Update", "algorithm_class", "names", "registry"]
+__all__ = ["Algorithm", "StepInputs", "Update", "algorithm_class", "algorithm_needs_q0", "names", "registry"]
 
 
 @functools.cache
@@ -53,3 +53,9 @@ def algorithm_class(name: str, field: str = "algo", *, load_hooks: bool = True) 
         raise ValueError(f"{field}: unknown algorithm '{name}' (choose from {', '.join(names())}, or a hook "
                          "'package.module:Class')")
     return registry()[name]
+
+
+def algorithm_needs_q0(cfg) -> bool:
+    """Whether the algorithm of cfg (a TrainConfig: cfg.algo) reads each trajectory's Q0 (SPO; a hooked class by
+    its ``uses_q0`` flag)."""
+    return algorithm_class(cfg.algo).uses_q0
