@@ -35,9 +35,9 @@ def layer_math_worker(hf_dir: str, lora_data: dict, result_path: str) -> None:
         count_parameters,
         gather_adapters,
         load_adapters,
-        write_peft_adapter,
     )
     from megatron_spo.models.parallel import init_parallel
+    from megatron_spo.models.peft_export import write_peft_adapter
     from megatron_spo.models.pipeline import gather_logits_to_rank0
 
     rank = int(os.environ["RANK"])

@@ -13,7 +13,8 @@ from rollout_helpers import ServerThread
 from trainer_helpers import VOCAB, make_tiny_hf
 
 from megatron_spo.config import ConfigError
-from megatron_spo.models.lora import TARGETS, LoraConfig, adapter_key, peft_tensors
+from megatron_spo.models.lora import TARGETS, LoraConfig, adapter_key
+from megatron_spo.models.peft_export import peft_tensors
 from megatron_spo.rollout import adapter_push as ap
 from megatron_spo.rollout.client import get_json, post_json
 from megatron_spo.rollout.protocol import (
@@ -489,7 +490,7 @@ def test_a_path_push_body_and_directory_pass_sglangs_own_code(peft, model_cfg, t
         pytest.skip(sgl.SGLANG_NOT_INSTALLED)
     from safetensors.torch import load_file
 
-    from megatron_spo.models.lora import write_peft_dir
+    from megatron_spo.models.peft_export import write_peft_dir
     from megatron_spo.rollout.protocol import LoadLoraAdapterRequest
 
     config = ap.push_config_dict(LORA, model_cfg, "/models/base")
@@ -603,7 +604,7 @@ def test_path_push_errors_name_the_field(engine, hf, peft, model_cfg, tmp_path):
     lora.transport=path defaults the directory to <run_dir>/lora_push."""
     from types import SimpleNamespace
 
-    from megatron_spo.models.lora import write_peft_dir
+    from megatron_spo.models.peft_export import write_peft_dir
     from megatron_spo.rollout.protocol import LoadLoraAdapterRequest
     from megatron_spo.training.online import OnlineSource
 

@@ -56,7 +56,8 @@ def write_checkpoint(out: Path, dtype: torch.dtype) -> Path:
 
 def adapters(model_cfg, lora, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Random full adapters of every layer and target in HF PEFT names (the trainer's peft_tensors)."""
-    from megatron_spo.models.lora import TARGETS, adapter_key, peft_tensors
+    from megatron_spo.models.lora import TARGETS, adapter_key
+    from megatron_spo.models.peft_export import peft_tensors
 
     g = torch.Generator().manual_seed(0)
     d = model_cfg.kv_channels or model_cfg.hidden_size // model_cfg.num_attention_heads

@@ -1,5 +1,6 @@
 """LoRA adapters on the policy's linear layers (issue 46): config, the tensor-parallel adapter layers, the switch
-that turns them off (pi_0 without a reference model), their full tensors, and the base model's identity.
+that turns them off (pi_0 without a reference model), their full tensors, and the base model's identity (their HF PEFT
+export: models/peft_export.py).
 
     policy = builders.build_policy(model_cfg, parallel_cfg, lora=LoraConfig(rank=16), lora_seed=cfg.seed)
     with adapters_off(policy):               # the frozen base: pi_0, bitwise the separately built reference
@@ -347,7 +348,7 @@ def gather_adapters(chunks, dst_rank: int = 0) -> dict[str, torch.Tensor] | None
     return {key: _unshard(key, [by_rank[r] for r in sorted(by_rank)]) for key, by_rank in sorted(shards.items())}
 
 
-def _split_of(key: str) -> tuple[str, bool]:
+def split_of(key: str) -> tuple[str, bool]:
     """(target, whether this factor is split over TP) of an adapter key."""
     target = next(t for t in TARGETS if f".{TARGET_PATHS[t]}." in key)
     return target, (target in COLUMN_TARGETS) != (key.rsplit(".", 1)[-1] == "lora_A")
@@ -355,7 +356,7 @@ def _split_of(key: str) -> tuple[str, bool]:
 
 def _shard(key: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's slice of an adapter factor's full tensor (inverse of _unshard)."""
-    target, split = _split_of(key)
+    target, split = split_of(key)
     if not split or tp_size == 1:
         return full
     if target == "linear_fc1":
@@ -386,7 +387,7 @@ def load_adapters(chunks, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _unshard(key: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    target, split = _split_of(key)
+    target, split = split_of(key)
     factor = key.rsplit(".", 1)[-1]
     if len(shards) == 1 or not split:
         return shards[0]  # replicated
@@ -429,72 +430,3 @@ def base_identity(hf: str | None, megatron: str | None) -> dict:
                     fh.seek(8 + n + meta["data_offsets"][0])
                     h.update(fh.read(min(SAMPLE_BYTES, meta["data_offsets"][1] - meta["data_offsets"][0])))
     return {"path": str(path), "digest": h.hexdigest()}
-
-
-# ---------------------------------------------------------------------------------------------
-# HF PEFT export: adapter_config.json + adapter_model.safetensors that peft.PeftModel.from_pretrained loads
-# ---------------------------------------------------------------------------------------------
-PEFT_PREFIX = "base_model.model."
-
-
-def peft_tensors(adapters: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
-    """Full adapters (gather_adapters' keys) -> HF PEFT names, through the family's rule table (models/hf_map.py):
-    a fused linear's B is split like its weight (linear_qkv into q / k / v, linear_fc1 into gate / up), each part
-    keeping the shared A (q = W_q x + s B_q A x). lora_A [r, in], lora_B [out, r]."""
-    from megatron_spo.models.hf_map import from_megatron, hf_names, layer_rules
-
-    rules = {r.megatron: r for r in layer_rules(model_cfg)}
-    out: dict[str, torch.Tensor] = {}
-    for key in sorted(k for k in adapters if k.endswith(".lora_A")):
-        layer, target = int(key.split(".")[2]), _split_of(key)[0]
-        rule = rules[f"{TARGET_PATHS[target]}.weight"]
-        a, b = adapters[key], adapters[key[: -len("lora_A")] + "lora_B"]
-        for name, part in zip(hf_names(rule, layer), from_megatron(rule, b, model_cfg)):
-            module = PEFT_PREFIX + name.removesuffix(".weight")
-            out[f"{module}.lora_A.weight"] = a.clone()  # its own storage: safetensors refuses shared ones
-            out[f"{module}.lora_B.weight"] = part.contiguous()
-    return out
-
-
-def peft_config(lora: LoraConfig, model_cfg, base_model: str | None = None) -> dict:
-    """adapter_config.json of the adapters: target_modules are the HF module names the targets map to."""
-    from megatron_spo.models.hf_map import layer_rules
-
-    modules = sorted({name.split(".")[-2] for r in layer_rules(model_cfg)
-                      for t in lora.targets if r.megatron == f"{TARGET_PATHS[t]}.weight" for name in r.hf})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "target_modules": modules, "bias": "none",
-            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-            "base_model_name_or_path": base_model}
-
-
-def write_peft_adapter(out_dir: str | Path, adapters: dict[str, torch.Tensor], lora: LoraConfig, model_cfg,
-                       base_model: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """Write the adapters as an HF PEFT directory (atomically: out_dir appears complete or not at all), with the
-    digest manifest every export carries."""
-    tensors = {k: v.to(dtype) for k, v in peft_tensors(adapters, model_cfg).items()}
-    return write_peft_dir(out_dir, tensors, peft_config(lora, model_cfg, base_model))
-
-
-def write_peft_dir(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    """An HF PEFT directory from tensors already in PEFT names and their adapter_config.json: written under
-    out_dir.partial with the digest manifest, then renamed (out_dir appears complete or not at all)."""
-    import os
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from megatron_spo.checkpoint_digest import write_manifest
-
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_manifest(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out

@@ -107,7 +107,7 @@ def engine_lora_args(lora, model_cfg, max_rank: int | None = None) -> list[str]:
 def push_config_dict(lora, model_cfg, base_model: str | None = None) -> dict:
     """adapter_config.json of a push: the export's, with lora_alpha = scaling * r and use_rslora false (SGLang scales
     by lora_alpha / r whatever use_rslora says; this keeps rsLoRA's output)."""
-    from megatron_spo.models.lora import peft_config
+    from megatron_spo.models.peft_export import peft_config
 
     hf_target_modules(lora, model_cfg)  # a target the family lacks: one line, before anything is sent
     config = peft_config(lora, model_cfg, base_model)
@@ -364,7 +364,7 @@ class AdapterPusher:
         bodies: dict[int, bytes] = {}  # one JSON encoding per engine TP size, sent to every engine of that size
         written = 0
         if self.push_dir is not None:  # one PEFT directory on the shared filesystem, its path to every engine
-            from megatron_spo.models.lora import write_peft_dir
+            from megatron_spo.models.peft_export import write_peft_dir
 
             out = write_peft_dir(os.path.join(self.push_dir, name), tensors, self.config_dict)
             written = sum(f.stat().st_size for f in out.iterdir())

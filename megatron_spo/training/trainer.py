@@ -653,7 +653,8 @@ class Trainer:
 
     def _push_adapters(self) -> dict | None:
         """Collective: the adapters gathered to rank 0, pushed there in HF PEFT names and the policy's dtype."""
-        from megatron_spo.models.lora import gather_adapters, peft_tensors
+        from megatron_spo.models.lora import gather_adapters
+        from megatron_spo.models.peft_export import peft_tensors
 
         adapters = gather_adapters(self.policy)
         if self.rank != 0 or not hasattr(self.online, "push_adapter"):
@@ -695,7 +696,8 @@ class Trainer:
     def export_peft(self, out_dir: str | Path) -> Path:
         """Collective (LoRA): the adapters as an HF PEFT directory (adapter_config.json + adapter_model.safetensors,
         the policy's dtype) that peft.PeftModel.from_pretrained loads onto init.hf's model."""
-        from megatron_spo.models.lora import gather_adapters, write_peft_adapter
+        from megatron_spo.models.lora import gather_adapters
+        from megatron_spo.models.peft_export import write_peft_adapter
 
         adapters = gather_adapters(self.policy)
         if self.rank == 0:
