@@ -25,10 +25,11 @@ from megatron_spo.ops import (
     token_logprobs,
     token_logprobs_reference,
 )
-from megatron_spo.ops.token_logprobs import TorchKernels
+from megatron_spo.ops.torch_kernels import TorchKernels
 
 # The module itself: in megatron_spo.ops the name token_logprobs is the function.
 token_logprobs_module = importlib.import_module("megatron_spo.ops.token_logprobs")
+torch_kernels = importlib.import_module("megatron_spo.ops.torch_kernels")
 
 IGNORE = -100
 # CUDA variants run where a GPU is (the device machine: see tools/bench_logprobs.py); CI has none.
@@ -132,7 +133,7 @@ def test_entropy_returned_but_one_output_unused_matches_reference(used):
 
 def test_entropy_terms_in_slabs_of_rows_match_reference(monkeypatch):
     """The entropy statistics and gradient walk each block a few rows at a time through a small scratch."""
-    monkeypatch.setattr(token_logprobs_module, "_SLAB_BYTES", 3 * 4 * 11)  # 3 rows of an 11-wide tile
+    monkeypatch.setattr(torch_kernels, "_SLAB_BYTES", 3 * 4 * 11)  # 3 rows of an 11-wide tile
     hidden, weight, targets = make_problem()
     got = values_and_grads(token_logprobs, hidden, weight, targets, chunk_size=7, vocab_tile=11)
     assert_all_close(got, truth(hidden, weight, targets), rtol=0, atol=1e-5)

@@ -1,6 +1,6 @@
 """Triton kernels for one block of logits: online-softmax statistics and the logits gradient.
 
-Drop-in for ``token_logprobs.TorchKernels`` (same three functions, same in-place contract); the GEMMs
+Drop-in for ``torch_kernels.TorchKernels`` (same three functions, same in-place contract); the GEMMs
 stay with cuBLAS (or FP8 _scaled_mm). One program handles one token row and walks the block's vocabulary
 columns in BLOCK_V-wide tiles with an online max/sum, so a row of any width needs no more registers.
 
@@ -130,7 +130,7 @@ def reference_block_check(
     rows: int = 5, cols: int = 37, block_v: int = 16, seed: int = 0
 ) -> dict[str, float]:
     """Max |difference| Triton vs torch on one random block (statistics and gradient); for tests."""
-    from megatron_spo.ops.token_logprobs import TorchKernels
+    from megatron_spo.ops.torch_kernels import TorchKernels
 
     gen = torch.Generator().manual_seed(seed)
     z = torch.randn(rows, cols, generator=gen) * 3
