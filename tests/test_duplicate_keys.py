@@ -39,7 +39,7 @@ def test_a_trajectory_line_with_a_key_twice_is_refused_naming_file_line_and_key(
 
 
 def test_a_problem_or_q0_line_with_a_key_twice_is_refused_naming_file_line_and_key(tmp_path):
-    from megatron_spo.data.problems import read_problems_jsonl
+    from megatron_spo.data.problem import read_problems_jsonl
     from megatron_spo.data.q0 import read_q0
 
     good = '{"id": "a", "prompt": "p", "tests": [["1", "2"]]}'

@@ -20,7 +20,7 @@ from megatron_spo.data.importers import (
     text_candidates,
 )
 from megatron_spo.data.offline_store import OfflineStore, write_store
-from megatron_spo.data.problems import read_problems_jsonl
+from megatron_spo.data.problem import read_problems_jsonl
 from megatron_spo.data.prompts import make_prompts
 from megatron_spo.data.trajectory import RecordError
 from megatron_spo.rewards.config import SandboxConfig

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rollout_helpers import ServerThread  # noqa: E402
 
 from megatron_spo.config import ConfigError  # noqa: E402
-from megatron_spo.data.problems import read_problems_jsonl  # noqa: E402
+from megatron_spo.data.problem import read_problems_jsonl  # noqa: E402
 from megatron_spo.data.prompts import Prompt, make_prompts  # noqa: E402
 from megatron_spo.data.q0 import read_q0  # noqa: E402
 from megatron_spo.data.trajectory import read_jsonl, validate_record  # noqa: E402

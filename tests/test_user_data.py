@@ -15,7 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from megatron_spo.config import ConfigError  # noqa: E402
-from megatron_spo.data.problems import load_problems, problems_from_task_config, read_problems_jsonl  # noqa: E402
+from megatron_spo.data.problem import read_problems_jsonl  # noqa: E402
+from megatron_spo.data.problems import load_problems, problems_from_task_config  # noqa: E402
 from megatron_spo.training.config import TrainConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,48 +17,23 @@ Schemas (files are read with the ``datasets`` library, parquet or json/jsonl by 
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from megatron_spo.config import DuplicateKeyError, loads_json
+from megatron_spo.data.problem import Problem, Test, expand_paths, read_problems_jsonl
 
 logger = logging.getLogger(__name__)
-
-Test = tuple[str, str]
 
 CODE_INSTRUCTION = (
     "Write a Python 3 program that reads the input from standard input and prints the answer to standard "
     "output. Put the whole program in one ```python code block."
 )
 MATH_INSTRUCTION = "Reason step by step, and put your final answer within \\boxed{}."
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One task prompt with what is needed to score a response.
-
-    prompt: the problem statement (no instruction, no chat formatting: see build_prompt).
-    tests / hidden_tests: (stdin, expected stdout) pairs; rewards use ``tests``, evaluation may add the
-    hidden ones. answer: the reference final answer (math). time_limit_s / memory_mb: the problem's own
-    limits when its source gives them. The generated tasks' problems (toy_code.Problem, toy_math.Problem) are
-    Problems too, with the fields of how they were generated.
-    """
-
-    id: str
-    prompt: str
-    tests: tuple[Test, ...] = ()
-    hidden_tests: tuple[Test, ...] = ()
-    source: str = ""
-    kind: Literal["code", "math"] = "code"
-    answer: str | None = None
-    time_limit_s: float | None = None
-    memory_mb: int | None = None
-    metadata: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 class TaskFormatError(ValueError):
@@ -68,18 +43,6 @@ class TaskFormatError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Reading files
 # ---------------------------------------------------------------------------------------------
-def expand_paths(paths: str | Sequence[str]) -> list[str]:
-    """Files of a path, a glob, or a list of them (each must match something)."""
-    items = [paths] if isinstance(paths, str) else list(paths)
-    files: list[str] = []
-    for item in items:
-        matched = sorted(glob.glob(item))
-        if not matched:
-            raise FileNotFoundError(f"task file(s) '{item}' not found")
-        files += matched
-    return files
-
-
 def read_rows(paths: str | Sequence[str], cache_dir: str | None = None) -> Iterable[tuple[str, int, dict]]:
     """(file, row index, row dict) for every row of parquet / json / jsonl files, via ``datasets``."""
     import datasets
@@ -312,8 +275,6 @@ def _from_files(loader):
 
 
 def _load_jsonl(data, split: str, seed: int) -> list:
-    from megatron_spo.data.problems import read_problems_jsonl
-
     return read_problems_jsonl(data)
 
 

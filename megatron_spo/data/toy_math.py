@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from megatron_spo.data.tasks import Problem as TaskProblem
+from megatron_spo.data.problem import Problem as TaskProblem
 
 GENERATOR_VERSION = 2  # bump when problems or solutions change (part of the reference-model cache key)
 
