@@ -566,6 +566,21 @@ def test_the_readme_recommendation_table_is_the_archives_against_grpo_tables():
     assert sorted(linked) == OFFPOLICY_ARCHIVES  # every archive has its row
 
 
+
+def test_the_readme_what_to_run_table_quotes_the_archives():
+    """Every difference the README's "what to run" table quotes (x.xxx, with its interval where it gives one) is
+    printed as such in one of the issue-48 archives' reports (a bare one as a value, not an interval's end): the
+    advice cannot drift from the runs."""
+    import re
+
+    rows = _table((REPO / "README.md").read_text(), "| your data | run | do not |")
+    reports = "\n".join((OFFPOLICY / name / "report.md").read_text() for name in OFFPOLICY_ARCHIVES)
+    quoted = [m.group(0) for row in rows for cell in row
+              for m in re.finditer(r"[-+]\d\.\d{3}(?: \[[-+]\d\.\d{3}, [-+]\d\.\d{3}\])?", cell)]
+    assert len(rows) == 3 and len(quoted) >= 15
+    # a bare difference must be one the reports print as a value, not an interval's end
+    assert [q for q in quoted if not re.search(r"(?<!\[)(?<!, )" + re.escape(q) + r"(?![\d\]])", reports)] == []
+
 def test_an_archived_study_refuses_other_settings_in_one_line(tmp_path, capsys):
     """Overrides that change the archive's settings are one line naming each field with both values, not a
     report of failed runs; repeating the archive's own values is fine; a folder without study.json is refused."""
