@@ -407,7 +407,6 @@ def _long_runs(study, root: Path, chosen: dict, long: list[ArmRuns], by: dict[st
 
 
 def write_report(study, root: Path, chosen: dict) -> Path:
-
     arms = load_arms(study, root, chosen, "runs", study.arms)
     long = load_arms(study, root, chosen, "long", [a for a in study.long_run.arms if a in study.arms])
     by = {a.name: a for a in arms}
