@@ -36,12 +36,10 @@ def test_an_unknown_target_in_a_training_config_is_one_line_naming_the_field():
     assert "\n" not in str(err.value)
 
 
-def test_lora_refuses_a_reference_refresh_and_sequence_parallel_in_one_line():
+def test_lora_refuses_a_reference_refresh_in_one_line():
     with pytest.raises(ConfigError) as err:
         build_config(TrainConfig, _train_cfg(lora={}, reference_refresh_interval=5))
     assert str(err.value).startswith("reference_refresh_interval: with lora the reference is the base model")
-    with pytest.raises(ConfigError, match=r"^lora: adapters do not support parallel.sequence_parallel yet"):
-        build_config(TrainConfig, _train_cfg(lora={}, parallel={"sequence_parallel": True}))
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +186,9 @@ def lora_runs(tmp_path_factory, hf):
     other_base = run("resumed", steps=3, init={"hf": other}, checkpoint={"interval": 100, "allow_config_change": True})
     spawn_local(train_lora_and_dump, 1, [run("single"), run("full", lora=None), run("resumed", steps=1),
                                          run("resumed"), (other_base[0], str(root / "other-base.pt"))])
-    spawn_local(train_lora_and_dump, 2, [run("tp2", tp=2), run("pp2", pp=2)])
+    spawn_local(train_lora_and_dump, 2, [run("tp2", tp=2), run("pp2", pp=2),
+                                         run("tp2sp", tp=2, parallel={"tensor_model_parallel_size": 2,
+                                                                      "sequence_parallel": True})])
     return root
 
 
@@ -198,9 +198,10 @@ def _lora_record(root, name):
 
 @pytest.mark.multiproc
 @pytest.mark.megatron
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2sp"])
 def test_lora_trains_alike_at_tp2_and_pp2(lora_runs, layout):
-    """Same losses, grad norms, entropies and merged weights as one process, and the same adapters."""
+    """Same losses, grad norms, entropies and merged weights as one process, and the same adapters (tp2sp: TP 2 with
+    sequence parallelism, where the replicated factors see a share of the tokens and are summed over TP)."""
     from test_trainer import _assert_trains_alike
 
     _assert_trains_alike(lora_runs, "single", layout, "spo")

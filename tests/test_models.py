@@ -430,9 +430,21 @@ TINY = ModelConfig(
             "2 = 4",
         ),
         (
-            dict(tensor_model_parallel_size=2, sequence_parallel=True),
+            dict(sequence_parallel=True),
             2,
-            "parallel.sequence_parallel needs a GPU (megatron's local-spec norms refuse it on CPU)",
+            "parallel.sequence_parallel needs tensor_model_parallel_size > 1 (it splits the sequence over the TP ranks)",
+        ),
+        (
+            dict(context_parallel_size=2, attention_kernel="dot_product"),
+            2,
+            "parallel.context_parallel_size 2: megatron-core's DotProductAttention (parallel.attention_kernel "
+            "dot_product) refuses context parallelism; use attention_kernel sdpa",
+        ),
+        (
+            dict(tensor_model_parallel_size=2, context_parallel_size=2),
+            6,
+            "parallel: world size 6 is not divisible by tensor_model_parallel_size 2 x pipeline_model_parallel_size "
+            "1 x context_parallel_size 2 = 4",
         ),
     ],
 )

@@ -32,7 +32,7 @@ from megatron_spo.config import ConfigError
 from megatron_spo.models.config import ModelConfig, ParallelConfig
 from megatron_spo.models.cpu_shims import apply_cpu_shims, apply_no_te_shims
 from megatron_spo.models.lora import LoraConfig
-from megatron_spo.models.spec import Backend, layer_spec
+from megatron_spo.models.spec import Backend, block_spec, layer_spec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,6 +74,7 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, 
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel_cfg.virtual_pipeline_model_parallel_size,
         sequence_parallel=parallel_cfg.sequence_parallel,
+        context_parallel_size=parallel_cfg.context_parallel_size,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -247,17 +248,15 @@ def _build_chunks(
             f"models: parallel config asks TP={parallel_cfg.tensor_model_parallel_size} "
             f"PP={parallel_cfg.pipeline_model_parallel_size} but the process groups are TP={tp} PP={pp}"
         )
-    if lora is not None and parallel_cfg.sequence_parallel:
-        raise ConfigError("lora: adapters do not support parallel.sequence_parallel yet")
     config = transformer_config(model_cfg, parallel_cfg, init_weights=init_weights)
-    spec, _ = layer_spec(model_cfg, spec_backend, parallel_cfg.attention_kernel, lora)
+    spec, backend = layer_spec(model_cfg, spec_backend, parallel_cfg.attention_kernel, lora)
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         model = cls(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block_spec(spec, backend, config, stage),
             vocab_size=model_cfg.padded_vocab_size(tp),
             max_sequence_length=model_cfg.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

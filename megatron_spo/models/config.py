@@ -166,7 +166,13 @@ class ParallelConfig(StrictModel):
     expert_model_parallel_size: int = Field(
         1, gt=0, description="EP: a mixture-of-experts layer's experts split over this many ranks (each expert "
         "further split over TP, megatron's expert-tensor-parallel default)")
-    sequence_parallel: bool = False
+    context_parallel_size: int = Field(
+        1, gt=0, description="CP: each sequence split into 2 x CP chunks over this many ranks (rank r holds chunks r "
+        "and 2 CP - 1 - r, so causal work is balanced); keys / values all-gathered over the CP group in every layer "
+        "(docs/long-sequences.md)")
+    sequence_parallel: bool = Field(
+        False, description="SP: under TP > 1 the norms, residuals and dropout run on 1 / TP of the sequence each "
+        "(megatron-core's sequence parallelism; the local spec's norms too)")
     use_distributed_optimizer: bool = False
     attention_kernel: Literal["sdpa", "dot_product"] = Field(
         "sdpa", description="core attention of the local (no Transformer Engine) layer spec: sdpa = torch's "
@@ -196,14 +202,23 @@ class ParallelConfig(StrictModel):
         return self
 
     def data_parallel_size(self, world_size: int) -> int:
-        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """Data-parallel replicas: world size / (TP x PP x CP); the CP ranks of a replica share its micro-batches."""
+        cp = self.context_parallel_size
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * cp
         if world_size % mp:
             raise ConfigError(
                 f"parallel: world size {world_size} is not divisible by tensor_model_parallel_size "
                 f"{self.tensor_model_parallel_size} x pipeline_model_parallel_size "
-                f"{self.pipeline_model_parallel_size} = {mp}"
+                f"{self.pipeline_model_parallel_size}" + (f" x context_parallel_size {cp}" if cp > 1 else "")
+                + f" = {mp}"
             )
         return world_size // mp
+
+    def sequence_multiple(self) -> int:
+        """What every sequence's token count is padded to: 2 x CP (each sequence is cut into 2 x CP chunks), times
+        TP under sequence parallelism (each CP rank's share is cut over the TP ranks)."""
+        cp = self.context_parallel_size
+        return (2 * cp if cp > 1 else 1) * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
 
     def check(self, model: ModelConfig, world_size: int | None = None) -> None:
         """Refuse a layout that cannot work, before any process group is built."""
@@ -233,6 +248,13 @@ class ParallelConfig(StrictModel):
             )
         if self.virtual_pipeline_model_parallel_size and pp == 1:
             raise ConfigError("parallel.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("parallel.sequence_parallel needs tensor_model_parallel_size > 1 (it splits the "
+                              "sequence over the TP ranks)")
+        if self.context_parallel_size > 1 and self.attention_kernel == "dot_product":
+            raise ConfigError(f"parallel.context_parallel_size {self.context_parallel_size}: megatron-core's "
+                              "DotProductAttention (parallel.attention_kernel dot_product) refuses context "
+                              "parallelism; use attention_kernel sdpa")
         if world_size is not None:
             self.data_parallel_size(world_size)
 
@@ -242,7 +264,7 @@ class ParallelConfig(StrictModel):
         if model.moe is not None and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ConfigError(f"parallel: a mixture-of-experts model trains at tensor_model_parallel_size "
                               f"{self.tensor_model_parallel_size} only with parallel.sequence_parallel (megatron-core "
-                              f"refuses MoE + TP without it; sequence parallelism needs a GPU)")
+                              f"refuses MoE + TP without it)")
         if self.expert_model_parallel_size > 1:  # measured: gloo's all-gather of unequal token counts aborts
             raise ConfigError(
                 f"parallel.expert_model_parallel_size {self.expert_model_parallel_size}: training with expert "

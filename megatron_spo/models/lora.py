@@ -23,7 +23,12 @@ Tensor-parallel layouts keep the base layer's split:
       before B, which is replicated [out, r].
 Replicated factors carry no tensor_model_parallel attribute, so megatron's grad norm counts them once.
 
-Not here: sequence parallelism (refused), Transformer Engine's spec (its linear_qkv / linear_fc1 fuse the input norm,
+Under sequence parallelism (the layer's input a share of the sequence on each TP rank) the column adapter gathers
+A x over the sequence (r wide, cheaper than gathering x) and the row adapter reduce-scatters A x to sequence shards,
+as the base does its output; the replicated factor (column A, row B) then sees one share of the tokens, so it is marked
+``sequence_parallel`` and megatron-core sums its gradient over TP (as it does the norms').
+
+Not here: Transformer Engine's spec (its linear_qkv / linear_fc1 fuse the input norm,
 so the adapter's input would need TE's return_layernorm_output: a LoRA policy builds the local spec, on a GPU too),
 folding adapters into the base (reference refresh is refused with LoRA).
 """
@@ -119,11 +124,14 @@ class _Adapter:
         self.lora_B = torch.nn.Parameter(torch.zeros(b_shape, dtype=cfg.params_dtype, device=device))
         split = self.lora_B if self.column else self.lora_A
         set_tensor_model_parallel_attributes(split, True, 0 if self.column else 1, 1)
+        if cfg.sequence_parallel:  # the replicated factor sees this rank's share of the sequence: summed over TP
+            (self.lora_A if self.column else self.lora_B).sequence_parallel = True
 
     def _adapter_input(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.lora_dropout):
             return x
-        if not self.column and x.is_cuda:  # a shard of the input: each TP rank its own mask (megatron's TP RNG)
+        sharded = not self.column or self.config.sequence_parallel  # a shard of the input (of features or tokens)
+        if sharded and x.is_cuda:  # each TP rank its own mask (megatron's TP RNG)
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
             with get_cuda_rng_tracker().fork():
@@ -151,8 +159,10 @@ def adapter_classes():
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
         gather_from_tensor_model_parallel_region,
         reduce_from_tensor_model_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
     )
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -170,7 +180,11 @@ def adapter_classes():
             if not self.adapters_on:
                 return out, bias
             hidden = F.linear(self._adapter_input(input_), self.lora_A)
-            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)  # backward: all-reduce
+            if self.sequence_parallel:  # input_ is this rank's share of the sequence: gather A x (r wide, not in)
+                hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                              group=self.tp_group)  # backward: reduce-scatter
+            else:
+                hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)  # backward: all-reduce
             delta = F.linear(hidden, self.lora_B) * self.lora_scaling
             gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
             if gather:
@@ -212,7 +226,10 @@ def adapter_classes():
 
                 x = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
             hidden = F.linear(self._adapter_input(x), self.lora_A)
-            hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.tp_group)  # the partial products
+            if self.sequence_parallel:  # the base's output is reduce-scattered to sequence shards: so is A x
+                hidden = reduce_scatter_to_sequence_parallel_region(hidden, group=self.tp_group)
+            else:
+                hidden = reduce_from_tensor_model_parallel_region(hidden, group=self.tp_group)  # the partial products
             return out + F.linear(hidden, self.lora_B) * self.lora_scaling, bias
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

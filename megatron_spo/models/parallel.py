@@ -39,12 +39,6 @@ def _env_int(name: str, default: int) -> int:
 def check_layout(parallel_cfg: ParallelConfig, model_cfg: ModelConfig, world_size: int) -> None:
     """Refuse layouts that cannot work, before any process group exists (one-line ConfigError)."""
     parallel_cfg.check(model_cfg, world_size)
-    if parallel_cfg.sequence_parallel and not torch.cuda.is_available():
-        raise ConfigError(
-            "parallel.sequence_parallel needs a GPU (megatron's local-spec norms refuse it on CPU)"
-        )
-    if parallel_cfg.sequence_parallel and parallel_cfg.tensor_model_parallel_size == 1:
-        raise ConfigError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
     if model_cfg.fp8:
         from megatron_spo import extras
 
@@ -91,6 +85,7 @@ def init_parallel(
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel_cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel_cfg.context_parallel_size,
         expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
     )

@@ -33,6 +33,20 @@ def spec_backend(prefer: Backend | None = None) -> Backend:
     return "transformer_engine" if te_usable else "local"
 
 
+def block_spec(layer, backend: Backend, config, vp_stage: int | None = None):
+    """What GPTModel takes as its decoder spec: the layer spec as it is on the TE spec (TE's norm ends the block);
+    on the local spec the block's layers with the local spec's RMSNorm as the final norm (megatron-core would build
+    WrappedTorchNorm, which refuses sequence parallelism). vp_stage: this chunk's virtual stage (its layer count)."""
+    if backend == "transformer_engine":
+        return layer
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megatron_spo.models.norms import SequenceParallelRMSNorm
+
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelRMSNorm)
+
+
 def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None, attention_kernel: AttentionKernel = "sdpa",
                lora: LoraConfig | None = None):
     """(ModuleSpec for one decoder layer of the config's family, backend name). FP8 needs the TE spec.
@@ -58,6 +72,13 @@ def layer_spec(model_cfg: ModelConfig, prefer: Backend | None = None, attention_
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=model_cfg.qk_layernorm), backend
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     normalization="RMSNorm", qk_layernorm=model_cfg.qk_layernorm)
+    from megatron_spo.models.norms import HeadRMSNorm, SequenceParallelRMSNorm
+
+    layer = spec.submodules  # megatron's WrappedTorchNorm refuses sequence parallelism (models/norms.py)
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if model_cfg.qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     if attention_kernel == "sdpa":
         from megatron_spo.models.attention import SDPAttention
 

@@ -509,8 +509,6 @@ class TrainConfig(StrictModel):
         if self.lora is not None and self.reference_refresh_interval:
             raise ValueError("reference_refresh_interval: with lora the reference is the base model (the adapters "
                              "off); refreshing it would fold the adapters into the base, which is not implemented")
-        if self.lora is not None and self.parallel.sequence_parallel:
-            raise ValueError("lora: adapters do not support parallel.sequence_parallel yet")
         if self.init.hf is None and self.init.megatron is None:
             raise ValueError("init: give init.hf (an HF model directory) or init.megatron (a converted checkpoint)")
         return self
