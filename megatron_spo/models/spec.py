@@ -39,7 +39,10 @@ def block_spec(layer, backend: Backend, config, vp_stage: int | None = None):
     WrappedTorchNorm, which refuses sequence parallelism). vp_stage: this chunk's virtual stage (its layer count)."""
     if backend == "transformer_engine":
         return layer
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     from megatron_spo.models.norms import SequenceParallelRMSNorm
 
