@@ -1,7 +1,7 @@
 """A training step's trajectories -> this data-parallel rank's micro-batches, cut by a token budget (padded rows,
 or the packed tokens with batch.pack_sequences).
 
-    mine = shard(trajectories, dp_rank, dp_size)        # whole prompt groups, round-robin
+    mine = shard(trajectories, dp_rank, dp_size)        # whole prompt groups, dealt by tokens
     mbs = micro_batches(mine, cfg, keep_groups=..., pad_id=0, dp_rank=r, device=None)
 
 Pipeline schedules put constraints on the cut (one shape per step with virtual stages, at least PP
@@ -21,15 +21,71 @@ from megatron_spo.training.sources import GUIDE_SOURCE
 
 
 def shard(trajs: list, dp_rank: int, dp_size: int) -> list:
-    """This data-parallel rank's trajectories: whole prompt groups, round-robin."""
+    """This data-parallel rank's trajectories: whole prompt groups (trajectories of one prompt_id) dealt to the
+    ranks by tokens (deal_by_tokens), so that no rank waits with the long tail of the responses. Every rank computes
+    the same deal from the same global list: the shares are disjoint and cover it. A share lists its groups in
+    the order of their first appearance, each group's trajectories in their order in the global list (with one
+    rank: the global list, grouped), so the micro-batch cut stays deterministic."""
     groups: dict = {}
     for t in trajs:
         groups.setdefault(t.prompt_id, []).append(t)
-    mine = [g for i, g in enumerate(groups.values()) if i % dp_size == dp_rank]
-    if not mine:
+    if len(groups) < dp_size:
         raise ConfigError(f"batch: {len(groups)} prompt groups cannot feed {dp_size} data-parallel ranks; "
                           "raise batch.sequences_per_step")
-    return [t for g in mine for t in g]
+    owner = deal_by_tokens([sum(record_tokens(t) for t in g) for g in groups.values()], dp_size)
+    return [t for g, r in zip(groups.values(), owner) if r == dp_rank for t in g]
+
+
+def deal_by_tokens(loads: list[int], bins: int, *, refine: bool = True) -> list[int]:
+    """Each item's bin (its rank), every bin given at least one item when there are as many items as bins:
+    longest-processing-time first (items by load descending, ties by position; each to the least-loaded bin, ties
+    to the emptiest then the lowest bin), then, with refine, moves and swaps that lower the most-loaded bin's load
+    while one does. Integer arithmetic and fixed tie-breaks: the same deal on every rank."""
+    owner = [0] * len(loads)
+    load, count = [0] * bins, [0] * bins
+    for i in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+        b = min(range(bins), key=lambda b: (count[b] > 0, load[b], b))
+        owner[i] = b
+        load[b] += loads[i]
+        count[b] += 1
+    if not refine or bins < 2:
+        return owner
+    members: list[list[int]] = [[] for _ in range(bins)]
+    for i, b in enumerate(owner):
+        members[b].append(i)
+    # each accepted move or swap sends d > 0 from the top bin a to a bin b with load[b] + d < load[a]: the sum of
+    # squared loads falls strictly, so this ends; the cap bounds the time on adversarial inputs
+    for _ in range(4 * len(loads)):
+        a = max(range(bins), key=lambda b: (load[b], -b))
+        step = None
+        for b in sorted(range(bins), key=lambda b: (load[b], b)):  # the lightest bin first, the first that helps
+            if b == a:
+                continue
+            best = None  # (the pair's new maximum, item leaving a, item coming back or -1)
+            for i in members[a]:
+                # a move needs a to keep an item; a swap brings back a lighter item of b
+                for j in ([-1] if len(members[a]) > 1 else []) + members[b]:
+                    d = loads[i] - (loads[j] if j >= 0 else 0)
+                    top = max(load[a] - d, load[b] + d)
+                    if d > 0 and top < load[a] and (best is None or (top, i, j) < best):
+                        best = (top, i, j)
+            if best is not None:
+                step = (b, best[1], best[2])
+                break
+        if step is None:
+            break
+        b, i, j = step
+        d = loads[i] - (loads[j] if j >= 0 else 0)
+        members[a].remove(i)
+        members[b].append(i)
+        owner[i] = b
+        if j >= 0:
+            members[b].remove(j)
+            members[a].append(j)
+            owner[j] = a
+        load[a] -= d
+        load[b] += d
+    return owner
 
 
 def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: int, dp_rank: int,
@@ -68,9 +124,9 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
             raise ConfigError(f"batch: the interleaved pipeline schedule (parallel.virtual_pipeline_model_"
                               f"parallel_size) needs at least {pp} micro-batches per step, but data-parallel "
                               f"rank {dp_rank} has only {len(parts)} {unit}; raise batch.sequences_per_step")
-    # sequence parallelism splits the sequence over TP ranks: widths must be a multiple of TP (a packed stream is
-    # rounded up when it is packed)
-    multiple = cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel and not packed else 1
+    # context parallelism cuts every row into 2 x CP chunks, sequence parallelism each rank's share over TP: widths
+    # are a multiple of both (a packed stream is padded when it is packed)
+    multiple = cfg.parallel.sequence_multiple() if not packed else 1
     # one id per prompt group over the whole step: a group cut into two micro-batches keeps its id in both (SPO's
     # centred coefficient takes its baseline over the whole group)
     groups = group_numbers([t.prompt_id for t in trajs])
