@@ -8,8 +8,8 @@ Checked: every path (init.hf, init.megatron, sources.*.path, task.paths, task.de
 offline store (readable, records matching its `select`, each record's q0 or its prompt's in the q0 file when the
 algorithm reads Q0); Q0 for every online prompt; the tokenizer; the hooks (algo, task.reward, sources.*.loss);
 the architecture (read from init.hf / init.megatron); the layout against the world size and the heads; the
-engines' TP against the heads; sequence lengths; the per-GPU memory plan of this config's own batch and sequence
-length (planning/capacity.py).
+engines' TP against the heads; sequence lengths; the per-GPU memory plan of this config's own batch, sequence
+length, layout, optimizer and recompute (planning/capacity.py's config_memory: the figure `plan --config` gives).
 """
 
 from __future__ import annotations
@@ -114,7 +114,9 @@ def _check_layout(cfg: TrainConfig, model, world_size: int, r: Report) -> None:
 
 
 def _check_memory(cfg: TrainConfig, model, world_size: int, gpu_memory_gb: float | None, r: Report) -> None:
-    from megatron_spo.planning.capacity import GB, capacity_shape, memory_per_gpu
+    """The plan's figure of this config (planning/capacity.py's config_memory: its own optimizer and recompute)
+    against one GPU's memory."""
+    from megatron_spo.planning.capacity import GB, RECOMPUTE_NAMES, capacity_shape, config_memory
     from megatron_spo.planning.config import CapacityConfig
 
     if gpu_memory_gb is None:
@@ -122,14 +124,16 @@ def _check_memory(cfg: TrainConfig, model, world_size: int, gpu_memory_gb: float
 
         gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 80.0
     shape = CapacityConfig(**capacity_shape(cfg, world_size, gpu_memory_gb))
-    need = memory_per_gpu(model, shape, cfg.parallel, distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                          recompute="none").total / GB
+    need = config_memory(model, shape, cfg.parallel).total / GB
+    cp = cfg.parallel.context_parallel_size
     what = (f"batch {shape.global_batch_size} x seq {shape.seq_length}, micro-batch {shape.micro_batch_size} x "
-            f"{shape.seq_length} tokens")
+            f"{shape.seq_length} tokens" + (f" over CP {cp}" if cp > 1 else "")
+            + ("" if shape.recompute == "none" else f", {RECOMPUTE_NAMES[shape.recompute]}"))
     if need > gpu_memory_gb:
         r.problems.append(f"memory: the plan needs {need:.1f} GB per GPU ({what}) > {gpu_memory_gb:.0f} GB "
-                          "(megatron-spo plan --config shows the breakdown; raise TP / PP, use_distributed_optimizer, "
-                          "or lower batch.max_tokens_per_micro_batch)")
+                          "(megatron-spo plan --config shows the breakdown; raise TP / PP / CP, set "
+                          "use_distributed_optimizer or recompute_granularity full, or lower "
+                          "batch.max_tokens_per_micro_batch)")
     else:
         r.notes.append(f"memory plan {need:.1f} GB per GPU of {gpu_memory_gb:.0f} ({what})")
 
@@ -219,7 +223,8 @@ def validate(cfg: TrainConfig, *, world_size: int | None = None, gpu_memory_gb: 
         _check_layout(cfg, model, world_size, r)
         if not any(p.startswith("parallel") for p in r.problems):
             p = cfg.parallel
-            r.notes.append(f"layout TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x DP "
+            cp = f"CP {p.context_parallel_size} x " if p.context_parallel_size > 1 else ""
+            r.notes.append(f"layout TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x {cp}DP "
                            f"{p.data_parallel_size(world_size)} on {world_size} rank(s)")
             r.check("memory", _check_memory, cfg, model, world_size, gpu_memory_gb, r)
     _check_data(cfg, r, tokenizer)

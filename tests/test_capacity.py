@@ -65,9 +65,9 @@ def test_70b_plan_needs_distributed_optimizer_and_activation_terms():
     assert mem["dist-opt, no recompute"]["activations"] == pytest.approx((90 + 1) * per_layer / 1e9)
     full = (90 * 8192 / 8 * 4096 * 2 + 2 * per_layer) / 1e9
     assert mem["dist-opt, full recompute"]["activations"] == pytest.approx(full)
-    # the op's backward: one fp32 logits block (all 4096 tokens x V/8: under the 512 MiB cap), its bf16 copy,
-    # and grad_hidden in fp32 (4096 tokens x h)
-    workspace = 1.5 * 4096 * 129024 / 8 * 4 + 4096 * 8192 * 4
+    # the op's backward: one fp32 logits block (4096 tokens x V/8 = 264 MB: capped at the op's default 64 MiB),
+    # its bf16 copy, and grad_hidden in fp32 (4096 tokens x h)
+    workspace = 1.5 * 64 * 2**20 + 4096 * 8192 * 4
     assert mem["dist-opt, no recompute"]["logprob_workspace"] == pytest.approx(workspace / 1e9)
     # Rollout demand: generated tokens per step / step time, step time from 8N + attention FLOPs.
     t = plan["throughput"]
@@ -151,9 +151,9 @@ def test_rich_table_output(capsys):
     assert cli_main(["plan", "--preset", "llama3.1-70b"]) == 0
     out = capsys.readouterr().out
     assert "Memory per GPU" in out and "276 buckets of 512 MB" in out and "2.82" in out
-    with pytest.raises(ConfigError, match="recompute must be 'none' or 'full', got 'selective'"):
+    with pytest.raises(ConfigError, match="recompute must be 'none', 'selective' or 'full', got 'partial'"):
         capacity.activation_bytes(*capacity.load_preset("llama3.1-8b")[:1], CapacityConfig(trainer_gpus=8, global_batch_size=8),
-                                  ParallelConfig(), "selective")
+                                  ParallelConfig(), "partial")
 
 
 def test_plan_takes_its_throughput_from_a_measured_step_benchmark(tmp_path, capsys):
@@ -240,7 +240,7 @@ def test_moe_plan_splits_experts_over_ep_and_prices_active_flops():
     assert mem["reference"] * 1e9 == pytest.approx(2 * (dense + experts))
     per_layer = (4 * h + 4 * e + q + 2 * kv + q + k * (2 * h + 3 * f)) * 4096 * 2  # bf16, one sequence of 4096
     assert mem["activations"] * 1e9 == pytest.approx((layers + 1) * per_layer)
-    assert mem["fits"] and round(mem["total"], 1) == 79.6
+    assert mem["fits"] and round(mem["total"], 1) == 78.9
     assert (plan["layout"]["dp"], plan["layout"]["ep"], plan["layout"]["expert_dp"]) == (64, 8, 8)
     moe = plan["model"]["moe"]
     per_token = 8 * 3_353_032_704 + 6 * layers * 4096 * h
@@ -277,6 +277,99 @@ def test_validate_checks_a_moe_config_with_the_moe_memory_formula():
     assert moe.activations == pytest.approx(49 * (4 * h + 4 * e + 2 * q + 2 * kv + k * (2 * h + 3 * f)) * tokens * 2)
     assert r.problems == [f"memory: the plan needs {moe.total / 1e9:.1f} GB per GPU (batch 128 x seq 4096, "
                           "micro-batch 4 x 4096 tokens) > 80 GB (megatron-spo plan --config shows the breakdown; raise "
-                          "TP / PP, use_distributed_optimizer, or lower batch.max_tokens_per_micro_batch)"]
+                          "TP / PP / CP, set use_distributed_optimizer or recompute_granularity full, or lower "
+                          "batch.max_tokens_per_micro_batch)"]
     dense_activations = 49 * (4 * h + 2 * q + 2 * kv + 3 * 6144) * tokens * 2
     assert abs(moe.activations - dense_activations) > 50e9
+
+
+def _70b_layout(**kw) -> ParallelConfig:
+    """The 70B preset's TP 8 + SP x PP 2 x VPP 4, distributed optimizer, with these fields changed."""
+    return ParallelConfig(**{**capacity.load_preset("llama3.1-70b")[1].model_dump(), **kw})
+
+
+def test_context_parallel_halves_each_ranks_tokens_and_keeps_whole_keys_values(capsys):
+    """CP 2 on 64 GPUs (TP 8 x PP 2 x CP 2 -> DP 2): a rank keeps half of each 32768-token sequence's activations
+    plus the all-gathered keys / values of all of it in place of its own half (2 kv/TP x T x (1 - 1/CP) elements
+    per layer more); the distributed optimizer's state over DP x CP = 4 ranks as at CP 1 (DP 4); the log-prob op
+    on half the tokens."""
+    model = capacity.load_preset("llama3.1-70b")[0]
+    shape = CapacityConfig(seq_length=32768, global_batch_size=128, overhead_gb=0)
+    h, f, kv, t = 8192, 28672, 1024, 32768
+    per_layer = (6 * h + 2 * kv + 3 * f) / 8 * t * 2  # bf16, CP 1
+    held = 40 * 2 * (1 + 1 / 8)  # PP 2 micro-batches in flight, VPP 4
+    one, two = (capacity.memory_per_gpu(model, shape, _70b_layout(context_parallel_size=cp), distributed_optimizer=True,
+                                        recompute="none") for cp in (1, 2))
+    assert one.activations == pytest.approx((held + 1) * per_layer)
+    assert two.activations == pytest.approx(one.activations / 2 + (held + 1) * 2 * kv / 8 * t / 2 * 2)
+    assert (two.weights, two.gradients, two.optimizer, two.reference) == (one.weights, one.gradients, one.optimizer,
+                                                                          one.reference)
+    assert one.logprob_workspace - two.logprob_workspace == pytest.approx(t / 2 * h * 4)  # grad_hidden halves
+    full = capacity.memory_per_gpu(model, shape, _70b_layout(context_parallel_size=2), distributed_optimizer=True,
+                                   recompute="full")
+    per_layer_cp2 = (6 * h + 2 * kv + 3 * f) / 8 * t / 2 * 2 + 2 * kv / 8 * t / 2 * 2
+    assert full.activations == pytest.approx(held * h / 8 * t / 2 * 2 + 2 * per_layer_cp2)
+    plan = capacity.make_plan(model, _70b_layout(context_parallel_size=2), shape)
+    assert {k: plan["layout"][k] for k in ("tp", "pp", "cp", "dp", "microbatches")} == dict(tp=8, pp=2, cp=2, dp=2,
+                                                                                           microbatches=64)
+    # a MoE model's expert state over the expert-data-parallel ranks DP x CP / EP: 30B-A3B at CP 2 (DP 32) as at DP 64
+    moe, moe_parallel = capacity.load_preset("qwen3-30b-a3b")
+    at = [capacity.memory_per_gpu(moe, CapacityConfig(), moe_parallel.model_copy(update={"context_parallel_size": cp}),
+                                  distributed_optimizer=True, recompute="none").optimizer for cp in (1, 2)]
+    assert at[0] == at[1]
+    assert cli_main(["plan", "--cp", "2", "--json", "seq_length=32768", "global_batch_size=128"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert (cli["layout"]["cp"], cli["layout"]["dp"]) == (2, 2)
+    assert cli["memory_gb"]["dist-opt, no recompute"]["activations"] == pytest.approx(two.activations / 1e9)
+
+
+def test_recompute_variants_drop_what_megatron_core_drops():
+    """Selective core_attn keeps what no recompute keeps (flash / SDPA attention stores no scores); mlp drops the
+    fc1 and SwiGLU outputs (3f/TP), layernorm the two norms' outputs (2h/TP under SP); full recompute's units:
+    uniform n keeps one input per n layers and re-runs n, block n keeps the input of the first n layers of each
+    10-layer model chunk and everything of the others."""
+    model = capacity.load_preset("llama3.1-70b")[0]
+    shape = CapacityConfig(global_batch_size=128)
+    h, f, kv, t = 8192, 28672, 1024, 4096
+    per_layer = (6 * h + 2 * kv + 3 * f) / 8 * t * 2
+    layer_input = h / 8 * t * 2
+    held = 40 * 2 * (1 + 1 / 8)
+
+    def act(recompute, **kw):
+        return capacity.activation_bytes(model, shape, _70b_layout(**kw), recompute)
+
+    assert act("selective", recompute_granularity="selective") == act("none")  # megatron's default: core_attn
+    dropped = (3 * f / 8 + 2 * h / 8) * t * 2
+    assert act("selective", recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"]) == \
+        pytest.approx(held * (per_layer - dropped) + dropped + per_layer)
+    full = dict(recompute_granularity="full")
+    assert act("full") == act("full", **full, recompute_method="uniform", recompute_num_layers=1) == pytest.approx(
+        held * layer_input + 2 * per_layer)
+    assert act("full", **full, recompute_method="uniform", recompute_num_layers=2) == pytest.approx(
+        held * layer_input / 2 + 3 * per_layer)
+    assert act("full", **full, recompute_method="block", recompute_num_layers=4) == pytest.approx(
+        held * (4 * layer_input + 6 * per_layer) / 10 + 2 * per_layer)
+    assert act("full", **full, recompute_method="block", recompute_num_layers=10) == pytest.approx(act("full"))
+
+
+def test_validate_prices_a_selective_config_as_its_plan_column():
+    """A training config with selective recompute of the MLP: capacity_shape takes its recompute, the plan adds its
+    column (dist-opt, selective recompute) and validate's line is that column's figure."""
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.validate import Report, _check_memory
+
+    model, _ = capacity.load_preset("llama3.1-8b")
+    cfg = TrainConfig.model_validate(dict(init={"hf": "x"}, parallel=dict(
+        tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True,
+        recompute_granularity="selective", recompute_modules=["mlp"])))
+    shape = CapacityConfig(**capacity.capacity_shape(cfg, 64, 80.0))
+    plan = capacity.make_plan(model, cfg.parallel, shape)
+    assert shape.recompute == "selective" and plan["config_scenario"] == "dist-opt, selective recompute"
+    column = plan["memory_gb"]["dist-opt, selective recompute"]
+    tokens = shape.micro_batch_size * shape.seq_length
+    assert plan["memory_gb"]["dist-opt, no recompute"]["activations"] - column["activations"] == pytest.approx(
+        31 * 3 * 14336 / 2 * tokens * 2 / 1e9)  # 32 layers' fc1 / SwiGLU outputs less one layer's, recomputed
+    r = Report()
+    _check_memory(cfg, model, 64, 80.0, r)
+    assert r.notes == [f"memory plan {column['total']:.1f} GB per GPU of 80 (batch 128 x seq 4096, micro-batch 4 x "
+                       "4096 tokens, selective recompute)"]

@@ -117,9 +117,91 @@ def test_plan_uses_the_training_configs_batch_and_sequence_length(tmp_path, caps
     # the config's 128 x 8192 (16384 tokens per micro-batch: 2 sequences), half online; was 256 x 4096, online 1.0
     assert (shape["global_batch_size"], shape["seq_length"], shape["micro_batch_size"]) == (128, 8192, 2)
     assert (shape["online_fraction"], shape["response_tokens"], shape["model_update_interval"]) == (0.5, 2048, 10)
-    assert plan["memory_gb"]["dist-opt, no recompute"]["total"] == pytest.approx(76.35, abs=0.01)
+    assert plan["memory_gb"]["dist-opt, no recompute"]["total"] == pytest.approx(75.65, abs=0.01)  # 64 MiB blocks
+    assert plan["config_scenario"] == "dist-opt, no recompute"  # the config's own column (validate's figure)
     plan_only = tmp_path / "plan.yaml"
     plan_only.write_text("plan: {global_batch_size: 256, seq_length: 4096}\n")
     assert plan_main(["--preset", "llama3.1-8b", "--config", str(plan_only), "--json"]) == 0
     shape = json.loads(capsys.readouterr().out)["shape"]  # a plan-only YAML: its own plan section
     assert (shape["global_batch_size"], shape["seq_length"]) == (256, 4096)
+
+
+
+EXAMPLES = sorted((REPO / "examples").glob("*-spo*.yaml"))
+# what an example leaves to the flow's stages (the offline build, Q0, PTS) and to its user (task.paths)
+PLACEHOLDERS = ("sources.offline.path:", "sources.mc.path:", "task.paths:", "task.q0_path:")
+
+
+@pytest.fixture(scope="module")
+def config_only_hf(tmp_path_factory):
+    """hf_dir(config dict): an HF directory with the config's model as config.json and a tiny tokenizer, no
+    weights (validate reads the architecture and the tokenizer only)."""
+    from megatron_spo.models.config import ModelConfig
+    from megatron_spo.models.hf_checkpoint import write_hf_config
+
+    root = tmp_path_factory.mktemp("config-only")
+
+    def hf_dir(data: dict) -> str:
+        path = root / f"hf-{len(list(root.iterdir()))}"
+        make_tiny_llama(str(path))
+        for weights in path.glob("*.safetensors"):
+            weights.unlink()
+        write_hf_config(path, ModelConfig.model_validate(data["model"]))
+        return str(path)
+
+    return hf_dir
+
+
+def _validate_at_64(path: Path, overrides: list[str] = ()):
+    from megatron_spo.validate import validate_file
+
+    return validate_file(str(path), list(overrides), world_size=64, gpu_memory_gb=80.0)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_the_example_configs_validate_on_64_gpus(example, config_only_hf):
+    """Every examples/*-spo*.yaml at 64 trainer GPUs of 80 GB, init.hf a config-only directory of its model: the
+    only problems are the data the flow writes and the user fills in; the layout and the memory plan pass."""
+    hf = config_only_hf(yaml.safe_load(example.read_text()))
+    report = _validate_at_64(example, ["init.megatron=null", f"init.hf={hf}"])
+    assert report.problems and all(p.startswith(PLACEHOLDERS) for p in report.problems), report.problems
+    assert any(n.startswith("memory plan ") for n in report.notes), report.notes
+    if example.stem == "llama3.1-70b-spo-32k":  # what its comments quote
+        assert "layout TP 8 x PP 2 x DP 4 on 64 rank(s)" in report.notes
+        assert ("memory plan 62.6 GB per GPU of 80 (batch 128 x seq 34816, micro-batch 1 x 34816 tokens, full "
+                "recompute)") in report.notes
+
+
+def test_validate_and_plan_give_one_figure_for_the_70b_example_at_32k(tmp_path, config_only_hf, capsys):
+    """The 70B example at 32k tokens with full recompute: validate prices the config's recompute with plan's very
+    function (capacity.config_memory), so both say 62.0 GB and it validates; it used to refuse the layout at the
+    no-recompute figure (156.0 GB now: the log-prob block of 64 MiB; 156.7 GB with the old 512 MiB default)."""
+    from megatron_spo.config import load_config
+    from megatron_spo.planning import capacity
+    from megatron_spo.planning.capacity import main as plan_main
+    from megatron_spo.planning.config import CapacityConfig
+    from megatron_spo.training.config import TrainConfig
+
+    data = yaml.safe_load((REPO / "examples/llama3.1-70b-spo.yaml").read_text())
+    data["batch"].update(max_seq_length=32768, max_tokens_per_micro_batch=32768)
+    data["parallel"].update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    data["init"] = {"hf": config_only_hf(data), "megatron": None}
+    path = tmp_path / "70b-32k.yaml"
+    path.write_text(yaml.safe_dump(data))
+
+    assert plan_main(["--config", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["config_scenario"] == "dist-opt, full recompute"
+    figure = plan["memory_gb"]["dist-opt, full recompute"]
+    cfg = load_config(TrainConfig, str(path), [])
+    shape = CapacityConfig(**capacity.capacity_shape(cfg, 64, 80.0))
+    assert figure["total"] == capacity.config_memory(cfg.model, shape, cfg.parallel).total / 1e9  # the same number
+    h, f, kv, t = 8192, 28672, 1024, 32768
+    per_layer = (6 * h + 2 * kv + 3 * f) / 8 * t * 2
+    assert figure["activations"] == pytest.approx((90 * h / 8 * t * 2 + 2 * per_layer) / 1e9)
+    assert (round(figure["total"], 1), round(plan["memory_gb"]["dist-opt, no recompute"]["total"], 1)) == (62.0, 156.0)
+
+    report = _validate_at_64(path)
+    assert all(p.startswith(PLACEHOLDERS) for p in report.problems), report.problems  # no memory problem
+    assert (f"memory plan {figure['total']:.1f} GB per GPU of 80 (batch 128 x seq 32768, micro-batch 1 x 32768 "
+            "tokens, full recompute)") in report.notes

@@ -7,22 +7,31 @@
 Memory model (bytes per GPU, worst pipeline stage), megatron-core mixed precision:
   weights       2 B/param (bf16), parameters of one TP x PP shard
   gradients     4 B/param (fp32 main-grad buffer, kept whole by the distributed optimizer too)
-  optimizer     12 B/param (fp32 master copy + Adam m + v); / DP with the distributed optimizer
+  optimizer     12 B/param (fp32 master copy + Adam m + v); / (DP x CP) with the distributed optimizer
   reference     2 B/param (bf16, no grads, same layout as the policy)
   activations   per layer per token (bf16 elements, flash attention: no s x s scores):
                   replicated over TP unless sequence parallel: 4h (input and output of both RMSNorms)
                   split over TP: Q h + K,V 2kv + attention output h + fc1 output 2f + SwiGLU output f
                 x layers per stage x tokens per micro-batch x micro-batches in flight on stage 0
-                (p for 1F1B, p(1 + (p-1)/(p v)) layers-worth with v virtual stages); full recompute
-                keeps only each layer's input (h) plus one layer's working set
+                (p for 1F1B, p(1 + (p-1)/(p v)) layers-worth with v virtual stages), plus one layer's
+                backward working set. Recompute (shape.recompute; a training config's
+                parallel.recompute_granularity): full keeps each recompute unit's input (h; uniform: one per
+                recompute_num_layers layers, block: the first recompute_num_layers layers of each model chunk,
+                the rest keep everything) plus the layers being recomputed; selective drops its
+                recompute_modules' tensors (core_attn none: flash attention keeps no scores; mlp 3f; layernorm 2h)
+  context par.  CP ranks share each micro-batch: a rank keeps 1/CP of its tokens' activations, plus each layer's
+                all-gathered keys / values of the whole sequence in place of its own share (2kv x T (1 - 1/CP) more
+                elements per layer); weights and gradients are replicated over CP as over DP; DP = world / (TP PP CP)
   log-prob      the fused log-prob op's backward workspace: one fp32 logits block (logprob_block_mb, at
-                most micro-batch tokens x V/TP x 4 B), its copy in the model dtype for the gradient GEMMs,
-                and grad_hidden's fp32 accumulator (tokens x h x 4 B)
+                most micro-batch tokens / CP x V/TP x 4 B), its copy in the model dtype for the gradient GEMMs,
+                and grad_hidden's fp32 accumulator (tokens / CP x h x 4 B)
   overhead      CUDA context, NCCL buffers, allocator fragmentation: a fixed allowance (assumed)
+`megatron-spo validate` prices a training config with the same function as this plan's column of that config
+(`config_memory`: its optimizer and recompute), so both give one figure.
 Mixture of experts (model.moe; presets qwen3-30b-a3b, qwen3-235b-a22b): the experts' weights, gradients and reference
   copy are split over EP x expert-TP (= TP) x PP, and with the distributed optimizer their Adam state over the
-  expert-data-parallel ranks DP / EP; attention, norms, router and embeddings as a dense model's (TP x PP, state
-  over DP). Activations per token: attention and norms as above plus the router's fp32 logits and probabilities
+  expert-data-parallel ranks DP x CP / EP; attention, norms, router and embeddings as a dense model's (TP x PP, state
+  over DP x CP). Activations per token: attention and norms as above plus the router's fp32 logits and probabilities
   (2 x E) and, for each of the k dispatched copies (balanced routing), the expert input and fc2 output (2h, whole)
   and fc1 + SwiGLU outputs (3F / TP). FLOPs count the active parameters (all but each layer's E - k unrouted
   experts); a push sends every tensor, all L x E x 3 expert tensors included. The router's share of parameters
@@ -44,8 +53,9 @@ own copy of A), bf16, base64 in one HTTP body per engine with one copy per engin
 sends worker_gpus copies (adapter_push.py).
 
 Rollout throughput: trainer step time from model FLOPs (6N per token for forward + backward, +2N with full
-recompute, +2N reference forward, attention 6 L s h per token causal) at an assumed achieved TFLOP/s per
-GPU; the engines must generate online_fraction x global_batch x response tokens per step in that time.
+recompute (selective: none counted), +2N reference forward, attention 6 L s h per token causal) at an assumed
+achieved TFLOP/s per GPU; the engines must generate online_fraction x global_batch x response tokens per step in
+that time.
 """
 
 from __future__ import annotations
@@ -289,15 +299,41 @@ def layer_activation_elements(model: ModelConfig, tp: int, sequence_parallel: bo
     return replicated + split / tp
 
 
+def selective_dropped_elements(model: ModelConfig, tp: int, sequence_parallel: bool,
+                               modules: list[str] | None) -> float:
+    """Activation elements per token one layer no longer keeps under selective recompute of ``modules`` (None:
+    megatron's default, core_attn). core_attn: none (flash / SDPA attention keeps no [s, s] scores, and its inputs
+    Q, K, V and output stay as the checkpoint's inputs and linear_proj's input); mlp: a dense layer's fc1 output 2f
+    and SwiGLU output f over TP (megatron-core does not recompute a MoE layer for mlp); layernorm: the two RMSNorms'
+    outputs 2h (over TP with sequence parallelism)."""
+    dropped = 0.0
+    if "mlp" in (modules or ()) and model.moe is None:
+        dropped += 3 * model.ffn_hidden_size / tp
+    if "layernorm" in (modules or ()):
+        dropped += 2 * model.hidden_size / (tp if sequence_parallel else 1)
+    return dropped
+
+
 def activation_bytes(model: ModelConfig, shape: CapacityConfig, parallel: ParallelConfig, recompute: str,
                      precision: Precision = MEGATRON_BF16,
                      implementation: Literal["megatron", "transformers"] = "megatron") -> float:
-    """Saved activations of the first pipeline stage at the peak of the 1F1B schedule."""
+    """Saved activations of the first pipeline stage at the peak of the 1F1B schedule, bytes on one GPU.
+
+    Context parallelism: a CP rank keeps its 1/CP share of each micro-batch's T tokens (E elements per token per
+    layer, layer_activation_elements) and each layer's all-gathered keys and values of all T tokens in place of its
+    own share: E x T / CP + 2 kv/TP x T x (1 - 1/CP) elements per layer (E x T at CP 1).
+    recompute: none; selective (parallel.recompute_modules: selective_dropped_elements); full (parallel's
+    recompute_method / recompute_num_layers where it sets recompute_granularity full, else uniform over 1 layer),
+    megatron-core's units within each model chunk of L / (PP x VPP) layers."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     sp = parallel.sequence_parallel
     tokens = shape.micro_batch_size * shape.seq_length
-    per_layer = layer_activation_elements(model, tp, sp, implementation) * tokens * precision.activation
+    local = tokens / cp  # this CP rank's share
+    kv_gathered = 2 * model.num_query_groups * model.head_dim / tp * tokens * (1 - 1 / cp)
+    elements = layer_activation_elements(model, tp, sp, implementation)
+    per_layer = (elements * local + kv_gathered) * precision.activation
     microbatches = num_microbatches(shape, parallel)
     in_flight = min(pp, microbatches)
     # Korthikanti et al. 2022: stage 0 holds p micro-batches of L/p layers; interleaving adds (p-1)/(p v).
@@ -306,12 +342,23 @@ def activation_bytes(model: ModelConfig, shape: CapacityConfig, parallel: Parall
         layers_held *= 1 + (pp - 1) / (pp * vp)
     # Backward of one layer holds gradients about as large as that layer's saved activations.
     working_set = per_layer
-    if recompute == "full":
-        layer_input = model.hidden_size * tokens * precision.activation / (tp if sp else 1)
-        return layers_held * layer_input + per_layer + working_set  # + the one layer being recomputed
-    if recompute != "none":
-        raise ConfigError(f"plan: recompute must be 'none' or 'full', got '{recompute}'")
-    return layers_held * per_layer + working_set
+    if recompute == "none":
+        return layers_held * per_layer + working_set
+    if recompute == "selective":
+        dropped = selective_dropped_elements(model, tp, sp, parallel.recompute_modules) * local * precision.activation
+        return layers_held * (per_layer - dropped) + dropped + working_set  # + the one layer's recomputed part
+    if recompute != "full":
+        raise ConfigError(f"plan: recompute must be 'none', 'selective' or 'full', got '{recompute}'")
+    layer_input = model.hidden_size * local * precision.activation / (tp if sp else 1)
+    method, unit = ("uniform", 1)
+    if parallel.recompute_granularity == "full":
+        method, unit = parallel.recompute_method, parallel.recompute_num_layers
+    chunk = math.ceil(model.num_layers / (pp * (vp if pp > 1 else 1)))  # layers of one model chunk
+    unit = min(unit, chunk)
+    if method == "uniform":  # each unit of `unit` layers keeps its input; its backward re-runs `unit` layers
+        return layers_held * layer_input * math.ceil(chunk / unit) / chunk + unit * per_layer + working_set
+    # block: the first `unit` layers of each chunk keep their input, the others every activation
+    return layers_held * (unit * layer_input + (chunk - unit) * per_layer) / chunk + per_layer + working_set
 
 
 def num_microbatches(shape: CapacityConfig, parallel: ParallelConfig) -> int:
@@ -324,9 +371,11 @@ def num_microbatches(shape: CapacityConfig, parallel: ParallelConfig) -> int:
     return shape.global_batch_size // per_step
 
 
-def logprob_workspace_bytes(model: ModelConfig, shape: CapacityConfig, tp: int, precision: Precision) -> float:
-    """Peak extra bytes of the fused log-prob op's backward (megatron_spo/ops/token_logprobs.py)."""
-    tokens = shape.micro_batch_size * shape.seq_length
+def logprob_workspace_bytes(model: ModelConfig, shape: CapacityConfig, tp: int, precision: Precision,
+                            cp: int = 1) -> float:
+    """Peak extra bytes of the fused log-prob op's backward (megatron_spo/ops/token_logprobs.py) on one GPU: its
+    CP rank's 1/CP of the micro-batch's tokens."""
+    tokens = shape.micro_batch_size * shape.seq_length / cp
     block = min(shape.logprob_block_mb * 2**20, tokens * model.padded_vocab_size(tp) / tp * 4)
     block_copy = 0.0 if precision.weight == 4 else block * precision.weight / 4
     return block + block_copy + tokens * model.hidden_size * 4
@@ -334,18 +383,21 @@ def logprob_workspace_bytes(model: ModelConfig, shape: CapacityConfig, tp: int, 
 
 def memory_per_gpu(model: ModelConfig, shape: CapacityConfig, parallel: ParallelConfig, *,
                    distributed_optimizer: bool, recompute: str, precision: Precision = MEGATRON_BF16) -> MemoryBreakdown:
-    """Bytes per GPU of the worst pipeline stage. A MoE model's experts are split over EP x TP x PP and their
-    optimizer state (distributed optimizer) over the expert-data-parallel ranks DP / EP; the dense part's over DP."""
+    """Bytes per GPU of the worst pipeline stage. Weights and gradients are replicated over DP and CP; the
+    distributed optimizer shards the dense part's state over DP x CP (megatron-core's data-parallel group with
+    context parallelism) and a MoE model's experts' (split over EP x TP x PP) over the expert-data-parallel ranks
+    DP x CP / EP."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    dp = parallel.data_parallel_size(shape.trainer_gpus)
+    cp = parallel.context_parallel_size
+    shards = parallel.data_parallel_size(shape.trainer_gpus) * cp
     ep = parallel.expert_model_parallel_size
     split = moe_stage_parameters(model, tp, pp, ep)
     params = split.total
     adapters = lora_parameters(model, shape.lora_rank, tp, pp) if shape.lora_rank else 0
     trained_params = adapters or params  # what has gradients and optimizer state
     # the full model's optimizer-state parameters on this GPU (a critic of the same size has them too)
-    full_state = split.dense / dp + split.experts / (dp // ep) if distributed_optimizer else params
-    optimizer = (adapters / (dp if distributed_optimizer else 1) if adapters else full_state) * precision.optimizer
+    full_state = split.dense / shards + split.experts / (shards // ep) if distributed_optimizer else params
+    optimizer = (adapters / (shards if distributed_optimizer else 1) if adapters else full_state) * precision.optimizer
     trained = params * (precision.weight + precision.grad) + full_state * precision.optimizer
     return MemoryBreakdown(
         weights=(params + adapters) * precision.weight,
@@ -354,7 +406,7 @@ def memory_per_gpu(model: ModelConfig, shape: CapacityConfig, parallel: Parallel
         activations=activation_bytes(model, shape, parallel, recompute, precision),
         reference=params * precision.reference if shape.reference_model and not shape.lora_rank else 0.0,
         value_model=trained if shape.value_model else 0.0,
-        logprob_workspace=logprob_workspace_bytes(model, shape, tp, precision),
+        logprob_workspace=logprob_workspace_bytes(model, shape, tp, precision, cp),
         overhead=shape.overhead_gb * GB,
     )
 
@@ -462,10 +514,19 @@ def throughput(model: ModelConfig, shape: CapacityConfig, recompute: str, sync_s
 # The plan
 # ---------------------------------------------------------------------------------------------
 SCENARIOS = [(False, "none"), (True, "none"), (False, "full"), (True, "full")]
+RECOMPUTE_NAMES = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}
 
 
 def scenario_name(distributed: bool, recompute: str) -> str:
-    return f"{'dist-opt' if distributed else 'plain opt'}, {'full recompute' if recompute == 'full' else 'no recompute'}"
+    return f"{'dist-opt' if distributed else 'plain opt'}, {RECOMPUTE_NAMES[recompute]}"
+
+
+def config_memory(model: ModelConfig, shape: CapacityConfig, parallel: ParallelConfig) -> MemoryBreakdown:
+    """Bytes per GPU of the run itself: its optimizer (parallel.use_distributed_optimizer) and recompute
+    (shape.recompute: capacity_shape takes a training config's parallel.recompute_granularity). The plan's column
+    of that config and `megatron-spo validate`'s figure, one function."""
+    return memory_per_gpu(model, shape, parallel, distributed_optimizer=parallel.use_distributed_optimizer,
+                          recompute=shape.recompute)
 
 
 def moe_summary(model: ModelConfig, shape: CapacityConfig) -> dict | None:
@@ -487,27 +548,31 @@ def moe_summary(model: ModelConfig, shape: CapacityConfig) -> dict | None:
 def make_plan(model: ModelConfig, parallel: ParallelConfig, shape: CapacityConfig) -> dict:
     parallel.check(model, shape.trainer_gpus)
     sync = weight_sync(model, shape)
-    chosen_recompute = shape.recompute
     memory = {}
     for distributed, recompute in SCENARIOS:
         m = memory_per_gpu(model, shape, parallel, distributed_optimizer=distributed, recompute=recompute)
         memory[scenario_name(distributed, recompute)] = {**m.as_gb(), "fits": m.total <= shape.gpu_memory_gb * GB}
-    tput = throughput(model, shape, chosen_recompute, sync.overlapped_s)
+    chosen = scenario_name(parallel.use_distributed_optimizer, shape.recompute)
+    m = config_memory(model, shape, parallel)  # the figure validate gives (a selective column added here)
+    memory[chosen] = {**m.as_gb(), "fits": m.total <= shape.gpu_memory_gb * GB}
+    tput = throughput(model, shape, shape.recompute, sync.overlapped_s)
     bucket_sweep = {} if shape.lora_rank else {mb: weight_sync(model, shape, mb).overlapped_over_floor
                                                 for mb in (64, 128, 256, 512, 1024, 2048)}
     dp, ep = parallel.data_parallel_size(shape.trainer_gpus), parallel.expert_model_parallel_size
+    cp = parallel.context_parallel_size
     return {
         "model": {"parameters": model.num_parameters(), "layers": model.num_layers, "hidden": model.hidden_size,
                   "vocab": model.vocab_size,
                   "lora_parameters": lora_parameters(model, shape.lora_rank) if shape.lora_rank else 0,
                   "moe": moe_summary(model, shape)},
         "layout": {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
-                   "vpp": parallel.virtual_pipeline_model_parallel_size or 1,
-                   "dp": dp, "ep": ep, "expert_dp": dp // ep,
+                   "vpp": parallel.virtual_pipeline_model_parallel_size or 1, "cp": cp,
+                   "dp": dp, "ep": ep, "expert_dp": dp * cp // ep,
                    "sequence_parallel": parallel.sequence_parallel,
                    "microbatches": num_microbatches(shape, parallel)},
         "shape": shape.model_dump(),
         "memory_gb": memory,
+        "config_scenario": chosen,  # the run's own column: its optimizer and recompute (config_memory)
         "weight_sync": {**asdict(sync), "sequential_over_floor": sync.sequential_over_floor,
                         "overlapped_over_floor": sync.overlapped_over_floor,
                         "overlapped_over_floor_by_bucket_mb": bucket_sweep,
@@ -526,7 +591,8 @@ def print_plan(plan: dict, title: str) -> None:
     console = Console(width=max(Console().width, 132))
     lay, shape = plan["layout"], plan["shape"]
     console.print(f"[bold]{title}[/bold]: {plan['model']['parameters'] / 1e9:.2f}B params; trainer "
-                  f"{shape['trainer_gpus']} GPUs = TP {lay['tp']} x PP {lay['pp']} (VPP {lay['vpp']}) x DP {lay['dp']}"
+                  f"{shape['trainer_gpus']} GPUs = TP {lay['tp']} x PP {lay['pp']} (VPP {lay['vpp']})"
+                  f"{'' if lay['cp'] == 1 else ' x CP ' + str(lay['cp'])} x DP {lay['dp']}"
                   f"{'' if lay['ep'] == 1 else ' (EP ' + str(lay['ep']) + ', expert-DP ' + str(lay['expert_dp']) + ')'}"
                   f"{', sequence parallel' if lay['sequence_parallel'] else ''}; micro-batch "
                   f"{shape['micro_batch_size']} x seq {shape['seq_length']}, global batch {shape['global_batch_size']} "
@@ -541,6 +607,9 @@ def print_plan(plan: dict, title: str) -> None:
         mem.add_row(row, *[f"{v[row]:.1f}" for v in plan["memory_gb"].values()])
     mem.add_row("fits", *["[green]yes[/green]" if v["fits"] else "[red]no[/red]" for v in plan["memory_gb"].values()])
     console.print(mem)
+    own = plan["memory_gb"][plan["config_scenario"]]
+    console.print(f"this config ({plan['config_scenario']}): {own['total']:.1f} GB per GPU, "
+                  f"{'fits' if own['fits'] else '[red]does not fit[/red]'} (what megatron-spo validate checks)")
     moe = plan["model"].get("moe")
     if moe:
         console.print(f"MoE: {moe['num_experts']} experts, top-{moe['router_topk']}; "
@@ -700,13 +769,13 @@ TRAIN_KEYS = ("init", "batch", "sources", "algo", "rollout")  # a training confi
 
 
 def capacity_shape(cfg, world_size: int, gpu_memory_gb: float | None = None) -> dict:
-    """CapacityConfig fields of this training config: its batch, sequence length, micro-batch token budget,
-    online share, rollout length, push interval, value model, log-prob block and bucket size."""
+    """CapacityConfig fields of this training config: its batch, sequence length, micro-batch token budget (whole
+    sequences, before the CP split), online share, rollout length, push interval, value model, recompute, log-prob
+    block and bucket size."""
     from megatron_spo.training.algos import algorithm_class
 
     b, weights = cfg.batch, {n: s.weight for n, s in cfg.sources.items()}
-    p = cfg.parallel
-    dp = max(1, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
+    dp = cfg.parallel.data_parallel_size(world_size)
     # the trainer packs by tokens; the plan counts whole sequences per micro-batch, a divisor of each DP
     # rank's share of the batch (rounded up to a multiple of DP: memory does not depend on it)
     global_batch = -(-b.sequences_per_step // dp) * dp
@@ -716,7 +785,8 @@ def capacity_shape(cfg, world_size: int, gpu_memory_gb: float | None = None) -> 
                  micro_batch_size=micro,
                  response_tokens=cfg.rollout.max_new_tokens, online_fraction=weights.get("online", 0.0) / sum(
                      weights.values()), model_update_interval=cfg.model_update_interval,
-                 value_model=algorithm_class(cfg.algo).uses_value_model, weight_sync_bucket_mb=cfg.rollout.weight_bucket_mb)
+                 value_model=algorithm_class(cfg.algo).uses_value_model, weight_sync_bucket_mb=cfg.rollout.weight_bucket_mb,
+                 recompute=cfg.parallel.recompute_granularity or "none")
     if cfg.logprobs.max_block_bytes:
         shape["logprob_block_mb"] = cfg.logprobs.max_block_bytes / 2**20
     if gpu_memory_gb:
@@ -761,6 +831,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tp", type=positive_int, help="tensor parallel size (default: the preset's)")
     parser.add_argument("--pp", type=positive_int, help="pipeline parallel size (default: the preset's)")
     parser.add_argument("--vpp", type=non_negative_int, help="virtual pipeline stages (0: none)")
+    parser.add_argument("--cp", type=positive_int, help="context parallel size (default: the preset's)")
     parser.add_argument("overrides", nargs="*", help="dotted CapacityConfig overrides, e.g. seq_length=8192")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--measured", metavar="STEP_BENCH_JSON",
@@ -801,11 +872,14 @@ def main(argv: list[str]) -> int:
         updates["pipeline_model_parallel_size"] = args.pp
     if args.vpp is not None:
         updates["virtual_pipeline_model_parallel_size"] = args.vpp or None
+    if args.cp:
+        updates["context_parallel_size"] = args.cp
     if updates:
         parallel = build_config(ParallelConfig, {**parallel.model_dump(), **updates}, "command line")
     from_train = train_config_shape(args.config, data) if args.config else {}
     measured = measured_throughput(args.measured) if args.measured else None
-    base = {**from_train, **data.get("plan", {})}
+    # the layout's own recompute unless the training config's (the same) or its plan section says otherwise
+    base = {"recompute": parallel.recompute_granularity or "none", **from_train, **data.get("plan", {})}
     if measured is not None:
         base["achieved_tflops_per_gpu"] = measured["tflops"]
     shape = build_config(CapacityConfig, apply_overrides(base, args.overrides), args.config or "command line")

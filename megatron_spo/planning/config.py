@@ -21,15 +21,17 @@ class CapacityConfig(StrictModel):
     seq_length: int = Field(4096, gt=0, description="prompt + response tokens per (packed) sequence")
     response_tokens: int = Field(2048, gt=0, description="generated tokens per sequence (rollout cost)")
     online_fraction: float = Field(1.0, ge=0, le=1, description="share of each batch generated online")
-    recompute: Literal["none", "full"] = Field("none", description="activation recompute used for throughput")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="the run's activation recompute (a training config's parallel.recompute_granularity): "
+        "its own memory column (what validate checks) and the step's FLOPs")
     reference_model: bool = True
     value_model: bool = Field(False, description="PPO critic of the same size (weights, grads, optimizer)")
     lora_rank: int = Field(0, ge=0, description="LoRA rank on every layer's linears (the trainer's lora, all four "
                            "targets); 0: full training. With LoRA the base is frozen (no gradients or optimizer "
                            "state of its own), pi_0 is the policy with the adapters off (no reference weights), "
                            "and a push sends the adapters alone")
-    logprob_block_mb: float = Field(512.0, gt=0, description="one fp32 logits block of the fused log-prob op, "
-                                    "MiB (train.logprobs.max_block_bytes; 512 is its default on a GPU)")
+    logprob_block_mb: float = Field(64.0, gt=0, description="one fp32 logits block of the fused log-prob op, "
+                                    "MiB (a training config's logprobs.max_block_bytes; 64 is its default)")
     overhead_gb: float = Field(4.0, ge=0, description="CUDA context, NCCL buffers, fragmentation (assumed)")
     achieved_tflops_per_gpu: float = Field(400.0, gt=0, description="bf16 model TFLOP/s a trainer GPU sustains")
     model_update_interval: int = Field(10, gt=0, description="trainer steps between weight syncs")
