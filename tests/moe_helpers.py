@@ -11,6 +11,7 @@ from pathlib import Path
 
 import models_helpers
 import torch
+import trainer_helpers
 
 VOCAB, SEQ = 203, 24
 # 6 experts, top-2, hidden 37, head_dim 12, expert intermediate 22, dense intermediate 45 (not used by any layer)
@@ -211,39 +212,11 @@ class DrawCountedSource:
         self.drawn = state["drawn"]
 
 
-class EngineSource(DrawCountedSource):
-    """Online trajectories sampled by the local engine (rollout/local_engine.py) from ``hf_dir``, with the engine's
-    log-probs and routed experts, as the rollout manager builds them: groups of 4 samples per prompt at T = 1."""
+class EngineSource(trainer_helpers.EngineSource):
+    """The local engine's samples of the MoE model at T = 1 with its routed experts (trainer_helpers.EngineSource)."""
 
-    def __init__(self, hf_dir: str, dtype: str = "float32", seed: int = 0, prompt_len: int = 6, new_tokens: int = 10):
-        from megatron_spo.rollout.local_engine import LocalEngine
-
-        self.engine = LocalEngine(hf_dir, dtype=dtype, seed=seed, return_routed_experts=True)
-        self.g = torch.Generator().manual_seed(seed)
-        self.prompt_len, self.new_tokens, self.drawn = prompt_len, new_tokens, 0
-
-    def take(self, k: int, timeout_s: float | None = None) -> list:
-        from megatron_spo.data.routes import RoutedExperts
-        from megatron_spo.rollout.local_engine import Req
-        from megatron_spo.rollout.manager import Trajectory
-        from megatron_spo.rollout.protocol import SamplingParams
-
-        params = SamplingParams(max_new_tokens=self.new_tokens, temperature=1.0, top_p=1.0)
-        reqs, prompt = [], []
-        for i in range(k):
-            if i % 4 == 0:  # a group of 4 samples per prompt
-                prompt = torch.randint(1, VOCAB, (self.prompt_len,), generator=self.g).tolist()
-            reqs.append(Req(prompt, params, f"r{self.drawn + i}", routes=[]))
-        self.engine.generate(reqs)
-        out = []
-        for i, r in enumerate(reqs):
-            routes = RoutedExperts.from_array(torch.cat(r.routes).numpy())
-            out.append(Trajectory(prompt_id=f"p{(self.drawn + i) // 4}", prompt_tokens=r.prompt,
-                                  response_tokens=r.output_ids, reward=-float(r.output_ids[0] % 2), source="online",
-                                  policy_version=0, behaviour_logprobs=r.logprobs, q0=-0.5, temperature=1.0,
-                                  top_p=1.0, routed_experts=routes))
-        self.drawn += k
-        return out
+    def __init__(self, hf_dir: str, dtype: str = "float32", seed: int = 0):
+        super().__init__(hf_dir, dtype=dtype, seed=seed, routes=True)
 
 
 def train_cfg(run_dir: str, hf_dir: str, replay: str, *, steps: int = 1, pack: bool = True) -> dict:

@@ -100,15 +100,14 @@ def test_grpo_learns_the_best_arm_of_a_bandit():
     assert torch.softmax(logits, 0)[2] > 0.95
 
 
-def test_grpo_and_ppo_refuse_behaviour_logprobs_of_another_distribution():
+def test_grpo_is_on_policy_and_grpo_and_ppo_take_any_sampling_temperature():
+    """Their log-probs are of each row's sampling temperature (tests/test_sampler_temperature.py): the paper's
+    sampling (T ~ U(0.1, 0.8), top-p 0.95) is accepted."""
     from megatron_spo.training.config import TrainConfig
 
     base = dict(init={"hf": "x"})
     for algo in ("grpo", "ppo"):
-        with pytest.raises(ValueError, match=rf"rollout.temperature_range: algo {algo} takes importance ratios "
-                                             r"against the engines' log-probs.*got \[0.1, 0.8\], top_p 0.95"):
-            TrainConfig.model_validate({**base, "algo": algo})
-        TrainConfig.model_validate({**base, "algo": algo, "rollout": {"temperature_range": [1.0, 1.0], "top_p": 1.0}})
+        assert tuple(TrainConfig.model_validate({**base, "algo": algo}).rollout.temperature_range) == (0.1, 0.8)
     with pytest.raises(ValueError, match="algo grpo is on-policy: use only the 'online' source"):
         TrainConfig.model_validate({**base, "algo": "grpo", "rollout": {"temperature_range": [1, 1], "top_p": 1},
                                     "sources": {"online": {}, "offline": {"path": "x"}}})

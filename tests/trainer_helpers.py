@@ -51,6 +51,58 @@ class DeterministicSource:
         self.drawn = state["drawn"]
 
 
+class EngineSource:
+    """Online trajectories sampled by the local engine (rollout/local_engine.py, SGLang's sampling rules) from
+    ``hf_dir``, as the rollout manager builds them: groups of 4 samples per prompt at ``temperature`` / ``top_p``
+    with the engine's log-probs (log softmax(logits / T), as SGLang reports them); a temperature range (lo, hi): T ~
+    U(lo, hi) per request, as the rollout manager draws it; ``routes``: with the experts the engine routed each token
+    to (an MoE model). Rewards: -(first response token odd)."""
+
+    def __init__(self, hf_dir: str, dtype: str = "float32", seed: int = 0, prompt_len: int = 6, new_tokens: int = 10,
+                 temperature: float | tuple[float, float] = 1.0, top_p: float = 1.0, routes: bool = False):
+        from megatron_spo.rollout.local_engine import LocalEngine
+
+        self.engine = LocalEngine(hf_dir, dtype=dtype, seed=seed, return_routed_experts=routes)
+        self.g = torch.Generator().manual_seed(seed)
+        self.prompt_len, self.new_tokens, self.drawn = prompt_len, new_tokens, 0
+        self.temperature, self.top_p, self.routes = temperature, top_p, routes
+
+    def take(self, k: int, timeout_s: float | None = None) -> list:
+        from megatron_spo.rollout.local_engine import Req
+        from megatron_spo.rollout.manager import Trajectory
+        from megatron_spo.rollout.protocol import SamplingParams
+
+        reqs, prompt = [], []
+        for i in range(k):
+            if i % 4 == 0:  # a group of 4 samples per prompt
+                prompt = torch.randint(1, self.engine.vocab_size, (self.prompt_len,), generator=self.g).tolist()
+            t = self.temperature
+            if isinstance(t, tuple):
+                t = t[0] + (t[1] - t[0]) * float(torch.rand((), generator=self.g))
+            params = SamplingParams(max_new_tokens=self.new_tokens, temperature=t, top_p=self.top_p)
+            reqs.append(Req(prompt, params, f"r{self.drawn + i}", routes=[] if self.routes else None))
+        self.engine.generate(reqs)
+        out = []
+        for i, r in enumerate(reqs):
+            extra = {}
+            if self.routes:
+                from megatron_spo.data.routes import RoutedExperts
+
+                extra["routed_experts"] = RoutedExperts.from_array(torch.cat(r.routes).numpy())
+            out.append(Trajectory(prompt_id=f"p{(self.drawn + i) // 4}", prompt_tokens=r.prompt,
+                                  response_tokens=r.output_ids, reward=-float(r.output_ids[0] % 2), source="online",
+                                  policy_version=0, behaviour_logprobs=r.logprobs, q0=-0.5,
+                                  temperature=r.params.temperature, top_p=self.top_p, **extra))
+        self.drawn += k
+        return out
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = state["drawn"]
+
+
 def guide_file(root) -> str:
     """Demonstrations for prompts p0 and p2 (DeterministicSource's first groups of steps 1 and 2; p1, p3 get none)."""
     path = os.path.join(str(root), "guide.jsonl")
@@ -207,3 +259,18 @@ def train_recording_determinism(cfg_data: dict, out_file: str) -> None:
         trainer.close()
     with open(out_file, "w") as f:
         json.dump({"during": source.seen, "after": torch.are_deterministic_algorithms_enabled()}, f)
+
+
+def train_on_engine_samples(runs: list[tuple[dict, dict]]) -> None:
+    """One rank: each (config, EngineSource keyword arguments) trains on the local engine's samples of its init.hf
+    model; the metrics are in its run_dir."""
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    for i, (cfg_data, source) in enumerate(runs):
+        cfg = TrainConfig.model_validate(cfg_data)
+        trainer = Trainer(cfg, online_source=EngineSource(cfg.init.hf, **source))
+        try:
+            trainer.train()
+        finally:
+            trainer.close(keep_process_group=i < len(runs) - 1)

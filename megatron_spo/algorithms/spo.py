@@ -171,7 +171,9 @@ def regression_loss(pred_q: Tensor, target_q: Tensor, loss: str | Callable, beta
 @dataclass(frozen=True)
 class SPOInputs:
     """One batch of sequences. Per token [B, T]: logp, ref_logp (log pi, log pi_0 of the sampled tokens), mask
-    (!= 0 on response tokens), behaviour_logp (log mu of the sampler, rows of zeros = none; the trust region's).
+    (!= 0 on response tokens), behaviour_logp (log mu of the sampler, rows of zeros = none; the trust region's),
+    sampler_logp (the policy's own log-probs at each row's sampling temperature, log softmax(logits / T), no grad:
+    what the trust region compares with behaviour_logp, both being of one distribution; None: logp, rows at T = 1).
     Per sequence [B]: reward, q0, group (prompt-group ids: centring's and the policy-gradient term's groups; None:
     one group), coefficient_baseline (the baselines coefficient_baseline subtracts), weights (default uniform).
     Objective 'mc': mc_positions [B, K] (token index into T, -1 = no target) with mc_success [B, K] (success
@@ -185,6 +187,7 @@ class SPOInputs:
     group: Tensor | None = None
     coefficient_baseline: Tensor | None = None
     behaviour_logp: Tensor | None = None
+    sampler_logp: Tensor | None = None
     mc_positions: Tensor | None = None
     mc_success: Tensor | None = None
     mc_q: Tensor | None = None
@@ -311,7 +314,8 @@ def spo_loss(inputs: SPOInputs, *, beta: float, objective: str, loss: str | Call
     _check_beta(where, beta)
     i = inputs
     valid = check_token_inputs(where, i.mask,
-                               {"logp": i.logp, "ref_logp": i.ref_logp, "behaviour_logp": i.behaviour_logp},
+                               {"logp": i.logp, "ref_logp": i.ref_logp, "behaviour_logp": i.behaviour_logp,
+                                "sampler_logp": i.sampler_logp},
                                {"reward": i.reward, "q0": i.q0, "weights": i.weights})
     if objective != "mc" and any(x is not None for x in (i.mc_positions, i.mc_success, i.mc_q)):
         raise ValueError(f"{where}: mc_positions / mc_success / mc_q are only used by objective 'mc'")

@@ -72,12 +72,15 @@ def trust_region(terms: SPOTerms, *, limit: float) -> SPOTerms:
     """PPO's clip against the sampler mu (inputs.behaviour_logp; rows of zeros are not clipped): a token's gradient
     is dropped once log(pi / mu) has moved past +-limit in the direction its sequence's coefficient pushes it, so
     one batch cannot carry the policy far from the distribution that sampled it. The loss value is unchanged.
-    Metric trust_region_clipped: the share of response tokens frozen."""
+    pi and mu are of one distribution: mu = log softmax(logits / T) at the row's sampling temperature T (as the
+    engines report it), pi = inputs.sampler_logp, the policy's log-probs at the same T (logp where None: T = 1), so
+    the weights that sampled clip nothing. Metric trust_region_clipped: the share of response tokens frozen."""
     c = terms.need_coefficient("trust_region")
     i = terms.inputs
     if i.behaviour_logp is None or not limit > 0:
         raise ValueError(f"{terms.where}: trust_region needs a value > 0 and behaviour_logp (got {limit!r})")
-    frozen = _outside_trust_region(i.logp, i.behaviour_logp, i.mask, c, limit)
+    current = i.logp if i.sampler_logp is None else upcast(i.sampler_logp).to(i.logp.dtype)
+    frozen = _outside_trust_region(current, i.behaviour_logp, i.mask, c, limit)
     clipped = float(frozen.sum() / i.mask.to(i.logp.dtype).sum())
     return terms.replace(frozen=frozen if terms.frozen is None else terms.frozen | frozen,
                          metrics={**terms.metrics, "trust_region_clipped": clipped})

@@ -53,6 +53,10 @@ class TrainBatch:
     # [B, L, layers, top_k] int32: the experts the engine routed each input token to (routing replay); -1 where
     # the router chooses itself (rows without routes, padding). None: no row of the batch carries routes
     routes: torch.Tensor | None = None
+    # [B, L] float, no grad: the policy's log-probs of the targets at each row's behaviour temperature (log softmax
+    # (logits / T), as the engines report theirs), set by the trainer for a training pass's loss where a row was
+    # sampled at T != 1 (its other rows: the T = 1 log-probs). None: every row's behaviour is of T = 1, or none
+    sampler_logp: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:

@@ -99,7 +99,7 @@ class QuickstartTrainConfig(StrictModel):
                                        "behaviour_correction (tis | mis) is on")
     temperature_range: tuple[float, float] = (0.7, 1.0)
     top_p: float = Field(1.0, gt=0, le=1, description="sampling top-p of the online rollouts (the paper: 0.95); "
-                         "algorithms taking importance ratios need 1.0")
+                         "the on-policy ones (PPO, GRPO) sample at T 1, top-p 1 here, the SPO paper's PPO setting")
     max_new_tokens: int = Field(96, gt=0)
     eval_interval: int = Field(0, ge=0, description="held-out pass@k through the engines every this many steps "
                                "during training (the trainer's eval.interval; eval_n samples at eval_temperature "

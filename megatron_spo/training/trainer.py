@@ -17,6 +17,7 @@ Each step:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -266,11 +267,13 @@ class Trainer:
         return payload[0], time.perf_counter() - t0
 
     def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
-                        layout, return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        layout, return_entropy: bool = False, temperature: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B, L] log-probs of targets, [B, L] entropies or None) from final hidden states [N, H] of the layout's
         tokens (models/packing.py: Packed, or Padded with N = B * L) via the fused vocab-parallel op; 0 where
         loss_mask [B, L] is 0 (prompt and padding positions skip the LM-head GEMMs). The entropy comes from the
-        same blocks of logits (no extra GEMM) and takes no gradient.
+        same blocks of logits (no extra GEMM) and takes no gradient. temperature [B]: log softmax(logits / T_b) of
+        each row (logits are linear in the hidden state: the hidden states are divided, with their gradient).
 
         The op owns the LM-head matmul, so it also all-reduces the hidden gradient over TP ranks (under
         sequence parallelism the model has already gathered the sequence: builders.output_hidden_states)."""
@@ -278,6 +281,9 @@ class Trainer:
         from megatron_spo.ops import token_logprobs
 
         tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.parallel.tensor_model_parallel_size > 1 else None
+        if temperature is not None and bool((temperature != 1.0).any()):
+            per_token = layout.gather(temperature.to(hidden)[:, None].expand(targets.shape).contiguous(), fill=1.0)
+            hidden = hidden / per_token[:, None]
         targets = layout.gather(targets.masked_fill(loss_mask == 0, IGNORE_INDEX), fill=IGNORE_INDEX)
         out = token_logprobs(hidden, lm_head_weight(chunk), targets,
                              tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_start_index=lm_head_vocab_start(chunk),
@@ -333,6 +339,8 @@ class Trainer:
         virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
         # the policy's entropy, logged from its training pass (its gradient is never asked for: no extra work)
         want_entropy = output == "logp" and not forward_only and self.cfg.logging.policy_entropy
+        # importance ratios against the engines' log-probs: every log-prob pass at the rows' sampling temperatures
+        tempered = self.algorithm.uses_behaviour_logprobs
 
         def forward_step(data_iterator, model):
             index, mb = next(data_iterator)
@@ -352,14 +360,27 @@ class Trainer:
                 return out, None
             # [rows, S, ...] -> the layout's tokens [N, ...]
             out, entropy = (out[0] if packed else layout.gather(out[:mb.num_sequences])), None
+            sampler = None
             if output == "logp":
                 hidden = out
-                out, entropy = self._token_logprobs(model, hidden, mb.targets, mb.loss_mask, layout, want_entropy)
+                temperature = sampling_temperature(mb)
+                out, entropy = self._token_logprobs(model, hidden, mb.targets, mb.loss_mask, layout, want_entropy,
+                                                    temperature=temperature if tempered else None)
+                if tempered:  # already of the samplers' temperatures
+                    sampler = out.detach()
+                elif (not forward_only or gap is not None) and bool((temperature != 1.0).any()):
+                    with torch.no_grad():  # one LM-head pass over the rows sampled at T != 1
+                        hot = (temperature != 1.0).to(mb.loss_mask.dtype)[:, None]
+                        tempered_rows, _ = self._token_logprobs(model, hidden.detach(), mb.targets,
+                                                                mb.loss_mask * hot, layout, temperature=temperature)
+                    sampler = torch.where(hot.bool(), tempered_rows, out.detach())
                 if gap is not None:
-                    self._measure_gap(gap, model, hidden, mb, out, layout)
+                    self._measure_gap(gap, mb, out.detach() if sampler is None else sampler)
             else:
                 out = layout.unpack(out)
-            return out, partial(_loss_wrapper, loss_fn, index, mb, entropy=entropy)
+            # the loss compares the samplers' log-probs with the policy's at their temperature (algorithms' rule)
+            loss_mb = mb if sampler is None or tempered else dataclasses.replace(mb, sampler_logp=sampler)
+            return out, partial(_loss_wrapper, loss_fn, index, loss_mb, entropy=entropy)
 
         n_global = self.cfg.batch.sequences_per_step
 
@@ -397,24 +418,14 @@ class Trainer:
             return tp_share(flat) if sp else flat
         return router_order(pad_rows(mb.routes, rows, -1), sequence_parallel=sp)
 
-    def _measure_gap(self, gap: GapPass, chunk, hidden: torch.Tensor, mb: TrainBatch, logp: torch.Tensor,
-                     layout) -> None:
+    def _measure_gap(self, gap: GapPass, mb: TrainBatch, sampler_logp: torch.Tensor) -> None:
         """Add this micro-batch's engine-vs-trainer log-prob gap (training/logprob_gap.py) to gap. The engines
-        report log softmax(logits / T): rows sampled at T != 1 get the trainer's log-probs of hidden / T (one
-        no-grad LM-head pass over those rows' response tokens; logits are linear in the hidden state).
-        hidden: [N, H] final hidden states of the layout's tokens."""
+        report log softmax(logits / T): sampler_logp [B, L] is the trainer's at each row's sampling temperature."""
         rows, current, kl = measured_rows(mb, gap.version)
         if not bool(rows.any()):
             return
-        temperature = mb.behaviour_temperature.to(hidden.device)
-        if bool((temperature[rows] != 1.0).any()):
-            scale = torch.where(rows, temperature, torch.ones_like(temperature)).to(hidden.dtype)
-            per_token = layout.gather(scale[:, None].expand(mb.input_ids.shape).contiguous(), fill=1.0)
-            with torch.no_grad():
-                logp, _ = self._token_logprobs(chunk, hidden.detach() / per_token[:, None], mb.targets,
-                                               mb.loss_mask * rows[:, None].to(mb.loss_mask.dtype), layout)
-        gap.current = gap.current.add(gap_tally(logp, mb.behaviour_logp, mb.loss_mask, current, kl))
-        gap.every = gap.every.add(gap_tally(logp, mb.behaviour_logp, mb.loss_mask, rows, kl))
+        gap.current = gap.current.add(gap_tally(sampler_logp, mb.behaviour_logp, mb.loss_mask, current, kl))
+        gap.every = gap.every.add(gap_tally(sampler_logp, mb.behaviour_logp, mb.loss_mask, rows, kl))
 
     def _collect(self, store: list, n: int) -> list:
         """Per-micro-batch outputs of a forward-only pass, indexed by micro-batch (last pipeline stage;
@@ -793,6 +804,14 @@ class Trainer:
             parallel_state.destroy_model_parallel()
         else:
             destroy_parallel()
+
+
+def sampling_temperature(mb: TrainBatch) -> torch.Tensor:
+    """[B] the temperature each row's behaviour log-probs are of (the engines report log softmax(logits / T)); 1
+    for rows without behaviour log-probs or a known temperature (greedy rows report the raw log-probs: 1)."""
+    t = mb.behaviour_temperature.to(mb.loss_mask.device)
+    has = (mb.behaviour_logp != 0).any(1).to(t.device)
+    return torch.where(has & torch.isfinite(t) & (t > 0), t, torch.ones_like(t))
 
 
 def check_routes(trajs: list, model_cfg) -> None:

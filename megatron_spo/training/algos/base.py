@@ -58,7 +58,9 @@ class Algorithm:
     # whole prompt groups per micro-batch wherever each fits the token budget (cut only those that do not)
     prefers_prompt_groups: ClassVar[bool] = False
     on_policy: ClassVar[bool] = False  # only the online source; weights pushed every step
-    # importance ratios against the engines' log-probs: those must be of the distribution that sampled
+    # importance ratios against the engines' log-probs (which are log softmax(logits / T) of the sampling
+    # temperature): every log-prob pass of the step (policy, pi_old, reference) is then of each row's own sampling
+    # temperature, as verl and slime compute theirs; rows without a known temperature at T = 1
     uses_behaviour_logprobs: ClassVar[bool] = False
     # its loss reads each trajectory's Q0 (SPO): every prompt it trains on needs one, from task.q0_path or the
     # record itself (training/online.py, training/sources.py refuse a missing one; Q0 = 0 is not neutral)
@@ -85,12 +87,6 @@ class Algorithm:
                              f"(got {', '.join(sorted(cfg.sources))})")
         if cfg.beta is not None and cfg.beta <= 0 and cls.default_beta > 0:
             raise ValueError(f"beta: algo {cls.name} needs beta > 0, got {cfg.beta}")
-        r = cfg.rollout
-        if cls.uses_behaviour_logprobs and (tuple(r.temperature_range) != (1.0, 1.0) or r.top_p != 1.0):
-            raise ValueError(f"rollout.temperature_range: algo {cls.name} takes importance ratios against the "
-                             f"engines' log-probs, which are of the distribution that sampled: set "
-                             f"rollout.temperature_range [1.0, 1.0] and rollout.top_p 1.0 (got "
-                             f"{list(r.temperature_range)}, top_p {r.top_p})")
         if cfg.reference_refresh_interval and cls.uses_q0:
             for name, src in cfg.sources.items():
                 if not (src.centred(name) and src.loss == "squared"):

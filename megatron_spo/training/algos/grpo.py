@@ -1,7 +1,8 @@
 """GRPO (algorithms/grpo.py): group-normalised advantages and a clipped ratio against the engines' log-probs.
 
-Micro-batches keep whole prompt groups (the advantages need the group), the behaviour log-probs must be of the
-sampling distribution (T = 1, top-p 1), and the loss is normalised over the WHOLE step: sequence_mean divides
+Micro-batches keep whole prompt groups (the advantages need the group), every log-prob of the step (policy, pi_old,
+reference) is the trainer's at each row's sampling temperature (log softmax(logits / T), as the engines report
+theirs; verl's and slime's convention), and the loss is normalised over the WHOLE step: sequence_mean divides
 by the step's sequences, token_mean by its response tokens, however micro-batches and data-parallel ranks cut
 it (the trainer scales each micro-batch loss by n_mb / n_global; this returns the sum over that).
 With grpo.behaviour_correction (tis | mis) samples may be stale: the step first recomputes the policy's own

@@ -65,9 +65,9 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
             raise ValueError(f"spo: the batch has trajectories of source '{source}' but the config names no "
                              f"objective for it (configured: {', '.join(sorted(objectives))})")
         objective, loss_name = objectives[source]
-        lp, rlp, mask, reward, q0, group, behaviour, mc_pos, mc_succ, baseline = _rows(
+        lp, rlp, mask, reward, q0, group, behaviour, sampler, mc_pos, mc_succ, baseline = _rows(
             batch, rows, logp, ref_logp, batch.loss_mask, batch.reward, batch.q0, batch.group,
-            batch.behaviour_logp, batch.mc_positions, batch.mc_success, coefficient_baseline)
+            batch.behaviour_logp, batch.sampler_logp, batch.mc_positions, batch.mc_success, coefficient_baseline)
         steps = (transforms or {}).get(source, ())
         centred = any(is_centring(t) for t in steps)
         step_wide = centred and baseline is not None
@@ -79,7 +79,7 @@ def spo_batch_loss(batch: TrainBatch, logp: Tensor, ref_logp: Tensor, *, beta: f
         mc = dict(mc_positions=mc_pos, mc_success=mc_succ) if objective == "mc" else {}
         inputs = algorithms.SPOInputs(lp, rlp, mask, reward, q0, group=whole_groups,
                                       coefficient_baseline=baseline if step_wide else None,
-                                      behaviour_logp=behaviour, **mc)
+                                      behaviour_logp=behaviour, sampler_logp=sampler, **mc)
         loss, m = algorithms.spo_loss(inputs, beta=beta, objective=objective, loss=loss_name, transforms=steps)
         total = total + loss * (len(rows) / n)
         weights = {k: len(rows) for k in m}
