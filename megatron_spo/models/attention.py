@@ -11,6 +11,8 @@ np / ng are this tensor-parallel rank's query heads / key-value groups. The kern
 scaled_dot_product_attention (flash / memory-efficient / cuDNN on a GPU, the flash kernel on a CPU), causal,
 with ``enable_gqa`` so K/V are not repeated. Packed sequences run each sequence of the pack on its own: torch's
 varlen flash kernel on a GPU in half precision, else one SDPA call per sequence (exact, memory linear).
+Under context parallelism (config.context_parallel_size > 1) each rank holds 2 chunks of every sequence and attends
+them to the whole sequence's keys / values, all-gathered over the CP group (models/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ def _tp_size(pg_collection) -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
+def _cp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
 def _module_base():
     from megatron.core.transformer.module import MegatronModule
 
@@ -77,9 +85,9 @@ class SDPAttention(_module_base()):
         super().__init__(config=config)
         from megatron.core.transformer.enums import AttnMaskType
 
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention: context parallelism needs Transformer Engine's attention "
-                             f"(context_parallel_size = {config.context_parallel_size})")
+        self.cp_group = None  # context parallelism: this rank's chunks against the whole sequence's keys
+        if config.context_parallel_size > 1:
+            self.cp_group = pg_collection.cp if getattr(pg_collection, "cp", None) is not None else _cp_group()
         if getattr(config, "window_size", None) is not None:
             raise ValueError("SDPAttention: sliding-window attention (window_size) is not supported")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
@@ -103,6 +111,8 @@ class SDPAttention(_module_base()):
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention_bias is not supported")
         dropout = self.dropout_p if self.training else 0.0
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask, packed_seq_params, dropout)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed(query, key, value, packed_seq_params, dropout)
         if packed_seq_params is not None:
@@ -116,6 +126,21 @@ class SDPAttention(_module_base()):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                              scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, np * hn]
+
+    def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, params,
+                          dropout: float) -> Tensor:
+        """This CP rank's chunks of each sequence against the whole sequence's keys / values (models/
+        context_parallel.py): packed [t / CP, ...] by the whole pack's cu_seqlens, or padded rows [s / CP, b, ...]."""
+        from megatron_spo.models import context_parallel as cp
+
+        if attention_mask is not None:
+            raise ValueError("SDPAttention: context parallelism takes causal attention without a padding mask")
+        if params is None:
+            return cp.padded_attention(query, key, value, self.cp_group, self.softmax_scale, dropout)
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention: packed format {params.qkv_format!r} is not supported (thd)")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        return cp.packed_attention(query, key, value, cu, self.cp_group, self.softmax_scale, dropout)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params, dropout: float) -> Tensor:
         """query [t, np, hn], key / value [t, ng, hn]: each sequence of cu_seqlens attends to itself."""

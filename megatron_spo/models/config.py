@@ -215,10 +215,10 @@ class ParallelConfig(StrictModel):
         return world_size // mp
 
     def sequence_multiple(self) -> int:
-        """What every sequence's token count is padded to: 2 x CP (each sequence is cut into 2 x CP chunks), times
-        TP under sequence parallelism (each CP rank's share is cut over the TP ranks)."""
+        """What a micro-batch's token count (a padded row, a packed stream) is padded to: 2 x CP (each sequence is cut
+        into 2 x CP chunks) and CP x TP under sequence parallelism (each CP rank's share is cut over the TP ranks)."""
         cp = self.context_parallel_size
-        return (2 * cp if cp > 1 else 1) * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
+        return math.lcm(2 * cp if cp > 1 else 1, cp * (self.tensor_model_parallel_size if self.sequence_parallel else 1))
 
     def check(self, model: ModelConfig, world_size: int | None = None) -> None:
         """Refuse a layout that cannot work, before any process group is built."""

@@ -38,13 +38,16 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Maps ``device="cuda"`` / ``.cuda()`` / ``.to("cuda")`` onto the CPU.
 
     Covers the hard-coded CUDA sites: the token counter in pipeline schedules, optimizer setup and
-    fully-parallel checkpoint loading with DP > 1.
+    fully-parallel checkpoint loading with DP > 1; and ``pin_memory=True`` (no pinned allocator without an
+    accelerator): RoPE under context parallelism (rope_utils.get_pos_emb_on_this_cp_rank) pins its index.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):

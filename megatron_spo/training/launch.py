@@ -21,7 +21,7 @@ from megatron_spo.config import ConfigError, load_config
 from megatron_spo.run_layout import Stopped
 from megatron_spo.training.config import TrainConfig
 from megatron_spo.training.online import FleetUnavailable
-from megatron_spo.training.trainer import Trainer, _model_config_from_init
+from megatron_spo.training.trainer import Trainer, _model_config_from_init, check_before_start
 
 
 class RankExited(RuntimeError):
@@ -49,8 +49,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 
 def preflight_model(cfg: TrainConfig, world_size: int) -> None:
-    """The init model (its config must read) and the parallel layout against its heads and the world size,
-    checked before any process is spawned. ConfigError naming the field (one line)."""
+    """The init model (its config must read) and every check the ranks' trainers run before they build anything
+    (trainer.check_before_start: the layout against the model and the world size, the algorithm, the log-prob op),
+    here, before any process is spawned. ConfigError naming the field (one line)."""
     from megatron_spo.models.hf_checkpoint import HFCheckpointError
 
     init = cfg.init
@@ -61,7 +62,7 @@ def preflight_model(cfg: TrainConfig, world_size: int) -> None:
         model = cfg.model or _model_config_from_init(init)
     except (HFCheckpointError, OSError, ValueError) as err:
         raise ConfigError(f"{'init.megatron' if init.megatron else 'init.hf'}: {err}") from None
-    cfg.parallel.check(model, world_size)
+    check_before_start(cfg, model, world_size)
 
 
 def preflight_data(cfg: TrainConfig) -> None:
@@ -157,6 +158,8 @@ def launch(cfg: TrainConfig) -> None:
             raise FleetUnavailable(reason) from None
         if name == "CheckpointDigestError":  # a corrupt init / resume checkpoint or store: the rank's one line
             raise CheckpointDigestError(reason) from None
+        if name == "ConfigError":  # what only a rank finds (its data, its micro-batches): its one line
+            raise ConfigError(reason) from None
         if name == "ProcessExitedException":  # e.g. SIGTERM forwarded before the rank could handle it
             raise RankExited(f"rank {reason.removeprefix('process ')}") from None
         raise

@@ -120,7 +120,8 @@ def start_banner(cfg, model_cfg, world_size: int, step: int) -> str:
         f"[megatron-spo] train: algo {cfg.algo}, {cfg.steps} steps ({start}), run dir {Path(cfg.run_dir).resolve()}",
         f"[megatron-spo] model: {arch}, {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
         f"{_human(parameter_count(model_cfg))} parameters, {model_cfg.params_dtype}; init from {init}",
-        f"[megatron-spo] layout: {world_size} rank(s) = TP {tp} x PP {pp} x DP {world_size // (tp * pp)}"
+        f"[megatron-spo] layout: {world_size} rank(s) = TP {tp} x PP {pp} x "
+        f"{f'CP {p.context_parallel_size} x ' if p.context_parallel_size > 1 else ''}DP {p.data_parallel_size(world_size)}"
         f"{f' (VPP {p.virtual_pipeline_model_parallel_size})' if p.virtual_pipeline_model_parallel_size else ''}, "
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}, distributed optimizer "
         f"{'on' if p.use_distributed_optimizer else 'off'}",

@@ -57,6 +57,23 @@ WAIT_ENDED = (Stopped, FleetUnavailable)  # a wait of rank 0 that ends the run: 
 IGNORE_INDEX = -100  # targets the fused log-prob op skips: prompt and padding positions (outside loss_mask)
 
 
+def check_before_start(cfg: TrainConfig, model_cfg, world_size: int) -> None:
+    """Every check of a training config that needs the model's config but no process group or model: the log-prob op
+    on this machine, the algorithm (a hook loads here), the layout against the model and the world size, what
+    training adds to it (MoE, EP), FP8, routing replay's layout. ConfigError naming the field (one line). Run by
+    `megatron-spo train` before any rank is spawned, and by each rank's Trainer."""
+    from megatron_spo.models.parallel import check_layout
+
+    check_logprobs(cfg.logprobs)
+    make_algorithm(cfg)
+    check_layout(cfg.parallel, model_cfg, world_size)
+    cfg.parallel.check_training(model_cfg)
+    if cfg.routing_replay == "engine" and model_cfg.moe is not None:
+        from megatron_spo.models.routing_replay import check_replay_layout
+
+        check_replay_layout(cfg.parallel.recompute_granularity)
+
+
 def make_algorithm(cfg: TrainConfig):
     """The configured algorithm object: a registered one, or a hook 'package.module:Class' loaded now (its
     config check runs here; for a registered one it repeats the check the config ran, which changes nothing)."""
@@ -103,18 +120,13 @@ class Trainer:
         reset_peak_rss()  # memory/peak_rss_gb: this trainer's peak, not the launching process's earlier stages
         # megatron-core's import-time and model-build warnings go to RUN_DIR/warnings.log, summarised in one line
         self.library_warnings = LIBRARY_WARNINGS.attach(cfg.run_dir, enabled=os.environ.get("RANK", "0") == "0")
-        check_logprobs(cfg.logprobs)
+        self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
+        check_before_start(cfg, self.model_cfg, int(os.environ.get("WORLD_SIZE") or 1))
         self.algorithm = make_algorithm(cfg)
         # first of all: a SLURM warning signal during the (long) model build must not kill the rank
         self.preemption = PreemptionHandler()
-        self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
-        cfg.parallel.check_training(self.model_cfg)
         # routing replay: the policy's MoE routers take the engines' routes (models/routing_replay.py)
         self.replay_routes = cfg.routing_replay == "engine" and self.model_cfg.moe is not None
-        if self.replay_routes:
-            from megatron_spo.models.routing_replay import check_replay_layout
-
-            check_replay_layout(cfg.parallel.recompute_granularity)
         self._deterministic_before = enable_deterministic() if cfg.deterministic else None
         init_parallel(cfg.parallel, self.model_cfg, seed=cfg.seed)
         self.ps = parallel_state
@@ -294,26 +306,37 @@ class Trainer:
 
     def _layouts(self, mbs: list[TrainBatch]) -> list:
         """Each micro-batch's token layout: Packed (batch.pack_sequences; with virtual stages every stream padded
-        to the step's longest; rounded up to TP under sequence parallelism, to 16 under FP8) or Padded."""
+        to the step's longest; rounded up to TP under sequence parallelism, to 16 under FP8) or Padded; under
+        context parallelism this CP rank's share of it (models/context_parallel.py: every sequence a multiple of
+        2 CP tokens, padded rows by micro_batches, packed ones here)."""
+        from megatron_spo.models.context_parallel import ContextShard
         from megatron_spo.models.packing import Packed, Padded
 
-        if not self.cfg.batch.pack_sequences:
-            return [Padded(tuple(mb.input_ids.shape)) for mb in mbs]
         par = self.cfg.parallel
-        multiple = par.tensor_model_parallel_size if par.sequence_parallel else 1
-        if self.model_cfg.fp8:  # Transformer Engine's FP8 GEMMs take token counts in multiples of 16
-            multiple = math.lcm(multiple, 16)
-        width = None
-        if par.virtual_pipeline_model_parallel_size:
-            width = max(int(mb.lengths.sum()) for mb in mbs)
-        return [Packed.of(mb.input_ids, mb.lengths, multiple=multiple, width=width) for mb in mbs]
+        cp = par.context_parallel_size
+        if not self.cfg.batch.pack_sequences:
+            whole = [Padded(tuple(mb.input_ids.shape)) for mb in mbs]
+        else:
+            multiple = par.sequence_multiple()  # each CP rank's share splits over TP under sequence parallelism
+            if self.model_cfg.fp8:  # Transformer Engine's FP8 GEMMs take token counts in multiples of 16
+                multiple = math.lcm(multiple, 16 * cp)
+            seq_multiple = 2 * cp if cp > 1 else 1
+            width = None
+            if par.virtual_pipeline_model_parallel_size:
+                width = max(int((-(-mb.lengths // seq_multiple) * seq_multiple).sum()) for mb in mbs)
+            whole = [Packed.of(mb.input_ids, mb.lengths, multiple=multiple, width=width, seq_multiple=seq_multiple)
+                     for mb in mbs]
+        if cp == 1:
+            return whole
+        rank = self.ps.get_context_parallel_rank()
+        return [ContextShard.of(w, cp, rank) for w in whole]
 
     def _pad_share(self, mbs: list[TrainBatch]) -> float:
         """Share of the tokens this rank's model passes compute that are padding (the rows added for one shape per
         step with virtual stages not counted)."""
         real = sum(int(mb.lengths.sum()) for mb in mbs)
-        computed = sum(lay.num_tokens for lay in self._layouts(mbs)) if self.cfg.batch.pack_sequences else sum(
-            mb.input_ids.numel() for mb in mbs)
+        computed = sum(getattr(lay, "whole", lay).num_tokens for lay in self._layouts(mbs)) \
+            if self.cfg.batch.pack_sequences else sum(mb.input_ids.numel() for mb in mbs)
         return 1.0 - real / computed
 
     def _run(self, chunks, mbs: list[TrainBatch], *, forward_only: bool, output: str,
@@ -334,7 +357,10 @@ class Trainer:
         replay = self.replay_routes and output == "logp"
         layouts = self._layouts(mbs)
         packed = self.cfg.batch.pack_sequences
-        seq_len = max(lay.num_tokens for lay in layouts) if packed else max(mb.input_ids.shape[1] for mb in mbs)
+        cp = self.cfg.parallel.context_parallel_size > 1
+        # the whole sequence's length (megatron-core's schedule divides it by CP and, under SP, by TP)
+        seq_len = max(getattr(lay, "whole", lay).num_tokens for lay in layouts) if packed else max(
+            mb.input_ids.shape[1] for mb in mbs)
         mbs_size = 1 if packed else max(mb.num_sequences for mb in mbs)
         virtual = bool(self.cfg.parallel.virtual_pipeline_model_parallel_size)
         # the policy's entropy, logged from its training pass (its gradient is never asked for: no extra work)
@@ -347,19 +373,20 @@ class Trainer:
             layout = layouts[index]
             if packed:  # one stream [1, T] of whole sequences (models/packing.py)
                 args, kwargs = (layout.input_ids, layout.position_ids, None), {"packed_seq_params": layout.params()}
-            elif virtual:  # every micro-batch has the step's shape: pad rows (sliced off the output below)
-                args, kwargs = (pad_rows(mb.input_ids, mbs_size, self.pad_id), pad_rows(mb.position_ids, mbs_size, 0),
-                                None), {}
-            else:
-                args, kwargs = (mb.input_ids, mb.position_ids, None), {}
+            else:  # with virtual stages every micro-batch has the step's shape: pad rows (sliced off the output below)
+                ids, pos = ((pad_rows(mb.input_ids, mbs_size, self.pad_id), pad_rows(mb.position_ids, mbs_size, 0))
+                            if virtual else (mb.input_ids, mb.position_ids))
+                if cp:  # this CP rank's positions of every row
+                    ids, pos = layout.columns(ids), layout.columns(pos)
+                args, kwargs = (ids, pos, None), {}
             rows = mbs_size if virtual else mb.num_sequences
             routes = self._router_routes(mb, layout, rows) if replay and mb.routes is not None else None
             with output_hidden_states(model) if output == "logp" else contextlib.nullcontext(), replayed(model, routes):
                 out = model(*args, **kwargs)
             if not _is_last(model):
                 return out, None
-            # [rows, S, ...] -> the layout's tokens [N, ...]
-            out, entropy = (out[0] if packed else layout.gather(out[:mb.num_sequences])), None
+            # [rows, S, ...] -> the layout's tokens [N, ...] (this CP rank's)
+            out, entropy = layout.model_output(out, rows), None
             sampler = None
             if output == "logp":
                 hidden = out
@@ -409,14 +436,16 @@ class Trainer:
     def _router_routes(self, mb: TrainBatch, layout, rows: int) -> torch.Tensor:
         """The micro-batch's routes [N, layers, k] in its routers' token order (this TP rank's share under sequence
         parallelism): the packed stream's order, or the padded rows' (rows: the rows the model is fed)."""
-        from megatron_spo.models.packing import Packed
+        from megatron_spo.models.context_parallel import ContextShard
         from megatron_spo.models.routing_replay import router_order, tp_share
 
         sp = self.cfg.parallel.sequence_parallel
-        if isinstance(layout, Packed):
+        if self.cfg.batch.pack_sequences:  # the stream's order (this CP rank's tokens under CP)
             flat = layout.gather(mb.routes, fill=-1)
             return tp_share(flat) if sp else flat
-        return router_order(pad_rows(mb.routes, rows, -1), sequence_parallel=sp)
+        routes = pad_rows(mb.routes, rows, -1)
+        return router_order(layout.columns(routes) if isinstance(layout, ContextShard) else routes,
+                            sequence_parallel=sp)
 
     def _measure_gap(self, gap: GapPass, mb: TrainBatch, sampler_logp: torch.Tensor) -> None:
         """Add this micro-batch's engine-vs-trainer log-prob gap (training/logprob_gap.py) to gap. The engines
@@ -577,7 +606,9 @@ class Trainer:
         and the log-prob gap of gap's tallies, delivered on rank 0."""
         local: dict[str, list[float]] = {}
         local_gap = (GapTally(), GapTally())
-        if self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0:
+        # one rank of each data-parallel replica's last stage (its TP and CP ranks computed the same loss)
+        if self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0 \
+                and self.ps.get_context_parallel_rank() == 0:
             local = losses.metric_sums(store)
             if gap is not None:
                 local_gap = (gap.current, gap.every)
