@@ -102,9 +102,11 @@ def test_experts_on_a_dense_family_and_bad_expert_layouts_are_refused(hf_dir):
     with pytest.raises(ConfigError, match=r"parallel: a mixture-of-experts model trains at tensor_model_parallel_size "
                                           r"2 only with parallel.sequence_parallel"):
         ParallelConfig(tensor_model_parallel_size=2).check_training(cfg)
-    with pytest.raises(ConfigError, match=r"parallel.expert_model_parallel_size 2: training with expert parallelism "
-                                          r"is not built yet"):
-        ParallelConfig(expert_model_parallel_size=2).check_training(cfg)
+    ParallelConfig(expert_model_parallel_size=2).check_training(cfg)  # EP trains (tests/test_moe_layouts.py)
+    allgather = cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"token_dispatcher": "allgather"})})
+    with pytest.raises(ConfigError, match=r"model.moe.token_dispatcher: allgather needs equal token counts on every "
+                                          r"rank of an expert group"):
+        ParallelConfig(expert_model_parallel_size=2).check_training(allgather)
     dense_cfg = hfc.read_hf_config(models_helpers.make_tiny_family(hf_dir.parent / "qwen3", "qwen3", num_layers=1))
     ParallelConfig(tensor_model_parallel_size=2).check_training(dense_cfg)
     with pytest.raises(ConfigError, match="expert_model_parallel_size 2 needs a mixture-of-experts model"):
@@ -145,7 +147,7 @@ def test_matches_transformers_in_every_layout(results, layout):
     assert rec["export_bit_exact"]
     # the export (what a weight push sends) is exactly the checkpoint's tensors, each once: every expert's
     assert sorted(rec["exported"]) == sorted(rec["checkpoint_names"])
-    if layout.startswith("tp1"):  # megatron-core refuses to train MoE at TP > 1 without sequence parallelism
+    if layout.startswith("tp1"):  # MoE at TP > 1 trains with SP only: tests/test_moe_layouts.py
         assert rec["grad_max_rel_diff"] < 1e-4, (rec["grad_max_rel_diff"], rec["grad_worst_tensor"])
         assert sorted(rec["grad_names"]) == sorted(rec["checkpoint_names"])
 

@@ -66,12 +66,14 @@ class EngineSource:
         self.g = torch.Generator().manual_seed(seed)
         self.prompt_len, self.new_tokens, self.drawn = prompt_len, new_tokens, 0
         self.temperature, self.top_p, self.routes = temperature, top_p, routes
+        self.takes: list[int] = []  # the draws so far (a resume replays them: the same samples after it)
 
     def take(self, k: int, timeout_s: float | None = None) -> list:
         from megatron_spo.rollout.local_engine import Req
         from megatron_spo.rollout.manager import Trajectory
         from megatron_spo.rollout.protocol import SamplingParams
 
+        self.takes.append(k)
         reqs, prompt = [], []
         for i in range(k):
             if i % 4 == 0:  # a group of 4 samples per prompt
@@ -97,9 +99,12 @@ class EngineSource:
         return out
 
     def state_dict(self) -> dict:
-        return {"drawn": self.drawn}
+        return {"drawn": self.drawn, "takes": list(self.takes)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Draw again what the checkpointed source drew (the engine's and the prompts' generators end where its did)."""
+        for k in state.get("takes", []):
+            self.take(k)
         self.drawn = state["drawn"]
 
 

@@ -91,11 +91,11 @@ def transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, 
         batch_p2p_comm=not on_cpu,
         batch_p2p_sync=not on_cpu,
         expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
-        **moe_config(model_cfg),
+        **moe_config(model_cfg, parallel_cfg.expert_model_parallel_size),
     )
 
 
-def moe_config(model_cfg: ModelConfig) -> dict:
+def moe_config(model_cfg: ModelConfig, expert_parallel: int = 1) -> dict:
     """megatron's MoE fields for the config's experts ({} for a dense model). Routing replay is always built (one
     RouterReplay per router, idle until models/routing_replay.py gives it routes): it costs nothing unused."""
     moe = model_cfg.moe
@@ -109,7 +109,8 @@ def moe_config(model_cfg: ModelConfig) -> dict:
         moe_router_pre_softmax=not moe.norm_topk_prob,  # softmax over all experts, then top-k: weights not renormalised
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=moe.aux_loss_coeff,
-        moe_token_dispatcher_type=moe.token_dispatcher,
+        moe_token_dispatcher_type=moe.token_dispatcher if moe.token_dispatcher != "auto" else (
+            "alltoall" if expert_parallel > 1 else "allgather"),
         moe_grouped_gemm=False,  # SequentialMLP: one expert after another (grouped GEMMs need TE or grouped_gemm)
         moe_enable_routing_replay=True,
     )

@@ -35,8 +35,10 @@ class MoEConfig(StrictModel):
     aux_loss_coeff: float = Field(
         0.0, ge=0, description="load-balancing loss coefficient added to the training loss's gradient (megatron "
         "moe_aux_loss_coeff, HF router_aux_loss_coef); 0 = no load-balancing loss")
-    token_dispatcher: Literal["allgather", "alltoall"] = Field(
-        "allgather", description="megatron moe_token_dispatcher_type: how tokens reach experts on other EP ranks")
+    token_dispatcher: Literal["auto", "allgather", "alltoall"] = Field(
+        "auto", description="megatron moe_token_dispatcher_type: how tokens reach experts on other EP ranks. "
+        "allgather gathers equal token counts over TP x EP; alltoall exchanges what the routing sends (unequal counts "
+        "per rank: packed micro-batches at EP > 1); auto: alltoall at EP > 1, else allgather")
 
     @model_validator(mode="after")
     def _check_topk(self) -> MoEConfig:
@@ -260,17 +262,19 @@ class ParallelConfig(StrictModel):
 
     def check_training(self, model: ModelConfig) -> None:
         """What training adds to ``check``: megatron-core's MoE layer refuses to train at TP > 1 without sequence
-        parallelism (at its first forward); refused here first, in one line."""
+        parallelism (at its first forward), and expert parallelism needs a dispatcher that takes each rank's own
+        token count; refused here first, in one line."""
         if model.moe is not None and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ConfigError(f"parallel: a mixture-of-experts model trains at tensor_model_parallel_size "
                               f"{self.tensor_model_parallel_size} only with parallel.sequence_parallel (megatron-core "
                               f"refuses MoE + TP without it)")
-        if self.expert_model_parallel_size > 1:  # measured: gloo's all-gather of unequal token counts aborts
-            raise ConfigError(
-                f"parallel.expert_model_parallel_size {self.expert_model_parallel_size}: training with expert "
-                f"parallelism is not built yet (the data-parallel ranks of an expert group exchange tokens, so they "
-                f"need the same micro-batch count and token count per micro-batch; the trainer's micro-batches differ "
-                f"per rank). EP > 1 serves conversion, exports and forward passes")
+        if model.moe is not None and self.expert_model_parallel_size > 1 and model.moe.token_dispatcher == "allgather":
+            # the ranks of an expert group train their own micro-batches (their own token counts): measured, gloo's
+            # all-gather of unequal token counts aborts
+            raise ConfigError(f"model.moe.token_dispatcher: allgather needs equal token counts on every rank of an "
+                              f"expert group, which the data-parallel ranks' micro-batches do not have at "
+                              f"parallel.expert_model_parallel_size {self.expert_model_parallel_size}; use alltoall "
+                              f"(or auto)")
 
     def _check_experts(self, model: ModelConfig, world_size: int | None) -> None:
         tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size

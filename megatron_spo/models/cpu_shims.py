@@ -55,6 +55,19 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NoEvent:
+    """An event of the (absent) CUDA stream: already complete."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 class _NoStream:
     """The (absent) CUDA stream: waiting on or recording into it does nothing, as every op already ran in order."""
 
@@ -65,7 +78,7 @@ class _NoStream:
         return None
 
     def record_event(self, event=None):
-        return event
+        return event if event is not None else _NoEvent()
 
     def synchronize(self) -> None:
         return None
@@ -91,6 +104,67 @@ def apply_no_te_shims() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _shim_moe_split_sizes() -> None:
+    """The MoE alltoall dispatcher's split sizes reach all_to_all_single as numpy arrays only when they were on a GPU
+    (moe_utils.maybe_move_tensor_to_cpu converts CUDA tensors, token_dispatcher imports it by name): on the CPU they
+    stay tensors, which torch.distributed refuses as split sizes. Convert CPU tensors the same way."""
+    try:
+        from megatron.core.transformer.moe import token_dispatcher
+    except ImportError:
+        return
+    original = getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None)
+    if original is None or getattr(original, "_cpu_shim", False):
+        return
+
+    @functools.wraps(original)
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    move._cpu_shim = True
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+def _shim_uneven_collectives() -> None:
+    """gloo's all_gather and reduce_scatter of tensor lists refuse tensors of unequal sizes, which megatron's MoE
+    alltoall dispatcher passes under TP > 1 (tensor_parallel/mappings.py ``_gather_along_first_dim`` /
+    ``_reduce_scatter_along_first_dim`` with split sizes: each TP rank's own token count). Pad every tensor to the
+    largest along dim 0, run the equal-size collective, keep each tensor's own rows: the same result."""
+    import torch.distributed as dist
+
+    if getattr(dist.all_gather, "_cpu_shim", False):
+        return
+    all_gather, reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+        return t if t.shape[0] == rows else torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+    @functools.wraps(all_gather)
+    def uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or all(t.shape == tensor.shape for t in tensor_list):
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        out = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+        all_gather(out, padded(tensor, rows).contiguous(), group=group)
+        for t, o in zip(tensor_list, out):
+            t.copy_(o[: t.shape[0]])
+        return None
+
+    @functools.wraps(reduce_scatter)
+    def uneven_reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op or all(t.shape == output.shape for t in input_list):
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in input_list)
+        out = output.new_empty((rows, *output.shape[1:]))
+        reduce_scatter(out, [padded(t, rows).contiguous() for t in input_list], op=op, group=group)
+        output.copy_(out[: output.shape[0]])
+        return None
+
+    uneven_all_gather._cpu_shim = True
+    dist.all_gather, dist.reduce_scatter = uneven_all_gather, uneven_reduce_scatter
+
+
 def apply_cpu_shims() -> bool:
     """Install the shims when no CUDA device is present. Returns True when shims are active."""
     global _APPLIED, _MODE
@@ -107,6 +181,9 @@ def apply_cpu_shims() -> bool:
     # unconditionally, to wait for CUDA-graph wgrad events on it. (torch.cuda.stream(s) is already a no-op
     # without CUDA.)
     torch.cuda.current_stream = lambda device=None: _NO_STREAM
+    # the MoE alltoall dispatcher makes a side stream for its device-to-host copies of the split sizes and waits on
+    # its event (token_dispatcher.py, MoEAlltoAllTokenDispatcher): on the CPU they are plain copies, in order
+    torch.cuda.Stream = lambda *args, **kwargs: _NO_STREAM
     # Activation recompute and the RNG tracker save/restore "CUDA" RNG state: use the CPU generator.
     get_state = functools.wraps(torch.cuda.get_rng_state)(lambda device="cuda": torch.get_rng_state())
     set_state = functools.wraps(torch.cuda.set_rng_state)(lambda new_state, device="cuda": None)
@@ -129,6 +206,9 @@ def apply_cpu_shims() -> bool:
         return original_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = tensor_type
+
+    _shim_moe_split_sizes()
+    _shim_uneven_collectives()
 
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()

@@ -60,7 +60,10 @@ PANELS: dict[str, tuple[str, ...]] = {
     "PPO value loss": ("value_loss", "critic_warmup"),
     "staleness (policy versions)": ("staleness", "staleness/*"),
     "tokens / s": ("tokens_per_s", "rollout/tokens_per_s"),
-    "share of computed tokens that are padding (this rank's micro-batches)": ("batch/pad_share",),
+    "share of computed tokens that are padding (this rank's micro-batches, expert parallelism's idle ones included)":
+        ("batch/pad_share",),
+    "idle micro-batches run to keep an expert group in step (all data-parallel ranks; each 2+ pad tokens)":
+        ("batch/idle_micro_batches",),
     "rollout queue depth (groups)": ("rollout/queue_depth",),
     "rollout events (cumulative)": ("rollout/requests", "rollout/groups", "rollout/retries",
                                     "rollout/failed_requests", "rollout/reward_errors", "rollout/dropped_stale",

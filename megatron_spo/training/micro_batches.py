@@ -137,6 +137,21 @@ def micro_batches(trajs: list, cfg: TrainConfig, *, keep_groups: bool, pad_id: i
     return [mb.to(device) if device is not None else mb for mb in mbs]
 
 
+def idle_micro_batch(cfg: TrainConfig, pad_id: int, device=None) -> TrainBatch:
+    """A micro-batch that trains nothing: one row of parallel.sequence_multiple() (at least 2) pad tokens and no
+    response token (loss_mask 0). The data-parallel ranks of an expert group exchange tokens in every MoE layer's
+    forward and backward, so a rank with fewer micro-batches than the others of its group runs these to keep in step
+    (trainer._lockstep): each costs its tokens' forward and backward."""
+    from types import SimpleNamespace
+
+    n = max(2, cfg.parallel.sequence_multiple())
+    row = SimpleNamespace(prompt_id="(idle)", prompt_tokens=[pad_id] * n, response_tokens=[pad_id], reward=0.0,
+                          source="(idle)", policy_version=0)
+    mb = collate([row], pad_id, length=n)
+    mb.loss_mask.zero_()
+    return mb.to(device) if device is not None else mb
+
+
 def pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
     """[b, L, ...] -> [rows, L, ...], the new rows filled with value."""
     if t.shape[0] == rows:

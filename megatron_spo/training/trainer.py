@@ -45,7 +45,13 @@ from megatron_spo.training.held_out_eval import HeldOutEval
 from megatron_spo.training.logprob_gap import GapPass, GapTally, gap_metrics, gap_warning, measured_rows
 from megatron_spo.training.logprob_gap import tally as gap_tally
 from megatron_spo.training.metrics import MetricsLogger, progress_line
-from megatron_spo.training.micro_batches import micro_batches, microbatch_group_size, pad_rows, shard
+from megatron_spo.training.micro_batches import (
+    idle_micro_batch,
+    micro_batches,
+    microbatch_group_size,
+    pad_rows,
+    shard,
+)
 from megatron_spo.training.online import FleetUnavailable, q0_from_own_groups
 from megatron_spo.training.run_log import LIBRARY_WARNINGS, start_banner
 from megatron_spo.training.sources import build_archive, build_sampler
@@ -333,8 +339,9 @@ class Trainer:
 
     def _pad_share(self, mbs: list[TrainBatch]) -> float:
         """Share of the tokens this rank's model passes compute that are padding (the rows added for one shape per
-        step with virtual stages not counted)."""
+        step with virtual stages not counted), expert parallelism's idle micro-batches included (_lockstep)."""
         real = sum(int(mb.lengths.sum()) for mb in mbs)
+        mbs = mbs + [self._idle_mb] * self._idle
         computed = sum(getattr(lay, "whole", lay).num_tokens for lay in self._layouts(mbs)) \
             if self.cfg.batch.pack_sequences else sum(mb.input_ids.numel() for mb in mbs)
         return 1.0 - real / computed
@@ -355,6 +362,8 @@ class Trainer:
             gap, self._gap_pass = self._gap_pass, None
         # log-prob passes replay the engines' routes, pi_0's too (TrainConfig.routing_replay); the value model routes itself
         replay = self.replay_routes and output == "logp"
+        real = len(mbs)
+        mbs = mbs + [self._idle_mb] * self._idle  # in step with the expert group (_lockstep): trains nothing
         layouts = self._layouts(mbs)
         packed = self.cfg.batch.pack_sequences
         cp = self.cfg.parallel.context_parallel_size > 1
@@ -385,6 +394,8 @@ class Trainer:
                 out = model(*args, **kwargs)
             if not _is_last(model):
                 return out, None
+            if index >= real:  # an idle micro-batch: its backward runs every layer's exchanges, its gradient is 0
+                return out, partial(_idle_loss, index)
             # [rows, S, ...] -> the layout's tokens [N, ...] (this CP rank's)
             out, entropy = layout.model_output(out, rows), None
             sampler = None
@@ -411,6 +422,9 @@ class Trainer:
 
         n_global = self.cfg.batch.sequences_per_step
 
+        def _idle_loss(index, out):
+            return out.sum() * 0.0, {"index": index, "idle": True}
+
         def _loss_wrapper(fn, index, mb, out, entropy=None):
             if fn is None:
                 return out.new_zeros(()), {"index": index, "out": out.detach()}
@@ -431,7 +445,7 @@ class Trainer:
             store = fb(forward_step_func=forward_step, data_iterator=data, model=chunks,
                        num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs_size,
                        forward_only=forward_only)
-        return store if self.is_last_stage else []
+        return [s for s in store if not s.get("idle")] if self.is_last_stage else []
 
     def _router_routes(self, mb: TrainBatch, layout, rows: int) -> torch.Tensor:
         """The micro-batch's routes [N, layers, k] in its routers' token order (this TP rank's share under sequence
@@ -490,7 +504,27 @@ class Trainer:
         mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
                             keep_groups=self.algorithm.keeps_prompt_groups, device=self.device,
                             prefer_groups=self.algorithm.prefers_prompt_groups)
+        self._idle = self._lockstep(len(mbs))
         return trajs, mbs, t_wait
+
+    _idle = _idle_total = 0  # this step's idle micro-batches (expert parallelism: _lockstep): this rank's, all ranks'
+    _idle_mb: TrainBatch | None = None
+
+    def _lockstep(self, count: int) -> int:
+        """Expert parallelism: every rank of an expert group must run as many micro-batches as the others (each MoE
+        layer's forward and backward exchange tokens over the group, which spans data-parallel ranks), so a rank runs
+        idle micro-batches (micro_batches.idle_micro_batch) up to the most any data-parallel rank has this step.
+        Returns how many (0 without expert parallelism: nothing is exchanged); self._idle_total: over every
+        data-parallel rank (the step's metric batch/idle_micro_batches). CP ranks of a replica share its count."""
+        self._idle_total = 0
+        if self.cfg.parallel.expert_model_parallel_size == 1 or self.dp_size == 1:
+            return 0
+        counts = [None] * self.dp_size
+        dist.all_gather_object(counts, count, group=self.ps.get_data_parallel_group())
+        if self._idle_mb is None:
+            self._idle_mb = idle_micro_batch(self.cfg, self.pad_id, self.device)
+        self._idle_total = max(counts) * len(counts) - sum(counts)
+        return max(counts) - count
 
     def update(self, trajs: list, mbs: list[TrainBatch], ref: list) -> tuple:
         """The algorithm's update of this step's micro-batches given the reference's log-probs (and the
@@ -534,6 +568,8 @@ class Trainer:
                                times=times, lr=lr, grad_norm=update.grad_norm, policy_version=self.policy_version,
                                pad_share=pad_share,
                                reference_step=self.reference_step if cfg.reference_refresh_interval else None)
+        if self._idle_total:
+            metrics["batch/idle_micro_batches"] = float(self._idle_total)
         self.metrics.log(self.step, metrics)
         warning = gap_warning(self.step, metrics, cfg.logging.max_logprob_gap)
         if warning and self.rank == 0:
