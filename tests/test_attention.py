@@ -109,8 +109,10 @@ def test_packed_sequences_attend_only_within_themselves():
 
 
 def test_what_sdpa_attention_cannot_do_is_refused_by_name():
-    with pytest.raises(ValueError, match="context parallelism needs Transformer Engine"):
-        _attention("sdpa", context_parallel_size=2)
+    cp = _attention("sdpa", context_parallel_size=2)  # context parallelism: causal, no padding mask
+    q, k, v = _qkv(s=4, b=1)
+    with pytest.raises(ValueError, match="context parallelism takes causal attention without a padding mask"):
+        cp(q, k, v, torch.zeros(1, 1, 4, 4, dtype=torch.bool), attn_mask_type=cp.attn_mask_type)
     attn = _attention("sdpa")
     q, k, v = _qkv(s=4, b=1)
     with pytest.raises(ValueError, match="attention_bias is not supported"):

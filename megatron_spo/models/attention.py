@@ -85,9 +85,9 @@ class SDPAttention(_module_base()):
         super().__init__(config=config)
         from megatron.core.transformer.enums import AttnMaskType
 
-        self.cp_group = None  # context parallelism: this rank's chunks against the whole sequence's keys
-        if config.context_parallel_size > 1:
-            self.cp_group = pg_collection.cp if getattr(pg_collection, "cp", None) is not None else _cp_group()
+        # context parallelism: this rank's chunks against the whole sequence's keys (megatron's CP group by default)
+        self.cp_size = config.context_parallel_size
+        self.cp_group = getattr(pg_collection, "cp", None) if self.cp_size > 1 else None
         if getattr(config, "window_size", None) is not None:
             raise ValueError("SDPAttention: sliding-window attention (window_size) is not supported")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
@@ -111,7 +111,7 @@ class SDPAttention(_module_base()):
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention_bias is not supported")
         dropout = self.dropout_p if self.training else 0.0
-        if self.cp_group is not None:
+        if self.cp_size > 1:
             return self._context_parallel(query, key, value, attention_mask, packed_seq_params, dropout)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed(query, key, value, packed_seq_params, dropout)
@@ -135,12 +135,13 @@ class SDPAttention(_module_base()):
 
         if attention_mask is not None:
             raise ValueError("SDPAttention: context parallelism takes causal attention without a padding mask")
+        group = self.cp_group if self.cp_group is not None else _cp_group()
         if params is None:
-            return cp.padded_attention(query, key, value, self.cp_group, self.softmax_scale, dropout)
+            return cp.padded_attention(query, key, value, group, self.softmax_scale, dropout)
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention: packed format {params.qkv_format!r} is not supported (thd)")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        return cp.packed_attention(query, key, value, cu, self.cp_group, self.softmax_scale, dropout)
+        return cp.packed_attention(query, key, value, cu, group, self.softmax_scale, dropout)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params, dropout: float) -> Tensor:
         """query [t, np, hn], key / value [t, ng, hn]: each sequence of cu_seqlens attends to itself."""

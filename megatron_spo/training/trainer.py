@@ -126,9 +126,10 @@ class Trainer:
         reset_peak_rss()  # memory/peak_rss_gb: this trainer's peak, not the launching process's earlier stages
         # megatron-core's import-time and model-build warnings go to RUN_DIR/warnings.log, summarised in one line
         self.library_warnings = LIBRARY_WARNINGS.attach(cfg.run_dir, enabled=os.environ.get("RANK", "0") == "0")
+        check_logprobs(cfg.logprobs)  # what needs no model first
+        self.algorithm = make_algorithm(cfg)
         self.model_cfg = cfg.model or _model_config_from_init(cfg.init)
         check_before_start(cfg, self.model_cfg, int(os.environ.get("WORLD_SIZE") or 1))
-        self.algorithm = make_algorithm(cfg)
         # first of all: a SLURM warning signal during the (long) model build must not kill the rank
         self.preemption = PreemptionHandler()
         # routing replay: the policy's MoE routers take the engines' routes (models/routing_replay.py)
