@@ -55,13 +55,15 @@ NEWEST_MEGATRON = {
                                                                    "experts, token dispatcher) at TP, PP and EP",
     "tests/test_moe.py::test_routing_replay_forces": "RouterReplay (0.16's new module), forward and backward",
     "tests/test_moe.py::test_spo_step_replays": "the trainer's step replaying a trajectory's routes",
+    "tests/test_layouts.py::test_layout_trains_like_one_process[qwen3-cp2tp2sp-spo]": "sequence parallelism (the "
+        "block spec's final norm, the SP mappings) and context parallelism (RoPE's CP split, CP groups) in the trainer",
 }
 
 # Test files by measured cost (wall seconds on 2 cores), the dearest first: pytest-xdist (--dist loadgroup, one group
 # per file, --no-loadscope-reorder: else it orders groups by their number of tests) hands groups to its workers in
 # collection order, so the long ones start first and the short ones fill in (tools/bootstrap.sh).
 DEAREST_FIRST = (
-    "test_slurm_trainer.py", "test_trainer.py", "test_slurm_flow.py", "test_check_conversion.py", "test_spo_drift.py",
+    "test_slurm_trainer.py", "test_trainer.py", "test_layouts.py", "test_moe_layouts.py", "test_slurm_flow.py", "test_check_conversion.py", "test_spo_drift.py",
     "test_slurm.py", "test_arch_families.py", "test_quickstart.py", "test_algorithms_tabular.py", "test_models.py",
     "test_moe.py", "test_rollout_fleet.py", "test_trainer_resume.py", "test_q0_pts_eval.py", "test_lora.py",
     "test_convert_trainer_ckpt.py", "test_faults.py", "test_checkpoint_digest.py", "test_async_baselines.py",
