@@ -55,10 +55,10 @@ class Part:
     cap_s: int
 
 
-PARTS = (  # caps: about 1.5-2x each part's wall on the H200 (2026-11-27); step-bench's first GPU run is a guess
+PARTS = (  # caps: about 1.5-3x each part's wall on the H200 (2026-11-27/28: step-bench 37 s); layouts' a guess
     Part("environment", 6, "GPU, driver, torch / triton / megatron-core versions", "gpu_part_env.py", 30),
     Part("step-bench", 3, "issue 45: the 1B SPO step vs megatron-core's LM step (tokens/s, MFU, peak memory, "
-         "time split) at 8 x 4096 and 1 x 16k tokens", "gpu_part_step.py", 150),
+         "time split) at 8 x 4096 and 1 x 16k tokens", "gpu_part_step.py", 110),
     Part("ops-bench", 1, "tools/bench_logprobs.py at V=128256: peak memory and time vs naive and Liger (scalar and "
          "per-token upstream), block sizes, gradient errors", "gpu_part_bench.py", 160),
     Part("ops-kernels", 1, "fused token log-probs (Triton and torch blocks) and cumulative Q vs the fp64 "
@@ -72,6 +72,8 @@ PARTS = (  # caps: about 1.5-2x each part's wall on the H200 (2026-11-27); step-
          "gpu_part_fp8.py", 15),
     Part("nccl-push", 4, "the weight push over NCCL between two processes (needs 2 GPUs)",
          "gpu_part_nccl.py", 10),
+    Part("layouts", 3, "issue 60: SPO steps at TP 2 + SP and at CP 2 over NCCL against one GPU (needs 2 GPUs)",
+         "gpu_part_layouts.py", 30),
 )
 
 
