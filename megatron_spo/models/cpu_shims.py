@@ -71,6 +71,9 @@ class _NoEvent:
 class _NoStream:
     """The (absent) CUDA stream: waiting on or recording into it does nothing, as every op already ran in order."""
 
+    def __init__(self, *args, **kwargs) -> None:  # torch.cuda.Stream(device=..., priority=...)
+        pass
+
     def wait_event(self, event) -> None:
         return None
 
@@ -183,7 +186,8 @@ def apply_cpu_shims() -> bool:
     torch.cuda.current_stream = lambda device=None: _NO_STREAM
     # the MoE alltoall dispatcher makes a side stream for its device-to-host copies of the split sizes and waits on
     # its event (token_dispatcher.py, MoEAlltoAllTokenDispatcher): on the CPU they are plain copies, in order
-    torch.cuda.Stream = lambda *args, **kwargs: _NO_STREAM
+    # (a class, not a function: transformers annotates ``torch.cuda.Stream | None`` when its generation utils import)
+    torch.cuda.Stream = _NoStream
     # Activation recompute and the RNG tracker save/restore "CUDA" RNG state: use the CPU generator.
     get_state = functools.wraps(torch.cuda.get_rng_state)(lambda device="cuda": torch.get_rng_state())
     set_state = functools.wraps(torch.cuda.set_rng_state)(lambda new_state, device="cuda": None)
