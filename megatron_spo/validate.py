@@ -6,10 +6,11 @@ config found before anything is spawned or allocated, each on one line naming it
 
 Checked: every path (init.hf, init.megatron, sources.*.path, task.paths, task.dedup_against, task.q0_path); each
 offline store (readable, records matching its `select`, each record's q0 or its prompt's in the q0 file when the
-algorithm reads Q0); Q0 for every online prompt; the tokenizer; the hooks (algo, task.reward, sources.*.loss);
-the architecture (read from init.hf / init.megatron); the layout against the world size and the heads; the
-engines' TP against the heads; sequence lengths; the per-GPU memory plan of this config's own batch, sequence
-length, layout, optimizer and recompute (planning/capacity.py's config_memory: the figure `plan --config` gives).
+algorithm reads Q0, each record's routed_experts against the model's layers, top_k and experts); Q0 for every
+online prompt; the tokenizer; the hooks (algo, task.reward, sources.*.loss); the architecture (read from init.hf /
+init.megatron); the layout against the world size and the heads; the engines' TP against the heads; sequence
+lengths; the per-GPU memory plan of this config's own batch, sequence length, layout, optimizer and recompute
+(planning/capacity.py's config_memory: the figure `plan --config` gives).
 """
 
 from __future__ import annotations
@@ -155,10 +156,10 @@ def _check_prompt_lengths(cfg: TrainConfig, problems: list, tokenizer, r: Report
                           f"tokens) + rollout.max_new_tokens {cfg.rollout.max_new_tokens}")
 
 
-def _check_data(cfg: TrainConfig, r: Report, tokenizer=None) -> None:
+def _check_data(cfg: TrainConfig, r: Report, tokenizer=None, model=None) -> None:
     from megatron_spo.data.q0 import ESTIMATE_HINT, q0_table
     from megatron_spo.training.algos import algorithm_needs_q0
-    from megatron_spo.training.sources import OfflineSource
+    from megatron_spo.training.sources import OfflineSource, check_source_routes
 
     needs_q0 = bool(r.check("algo", algorithm_needs_q0, cfg))
     table = None
@@ -173,6 +174,8 @@ def _check_data(cfg: TrainConfig, r: Report, tokenizer=None) -> None:
                          q0_path=cfg.task.q0_path, needs_q0=needs_q0)
         if source is not None:
             r.notes.append(f"sources.{name}: {len(source.records)} records")
+        if source is not None and model is not None:  # what the trainer refuses at its first step, and train before it
+            r.check(f"sources.{name}.path", check_source_routes, name, src, model, verify=cfg.checkpoint.verify)
     if "online" not in cfg.sources or any(p.startswith("task.paths") for p in r.problems):
         return
     from megatron_spo.data.problems import problems_from_task_config
@@ -227,7 +230,7 @@ def validate(cfg: TrainConfig, *, world_size: int | None = None, gpu_memory_gb: 
             r.notes.append(f"layout TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x {cp}DP "
                            f"{p.data_parallel_size(world_size)} on {world_size} rank(s)")
             r.check("memory", _check_memory, cfg, model, world_size, gpu_memory_gb, r)
-    _check_data(cfg, r, tokenizer)
+    _check_data(cfg, r, tokenizer, model)
     return r
 
 

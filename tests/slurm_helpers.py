@@ -1,4 +1,5 @@
-"""The single-host SLURM test cluster as a pytest fixture, and job helpers (scontrol, waiting, logs).
+"""The single-host SLURM test cluster as a pytest fixture, and job helpers (scontrol, waiting, logs); the commands
+slurm/spo.sbatch starts, without a cluster (job_commands).
 
 Shared by tests/test_slurm.py (the launch probe) and tests/test_slurm_trainer.py (the real trainer).
 A test module takes the fixture as `cluster = slurm_helpers.cluster`: each module gets its own cluster.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,3 +98,23 @@ def wait_job(cluster, job_id: str, timeout_s: float, until=None) -> list[dict[st
 def batch_log(run_dir: Path) -> str:
     """The batch shell's output (all restarts: --open-mode=append)."""
     return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
+
+
+def job_commands(tmp_path: Path, **env: str) -> dict[str, str]:
+    """The commands slurm/spo.sbatch starts, without a cluster: scontrol and srun stand-ins (trainer node n0 : worker
+    node n1) record ENGINE_CMD and TRAIN_CMD as the job leaves them (unexpanded) and return at once. ``env``: the
+    job's variables (MODE, CONFIG, MODEL_PATH, SPO_TRAIN_ARGS, ...). {"engine", "train", "stderr"}."""
+    out = Path(tempfile.mkdtemp(dir=tmp_path))
+    (out / "bin").mkdir()
+    (out / "bin" / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && echo node1\nexit 0\n')
+    (out / "bin" / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$ENGINE_CMD" > "$OUT/engine"\n'
+                                      'printf "%s\\n" "$TRAIN_CMD" > "$OUT/train"\nexit 0\n')
+    for tool in ("scontrol", "srun"):
+        (out / "bin" / tool).chmod(0o755)
+    job = {"PATH": f"{out / 'bin'}:{os.environ['PATH']}", "HOME": str(out), "SLURM_JOB_ID": "7", "SLURM_HET_SIZE": "2",
+           "SLURM_JOB_NODELIST_HET_GROUP_0": "n0", "SLURM_JOB_NODELIST_HET_GROUP_1": "n1", "SPO_HOME": str(REPO),
+           "RUN_DIR": str(out / "run"), "OUT": str(out), "PYTHONPATH": str(REPO), **env}
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "spo.sbatch")], env=job, capture_output=True, text=True,
+                          timeout=120)
+    read = {name: (out / name).read_text().strip() if (out / name).exists() else "" for name in ("engine", "train")}
+    return {**read, "stderr": proc.stderr}

@@ -680,36 +680,19 @@ def test_plan_prices_a_path_push_beside_the_tensor_push():
 def test_the_slurm_job_starts_its_engines_with_the_lora_flags(hf, tmp_path):
     """slurm/spo.sbatch with a LoRA config (scontrol and srun stand-ins that record the commands): ENGINE_CMD carries
     --enable-lora --max-lora-rank --lora-target-modules and TRAIN_CMD lora.transport=path; without LoRA neither."""
-    import os
-    import subprocess
-    from pathlib import Path
+    from slurm_helpers import job_commands
 
-    repo = Path(__file__).resolve().parents[1]
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && echo node1\nexit 0\n')
-    (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$ENGINE_CMD" > "$OUT/engine"\n'
-                                  'printf "%s\\n" "$TRAIN_CMD" > "$OUT/train"\nexit 0\n')
-    for tool in ("scontrol", "srun"):
-        (bin_dir / tool).chmod(0o755)
     commands = {}
     for name, text in (("lora", "lora:\n  rank: 4\n"), ("full", "steps: 3\n")):
         (tmp_path / f"{name}.yaml").write_text(text)
-        out = tmp_path / name
-        out.mkdir()
-        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_JOB_ID": "7",
-               "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "n0", "SLURM_JOB_NODELIST_HET_GROUP_1": "n1",
-               "SPO_HOME": str(repo), "RUN_DIR": str(out / "run"), "MODE": "cpu",
-               "CONFIG": str(tmp_path / f"{name}.yaml"), "SPO_TRAIN_ARGS": f"init.hf={hf}", "OUT": str(out)}
-        subprocess.run(["bash", str(repo / "slurm" / "spo.sbatch")], env=env, capture_output=True, text=True,
-                       timeout=120)
-        commands[name] = ((out / "engine").read_text().strip(), (out / "train").read_text().strip())
+        job = job_commands(tmp_path, MODE="cpu", CONFIG=str(tmp_path / f"{name}.yaml"), SPO_TRAIN_ARGS=f"init.hf={hf}")
+        commands[name] = (job["engine"], job["train"])
     engine_cmd, train_cmd = commands["lora"]
     assert engine_cmd.endswith('--port "$ENGINE_PORT" --enable-lora --max-lora-rank 4 --lora-target-modules '
                                + " ".join(MODULES))
     assert train_cmd.endswith(f"init.hf={hf} lora.transport=path")
     assert "lora" not in commands["full"][0] + commands["full"][1]
-    from megatron_spo.training.slurm_lora import slurm_lora_launch
+    from megatron_spo.training.slurm_args import slurm_lora_launch
 
     assert slurm_lora_launch(__import__("types").SimpleNamespace(
         lora=LoraConfig(rank=4, transport="tensors"), model=model_cfg_of(hf), init=None)) == (

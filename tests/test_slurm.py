@@ -4,7 +4,8 @@ slurm/probe.py stands in for the trainer, the engines and the Q0 driver (tests/t
 real ones); the router is the real sglang-router. What is proven: the heterogeneous layout
 and its env contract (ranks, MASTER_ADDR/PORT through a real gloo rendezvous, router and engine URLs),
 the Q0 stage ordered before training by afterok, per-component logs, preemption (SIGUSR1 -> checkpoint ->
-requeue -> resume continuing the step counter) and fail-fast when a component dies.
+requeue -> resume continuing the step counter) and fail-fast when a component dies. Without a cluster: the engine
+command spo.sbatch builds for a mixture-of-experts run (the routed-experts flags) and a dense one (none).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import slurm_helpers
-from slurm_helpers import REPO, SUBMIT, batch_log, job_info, wait_job
+from slurm_helpers import REPO, SUBMIT, batch_log, job_commands, job_info, wait_job
 
 cluster = slurm_helpers.cluster  # the module-scoped fixture: a fresh 4-node cluster for this module
 
@@ -62,6 +64,71 @@ def test_job_script_refuses_bad_parameters_before_launching(tmp_path):
         out = subprocess.run(["bash", script], env={**base, **extra}, capture_output=True, text=True, timeout=30)
         assert out.returncode == 1
         assert out.stderr.strip().endswith(f"ERROR: {message}"), out.stderr
+
+
+@pytest.mark.slow
+def test_the_engines_of_a_moe_run_return_routes_and_a_dense_runs_get_no_flag(tmp_path):
+    """routing_replay: engine (the default) on a mixture-of-experts model asks every rollout for its routes, so the
+    train stage starts its engines with --enable-return-routed-experts: megatron-spo serve's (MODE=cpu); SGLang's
+    (MODE=gpu) with --ep-size ENGINE_TP where the 6 experts split evenly (TP 2; not TP 4), as SGLang's own
+    server_args parse them. A dense model, routing_replay off and the Q0 stage: no flag. The MODE=cpu engine, started
+    as launch_workers.sh starts it, returns each sample's routes (layers x top-2 per routed position)."""
+    import moe_helpers
+    import rollout_helpers
+    import sglang_source as sgl
+
+    from megatron_spo.data.routes import RoutedExperts
+    from megatron_spo.rollout.client import post_json
+    from megatron_spo.rollout.protocol import GenerateRequest, SamplingParams, parse_generate_response
+
+    moe = moe_helpers.make_tiny_moe(tmp_path / "moe")  # 6 experts, top-2, 2 layers
+    dense = Path(rollout_helpers.make_tiny_llama(str(tmp_path / "dense")))
+    configs = {"default": "steps: 1\n", "off": 'steps: 1\nrouting_replay: "off"\n'}  # unquoted, YAML reads off as false
+    for name, text in configs.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+
+    def engine(model: Path, mode: str, tp: int = 1, config: str = "default", stage: str = "train") -> str:
+        job = job_commands(tmp_path, MODE=mode, ENGINE_TP=str(tp), GPUS_PER_NODE="8", STAGE=stage, Q0_CMD="true",
+                           CONFIG=str(tmp_path / f"{config}.yaml"), MODEL_PATH=str(model), SPO_TRAIN_ARGS=f"init.hf={model}")
+        assert job["engine"], job["stderr"]
+        return job["engine"]
+
+    served = '--port "$ENGINE_PORT"'
+    cpu = engine(moe, "cpu")
+    assert cpu.startswith("megatron-spo serve ") and cpu.endswith(f"{served} --enable-return-routed-experts")
+    gpu = {tp: engine(moe, "gpu", tp) for tp in (2, 4)}
+    assert gpu[2].endswith(f"{served} --enable-return-routed-experts --ep-size 2")
+    assert gpu[4].endswith(f"{served} --enable-return-routed-experts")
+    for model, mode, config, stage in ((dense, "cpu", "default", "train"), (dense, "gpu", "default", "train"),
+                                       (moe, "gpu", "off", "train"), (moe, "cpu", "default", "q0")):
+        assert engine(model, mode, 2, config, stage).endswith(served), (model.name, mode, config, stage)
+    if sgl.sglang_available():
+        for tp, ep in ((2, 2), (4, 1)):
+            argv = subprocess.run(["bash", "-c", f'eval "set -- {gpu[tp]}"; printf "%s\\0" "$@"'], check=True, text=True,
+                                  capture_output=True, env={"PATH": os.environ["PATH"], "MODEL_PATH": str(moe),
+                                                            "ENGINE_TP": str(tp), "ENGINE_PORT": "30001"}).stdout
+            args = sgl.parse_sglang_server_argv(argv.split("\0")[3:-1])
+            assert (args.enable_return_routed_experts, args.tp_size, args.ep_size) == (True, tp, ep)
+
+    def start(port: int) -> subprocess.Popen:  # as launch_workers.sh starts an engine
+        env = {**rollout_helpers.engine_env(), "ENGINE_CMD": cpu, "MODEL_PATH": str(moe), "ENGINE_TP": "1",
+               "ENGINE_PORT": str(port)}
+        return subprocess.Popen(["bash", "-c", 'eval "exec $ENGINE_CMD"'], env=env, start_new_session=True)
+
+    proc, url = rollout_helpers.start_on_free_port(start, "engine")
+    try:
+        prompt = [5, 6, 7, 8]
+        req = GenerateRequest(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=4, n=2, temperature=1.0),
+                              return_routed_experts=True)
+        status, out = post_json(f"{url}/generate", req.to_json(), 60)
+        assert status == 200, out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    for c in parse_generate_response(out, 1, 2)[0]:
+        tokens = len(prompt) + len(c.output_ids) - 1
+        routes = RoutedExperts.from_engine(c.routed_experts, tokens=tokens, top_k=2, where="engine")
+        assert routes.array().shape == (tokens, 2, 2) and routes.array().max() < 6
 
 
 def test_hetjob_layout_q0_then_train(cluster):

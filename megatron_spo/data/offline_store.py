@@ -64,6 +64,7 @@ from megatron_spo.data.trajectory import (
     Provenance,
     RecordError,
     Trajectory,
+    iter_jsonl,
     read_jsonl,
     record_tokens,
     validate_provenance,
@@ -414,6 +415,22 @@ class _Shard:
                 provenance=provenance, routed_experts=self.routes(r) if routed[r] else None,
             )
 
+    def record(self, r: int) -> Trajectory:
+        """Row ``r`` alone (records() converts a whole shard's columns at once: faster for many rows)."""
+        c = self.cols
+        mc = None
+        if c["has_mc"][r]:
+            mc = [{"t": int(t), "success_prob": float(p)} for t, p in zip(self.slice("mc_t", r), self.slice("mc_p", r))]
+        q0 = float(c["q0"][r])
+        return Trajectory(
+            prompt_id=self.prompt_ids[r], prompt_tokens=self.slice("prompt_tokens", r).tolist(),
+            response_tokens=self.slice("response_tokens", r).tolist(), reward=float(c["reward"][r]),
+            source=self.sources[r], policy_version=int(c["policy_version"][r]),
+            behaviour_logprobs=self.slice("behaviour_logprobs", r).tolist() if c["has_behaviour"][r] else None,
+            q0=None if np.isnan(q0) else q0, mc_targets=mc, provenance=self.provenance(r),
+            routed_experts=self.routes(r),
+        )
+
     def routes(self, row: int) -> RoutedExperts | None:
         """The row's routed_experts (int32 ids [prompt + response - 1, layers, top_k]), None if it has none."""
         layers, top_k = (int(x) for x in self.cols["routes_shape"][row])
@@ -558,19 +575,7 @@ class OfflineStore:
 
     def record(self, i: int) -> Trajectory:
         shard, r = self._locate(i)
-        c = shard.cols
-        mc = None
-        if c["has_mc"][r]:
-            mc = [{"t": int(t), "success_prob": float(p)} for t, p in zip(shard.slice("mc_t", r), shard.slice("mc_p", r))]
-        q0 = float(c["q0"][r])
-        return Trajectory(
-            prompt_id=shard.prompt_ids[r], prompt_tokens=shard.slice("prompt_tokens", r).tolist(),
-            response_tokens=shard.slice("response_tokens", r).tolist(), reward=float(c["reward"][r]),
-            source=shard.sources[r], policy_version=int(c["policy_version"][r]),
-            behaviour_logprobs=shard.slice("behaviour_logprobs", r).tolist() if c["has_behaviour"][r] else None,
-            q0=None if np.isnan(q0) else q0, mc_targets=mc, provenance=shard.provenance(r),
-            routed_experts=shard.routes(r),
-        )
+        return shard.record(r)
 
     def trajectories(self) -> list[Trajectory]:
         out = []
@@ -584,6 +589,37 @@ def remove_store(path: str | Path) -> None:
     path = Path(path)
     (path / INDEX).unlink(missing_ok=True)
     shutil.rmtree(path)
+
+
+def iter_routed(path: str | Path, *, verify: bool | None = None) -> Iterator[tuple[str, Trajectory]]:
+    """(where, record) of each record of a JSONL file or an offline store that carries routed_experts, in order;
+    where = 'FILE:LINE', or 'STORE record N' (N: the record's number in the store, as OfflineStore numbers them).
+    Streamed, for a check of every route (training/sources.py check_source_routes): a store one verified shard at a
+    time, a shard without route columns (version < 3) not opened and only routed rows built; a JSONL file line by
+    line, only the lines that name routed_experts parsed. A record that cannot be read raises RecordError."""
+    path = Path(path)
+    if not path.is_dir():
+        for where, obj in iter_jsonl(path, naming=b'"routed_experts"'):
+            if isinstance(obj, RecordError):
+                raise obj
+            record = validate_record(obj, where)
+            if record.routed_experts is not None:
+                yield where, record
+        return
+    first = 0
+    for entry in _read_index(path)["shards"]:
+        rows, files = (entry.get("rows"), entry.get("files")) if isinstance(entry, dict) else (None, None)
+        if type(rows) is int and rows >= 0 and isinstance(files, dict) and not ROUTE_FILES & set(files):
+            first += rows  # no route columns: nothing of it is read
+            continue
+        shard = _Shard(path, entry, verify_enabled() if verify is None else verify)
+        invalid = shard.invalid_rows()
+        if invalid:
+            row, field, why = invalid[0]
+            raise RecordError(f"{path / shard.name} row {row}", field, why)
+        for r in np.flatnonzero(shard.cols["routes_shape"][:, 0] > 0).tolist():
+            yield f"{path} record {first + r}", shard.record(r)
+        first += shard.rows
 
 
 def load_trajectories(path: str | Path, *, skip_invalid: bool = False) -> list[Trajectory]:

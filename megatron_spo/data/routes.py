@@ -8,6 +8,7 @@ sent) with the shape it decodes to.
 
     routes = RoutedExperts.from_engine(b64, tokens=P + R - 1, top_k=k, where="engine 0 rid r1")
     routes.check_model(num_layers=L, num_experts=E, top_k=k, where="trajectory 7")   # against the policy
+    routes.check_for(model_cfg, where="trajectory 7")                                # the same, of a ModelConfig
     ids = routes.array()                                                             # int32 [T, L, k]
 """
 
@@ -106,6 +107,14 @@ class RoutedExperts:
                 raise RoutesError(where, f"token {t}, layer {layer} routes to expert "
                                   f"{ids[t, layer].tolist()} more than once")
         return ids
+
+    def check_for(self, model, where: str) -> np.ndarray:
+        """check_model against a ModelConfig (its layers, model.moe's experts and top_k); a dense model takes no
+        routes."""
+        if model.moe is None:
+            raise RoutesError(where, "routes for a model without experts (routes from another model?)")
+        return self.check_model(num_layers=model.num_layers, num_experts=model.moe.num_experts,
+                                top_k=model.moe.router_topk, where=where)
 
 
 def _decode(b64: Any, where: str) -> np.ndarray:

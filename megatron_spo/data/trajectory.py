@@ -268,15 +268,18 @@ def validate_record(obj: Any, where: str) -> Trajectory:
 # ---------------------------------------------------------------------------------------------
 # JSONL
 # ---------------------------------------------------------------------------------------------
-def iter_jsonl(path: str | Path) -> Iterator[tuple[str, Any]]:
+def iter_jsonl(path: str | Path, *, naming: bytes | None = None) -> Iterator[tuple[str, Any]]:
     """(where, value) per non-blank line of a JSONL file, where = 'file:line' and value the parsed JSON, or a
-    RecordError for a line that is not valid UTF-8 or not valid JSON (the lines after it still read)."""
+    RecordError for a line that is not valid UTF-8 or not valid JSON (the lines after it still read). ``naming``:
+    only the lines holding these bytes (the others are passed over unparsed)."""
     path = Path(path)
     if path.is_dir():
         raise RecordError(str(path), None, "is a folder, not a JSONL file (an offline store is read as a folder "
                           "only where a store is expected)")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if naming is not None and naming not in raw:
+                continue
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")

@@ -67,14 +67,24 @@ def preflight_model(cfg: TrainConfig, world_size: int) -> None:
 
 def preflight_data(cfg: TrainConfig) -> None:
     """What rank 0 reads once training starts, checked before any process is spawned: the offline sources'
-    paths and, with an online source, the tokenizer, the task's files, Q0 and the fleet's endpoints (else
-    found only after the rollouts started)."""
+    paths and routes (each record's routed_experts against the model: else the first step stops on it) and, with
+    an online source, the tokenizer, the task's files, Q0 and the fleet's endpoints (else found only after the
+    rollouts started)."""
     from megatron_spo.data.q0 import ESTIMATE_HINT
     from megatron_spo.training.algos import algorithm_needs_q0
+    from megatron_spo.training.sources import check_source_routes
 
     for name, src in cfg.sources.items():
         if src.path is not None and not Path(src.path).exists():
             raise ConfigError(f"sources.{name}.path: '{src.path}' does not exist")
+    offline = {name: src for name, src in cfg.sources.items() if name != "online" and src.path is not None}
+    model = (cfg.model or _model_config_from_init(cfg.init)) if offline else None
+    for name, src in offline.items():
+        try:  # streamed: a store's shards without routes are not read
+            check_source_routes(name, src, model, verify=cfg.checkpoint.verify)
+        except (ValueError, OSError) as err:  # a RoutesError (names the source), or a record that does not read
+            text, field = str(err), f"sources.{name}.path"
+            raise ConfigError(text if text.startswith(field) else f"{field}: {text}") from None
     if cfg.grpo.guide_path is not None and not Path(cfg.grpo.guide_path).exists():
         raise ConfigError(f"grpo.guide_path: '{cfg.grpo.guide_path}' does not exist")
     if "online" not in cfg.sources:

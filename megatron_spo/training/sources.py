@@ -51,6 +51,29 @@ def long_response_warning(records: list, max_new_tokens: int, field: str = "roll
             f"that learns to write like them (SFT, or SPO on them) is cut off; raise {field} to {max(long)} or more")
 
 
+def provenance_filter(select):
+    """The records a source's ``select`` (ProvenanceSelect) keeps, as a predicate; None without one (every record)."""
+    if select is None:
+        return None
+    from megatron_spo.data.experience import ProvenanceFilter
+
+    return ProvenanceFilter(*(None if v is None else set(v) for v in (select.kinds, select.models, select.run_ids)),
+                            assume_kind=select.assume_kind)
+
+
+def check_source_routes(name: str, src, model, *, verify: bool | None = None) -> None:
+    """The routed_experts of every record the offline source ``name`` draws (its path and select) can be ``model``'s
+    (RoutedExperts.check_for), as the trainer checks each step's (trainer.check_routes), before the first: streamed
+    (offline_store.iter_routed), stopped at the first that cannot, a RoutesError naming the source's path, the record
+    and its prompt_id, and the field."""
+    from megatron_spo.data.offline_store import iter_routed
+
+    keep = provenance_filter(src.select)
+    for where, record in iter_routed(src.path, verify=verify):
+        if keep is None or keep(record):
+            record.routed_experts.check_for(model, f"sources.{name}.path {where} (prompt_id {record.prompt_id!r})")
+
+
 class OfflineSource:
     """Trajectories from a JSONL file or an offline store, drawn in resumable shuffled epochs."""
 
@@ -65,13 +88,10 @@ class OfflineSource:
 
         self.name = name
         self.records = load_trajectories(path)
-        if select is not None:
+        keep = provenance_filter(select)
+        if keep is not None:
             from megatron_spo.config import ConfigError
-            from megatron_spo.data.experience import ProvenanceFilter
 
-            keep = ProvenanceFilter(*(None if v is None else set(v) for v in (select.kinds, select.models,
-                                                                               select.run_ids)),
-                                    assume_kind=select.assume_kind)
             total = len(self.records)
             self.records = [r for r in self.records if keep(r)]
             if not self.records:

@@ -885,17 +885,10 @@ def sampling_temperature(mb: TrainBatch) -> torch.Tensor:
 def check_routes(trajs: list, model_cfg) -> None:
     """Every trajectory's routed_experts can be this model's (layer count, top_k, expert ids): else one line naming
     the trajectory and the field (routes from another model, or a corrupted record)."""
-    from megatron_spo.data.routes import RoutesError
-
     for i, t in enumerate(trajs):
         routes = getattr(t, "routed_experts", None)
-        if routes is None:
-            continue
-        where = f"trajectory {i} of the step (prompt_id {t.prompt_id!r}, source {t.source!r})"
-        if model_cfg.moe is None:
-            raise RoutesError(where, "routes for a model without experts (routes from another model?)")
-        routes.check_model(num_layers=model_cfg.num_layers, num_experts=model_cfg.moe.num_experts,
-                           top_k=model_cfg.moe.router_topk, where=where)
+        if routes is not None:
+            routes.check_for(model_cfg, f"trajectory {i} of the step (prompt_id {t.prompt_id!r}, source {t.source!r})")
 
 
 def _is_last(model) -> bool:
