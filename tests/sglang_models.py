@@ -12,8 +12,9 @@ API
 ---
 * :func:`sglang_weight_load_report` ``(architecture, hf_config, named_tensors, *, weight_loader_v2=False)
   -> Report``: ``architecture`` is one of :data:`ARCHITECTURES` (``LlamaForCausalLM``,
-  ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``); ``hf_config`` a
-  transformers config or its ``to_dict()``; ``named_tensors`` the pushed (HF name, tensor) pairs, NaN-free.
+  ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
+  ``Qwen2MoeForCausalLM``); ``hf_config`` a transformers config or its ``to_dict()``; ``named_tensors`` the
+  pushed (HF name, tensor) pairs, NaN-free.
 * :class:`Report`: ``loaded`` (HF name -> (SGLang parameter, shard id or None): its first write),
   ``writes`` (every weight-loader call, in order), ``skipped`` (names that wrote nothing and raised
   nothing), ``rejected`` (name -> the exception load_weights raised on it: the engine's
@@ -109,6 +110,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "sglang.srt.models.qwen2",
     "Qwen3ForCausalLM": "sglang.srt.models.qwen3",
     "Qwen3MoeForCausalLM": "sglang.srt.models.qwen3_moe",
+    "Qwen2MoeForCausalLM": "sglang.srt.models.qwen2_moe",
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ MODEL_REAL_MODULES: tuple[str, ...] = (
     "sglang.srt.models.qwen2",  # Qwen2ForCausalLM
     "sglang.srt.models.qwen3",  # Qwen3ForCausalLM
     "sglang.srt.models.qwen3_moe",  # Qwen3MoeForCausalLM
-    "sglang.srt.models.qwen2_moe",  # Qwen2MoeModel (Qwen3MoeModel builds on it)
+    "sglang.srt.models.qwen2_moe",  # Qwen2MoeForCausalLM, Qwen2MoeModel (Qwen3MoeModel builds on it)
     "sglang.srt.eplb.expert_location",  # FusedMoE.weight_loader: physical expert ids (None: identity)
     "sglang.srt.models.utils",  # apply_qk_norm (qwen3), AutoWeightsLoader (the v2 loader)
     "sglang.srt.layers.*",  # linear (QKV/merged/row parallel + weight loaders), embeddings, RMSNorm, rope, ...

@@ -50,9 +50,10 @@ def family_results(request, family_dirs, tmp_path_factory) -> dict:
 
 
 def test_registry_covers_the_families_and_derives_the_supported_list():
-    assert arch.names() == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]  # qwen3_moe: tests/test_moe.py
-    assert hfc.SUPPORTED_ARCHITECTURES == (
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    # the MoE families: tests/test_moe.py (qwen3_moe), tests/test_qwen2_moe.py (qwen2_moe)
+    assert arch.names() == ["llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+    assert hfc.SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     assert ModelConfig.model_fields["architecture"].default == "llama"
 
 
@@ -139,9 +140,9 @@ def _raw(family_dirs, case: str, **changes) -> dict:
 @pytest.mark.parametrize(
     "case, changes, message",
     [
-        ("qwen2.5", {"architectures": ["Qwen2MoeForCausalLM"]},
-         "unsupported architecture ['Qwen2MoeForCausalLM'] (field 'architectures'; supported: LlamaForCausalLM, "
-         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"),
+        ("qwen2.5", {"architectures": ["MixtralForCausalLM"]},
+         "unsupported architecture ['MixtralForCausalLM'] (field 'architectures'; supported: LlamaForCausalLM, "
+         "MistralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"),
         ("qwen2.5", {"use_sliding_window": True},
          "unsupported use_sliding_window=True (supported: False; sliding-window attention is not supported)"),
         ("qwen3", {"layer_types": ["full_attention", "sliding_attention"] * 2},

@@ -253,7 +253,8 @@ def test_unsupported_architecture(hf_dir, tmp_path):
     msg = _convert_error(bad, tmp_path / "out")
     assert msg == (
         f"{bad}/config.json: unsupported architecture ['DeepseekV3ForCausalLM'] (field 'architectures'; "
-        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
+        "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM)"
     )
 
 

@@ -91,7 +91,7 @@ def test_experts_on_a_dense_family_and_bad_expert_layouts_are_refused(hf_dir):
     with pytest.raises(ValueError, match=r"architecture 'qwen3_moe': .* moe set"):
         ModelConfig(**dense)
     with pytest.raises(ValueError, match=r"moe: architecture 'qwen3' has no experts \(a mixture-of-experts family: "
-                                         r"qwen3_moe\)"):
+                                         r"qwen2_moe, qwen3_moe\)"):
         ModelConfig(**{**dense, "architecture": "qwen3", "moe": cfg.moe.model_dump()})
     with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size 4 does not divide model.moe.num_experts 6"):
         ParallelConfig(expert_model_parallel_size=4).check(cfg, 4)

@@ -17,12 +17,12 @@ from gpu_result import PartResult, part_main
 BF16_ERROR_RATIO = 3.0
 
 
-MOE_CASE = "qwen3-moe (tests/moe_helpers)"
+MOE_CASES = {"qwen3_moe": "qwen3-moe (tests/moe_helpers)", "qwen2_moe": "qwen2-moe (tests/qwen2_moe_helpers)"}
 
 
 def family_cases() -> dict[str, str]:
     """Registered family -> the first FAMILY_CASES entry whose transformers config is of that family (the MoE
-    family: tests/moe_helpers' tiny Qwen3-MoE, MOE_CASE)."""
+    families: the tiny models of tests/moe_helpers and tests/qwen2_moe_helpers, MOE_CASES)."""
     import transformers
     from models_helpers import FAMILY_CASES
 
@@ -35,7 +35,7 @@ def family_cases() -> dict[str, str]:
                 cases[family] = case
                 break
         else:
-            cases[family] = MOE_CASE if family == transformers.Qwen3MoeConfig.model_type else None
+            cases[family] = MOE_CASES.get(family)
     return cases
 
 
@@ -43,10 +43,14 @@ def make_case(root: str, case: str):
     """(checkpoint folder, token ids [4, S] on the CPU) of a family_cases() entry, 2 layers."""
     from models_helpers import make_tiny_family, tokens
 
-    if case == MOE_CASE:
+    if case == MOE_CASES["qwen3_moe"]:
         import moe_helpers
 
         return str(moe_helpers.make_tiny_moe(f"{root}/qwen3-moe")), moe_helpers.tokens()
+    if case == MOE_CASES["qwen2_moe"]:
+        import qwen2_moe_helpers
+
+        return str(qwen2_moe_helpers.make_tiny_qwen2_moe(f"{root}/qwen2-moe")), qwen2_moe_helpers.tokens()
     return str(make_tiny_family(f"{root}/{case}", case, num_layers=2)), tokens()
 
 

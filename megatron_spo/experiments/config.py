@@ -13,6 +13,9 @@ from megatron_spo.models.config import MoEConfig
 
 # the tiny MoE a mixture-of-experts family gets when reference.moe is unset: odd sizes, top-2 of 6 (issue 47)
 TINY_MOE = MoEConfig(num_experts=6, router_topk=2, ffn_hidden_size=96)
+# ... and a family with a gated shared expert (Qwen2-MoE): the same experts beside a shared one of 96
+TINY_SHARED_MOE = MoEConfig(num_experts=6, router_topk=2, ffn_hidden_size=96, shared_expert_ffn_hidden_size=96,
+                            shared_expert_gate=True)
 MATH_SFT_STEPS = 1200  # the math reference's default: its arithmetic needs twice the code task's SFT
 
 
@@ -50,7 +53,8 @@ class QuickstartModelConfig(StrictModel):
                                  "remove on unseen problems too")
     num_threads: int = Field(2, gt=0, description="torch CPU threads during SFT (not part of the cache key)")
     moe: MoEConfig | None = Field(None, description="the experts of a mixture-of-experts family (architecture="
-                                  "qwen3_moe): unset there, TINY_MOE (6 experts of 96, top-2); must stay unset for "
+                                  "qwen3_moe, qwen2_moe): unset there, TINY_MOE (6 experts of 96, top-2; qwen2_moe: "
+                                  "TINY_SHARED_MOE, a shared expert of 96 beside them); must stay unset for "
                                   "a dense family. The quickstart then starts its engines with "
                                   "--enable-return-routed-experts and trains with routing replay")
 
@@ -67,17 +71,18 @@ class QuickstartModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_heads(self) -> QuickstartModelConfig:
-        from megatron_spo.models.arch import architecture
+        from megatron_spo.models.arch import architecture, registry
 
         try:
             family = architecture(self.architecture)
         except ValueError as err:  # the registry's message lists the known families
             raise ValueError(f"architecture: {err}") from None
         if family.experts and self.moe is None:
-            object.__setattr__(self, "moe", TINY_MOE)
+            object.__setattr__(self, "moe", TINY_SHARED_MOE if family.shared_expert else TINY_MOE)
         elif not family.experts and self.moe is not None:
+            moe_families = " | ".join(n for n, a in registry().items() if a.experts)
             raise ValueError(f"moe: architecture {self.architecture!r} has no experts (a mixture-of-experts family: "
-                             f"architecture=qwen3_moe)")
+                             f"architecture={moe_families})")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"

@@ -29,6 +29,12 @@ class MoEConfig(StrictModel):
     num_experts: int = Field(gt=1, description="routed experts per layer (HF num_experts)")
     router_topk: int = Field(gt=0, description="experts per token (HF num_experts_per_tok)")
     ffn_hidden_size: int = Field(gt=0, description="one expert's intermediate size (HF moe_intermediate_size)")
+    shared_expert_ffn_hidden_size: int | None = Field(
+        None, gt=0, description="a SwiGLU every token goes through beside its routed experts: its intermediate size "
+        "(HF shared_expert_intermediate_size, megatron moe_shared_expert_intermediate_size); null = no shared expert")
+    shared_expert_gate: bool = Field(
+        False, description="the shared expert's output scaled by sigmoid(w . x), w [1, H] (HF shared_expert_gate, "
+        "megatron moe_shared_expert_gate)")
     norm_topk_prob: bool = Field(
         True, description="true: softmax over the top-k logits (the k weights sum to 1); false: softmax over all "
         "experts, then top-k (HF norm_topk_prob; megatron moe_router_pre_softmax = not this)")
@@ -44,7 +50,14 @@ class MoEConfig(StrictModel):
     def _check_topk(self) -> MoEConfig:
         if self.router_topk > self.num_experts:
             raise ValueError(f"moe.router_topk {self.router_topk} is larger than moe.num_experts {self.num_experts}")
+        if self.shared_expert_gate and self.shared_expert_ffn_hidden_size is None:
+            raise ValueError("moe.shared_expert_gate needs moe.shared_expert_ffn_hidden_size (a shared expert)")
         return self
+
+    def shared_expert_parameters(self, hidden_size: int) -> int:
+        """The shared expert's gate / up [Fs, H], down [H, Fs] and its gate [1, H] (0 without one)."""
+        fs = self.shared_expert_ffn_hidden_size or 0
+        return 3 * hidden_size * fs + (hidden_size if self.shared_expert_gate else 0)
 
 
 class ModelConfig(StrictModel):
@@ -72,7 +85,8 @@ class ModelConfig(StrictModel):
     make_vocab_size_divisible_by: int = Field(128, gt=0)
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     fp8: bool = False
-    moe: MoEConfig | None = Field(None, description="mixture-of-experts MLPs (Qwen3-MoE); null = dense SwiGLU")
+    moe: MoEConfig | None = Field(None, description="mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE); null = dense "
+                                  "SwiGLU")
 
     @model_validator(mode="before")
     @classmethod
@@ -128,7 +142,8 @@ class ModelConfig(StrictModel):
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * d if self.qk_layernorm else 0)
-        mlp = 3 * h * f if self.moe is None else self.moe.num_experts * (3 * h * self.moe.ffn_hidden_size + h)
+        mlp = 3 * h * f if self.moe is None else (self.moe.num_experts * (3 * h * self.moe.ffn_hidden_size + h)
+                                                  + self.moe.shared_expert_parameters(h))
         layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
@@ -143,9 +158,11 @@ class ModelConfig(StrictModel):
         qk_norms = 2 * d if self.qk_layernorm else 0
         if self.moe is None:
             layer = (2 * h * q + 2 * h * kv + 3 * h * f + bias) // tp + 2 * h + qk_norms  # norms are replicated over TP
-        else:  # experts split over EP (here 1) and expert-TP (= tp); the router is replicated
+        else:  # experts split over EP (here 1) and expert-TP (= tp), a shared expert over TP; routers replicated
             experts = self.moe.num_experts * 3 * h * self.moe.ffn_hidden_size
-            layer = (2 * h * q + 2 * h * kv + bias + experts) // tp + self.moe.num_experts * h + 2 * h + qk_norms
+            shared = 3 * h * (self.moe.shared_expert_ffn_hidden_size or 0)
+            gates = self.moe.num_experts * h + (h if self.moe.shared_expert_gate else 0)
+            layer = (2 * h * q + 2 * h * kv + bias + experts + shared) // tp + gates + 2 * h + qk_norms
         layers = math.ceil(self.num_layers / pp) * layer
         embedding = vocab * h // tp
         head = 0 if self.tie_word_embeddings else vocab * h // tp
@@ -289,6 +306,9 @@ class ParallelConfig(StrictModel):
         if model.moe.ffn_hidden_size % tp:
             raise ConfigError(f"parallel.tensor_model_parallel_size {tp} does not divide model.moe.ffn_hidden_size "
                               f"{model.moe.ffn_hidden_size}")
+        if (model.moe.shared_expert_ffn_hidden_size or 0) % tp:
+            raise ConfigError(f"parallel.tensor_model_parallel_size {tp} does not divide "
+                              f"model.moe.shared_expert_ffn_hidden_size {model.moe.shared_expert_ffn_hidden_size}")
         expert_ranks = tp * ep * self.pipeline_model_parallel_size
         if world_size is not None and world_size % expert_ranks:
             raise ConfigError(

@@ -33,9 +33,11 @@ Mixture of experts (model.moe; presets qwen3-30b-a3b, qwen3-235b-a22b): the expe
   expert-data-parallel ranks DP x CP / EP; attention, norms, router and embeddings as a dense model's (TP x PP, state
   over DP x CP). Activations per token: attention and norms as above plus the router's fp32 logits and probabilities
   (2 x E) and, for each of the k dispatched copies (balanced routing), the expert input and fc2 output (2h, whole)
-  and fc1 + SwiGLU outputs (3F / TP). FLOPs count the active parameters (all but each layer's E - k unrouted
-  experts); a push sends every tensor, all L x E x 3 expert tensors included. The router's share of parameters
-  and FLOPs is reported. The trainer itself refuses EP > 1 today (ParallelConfig.check_training).
+  and fc1 + SwiGLU outputs (3F / TP); a shared expert (Qwen2-MoE) is dense: its weights over TP x PP, replicated
+  over EP, its fc1 + SwiGLU outputs 3Fs / TP (and its gate's output h) per token. FLOPs count the active parameters
+  (all but each layer's E - k unrouted experts; the shared expert is active); a push sends every tensor, all
+  L x E x 3 expert tensors included. The router's share of parameters and FLOPs is reported. The
+  trainer itself refuses EP > 1 today (ParallelConfig.check_training).
 The same accounting with the dtypes and saved tensors of a transformers Llama on CPU is checked against
 the peak RSS of a real forward + backward + Adam step (`validate_on_cpu`, tests/test_capacity.py).
 
@@ -206,7 +208,7 @@ class StageParameters:
 
 def moe_stage_parameters(model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1) -> StageParameters:
     """StageParameters of (model, TP, PP, EP); a dense model's are all dense. The router [E, H] is dense
-    (replicated over TP and EP)."""
+    (replicated over TP and EP), and so is a shared expert (split over TP like a dense MLP, replicated over EP)."""
     whole = stage_parameters(model, tp, pp)
     if model.moe is None:
         return StageParameters(dense=whole)
@@ -221,7 +223,8 @@ class MoECounts:
     """Whole-model parameter counts of a mixture-of-experts model (HF names, unpadded vocabulary)."""
 
     total: int
-    active: int  # what one token's forward touches: all but the (E - k) unrouted experts of each layer
+    active: int  # what one token's forward touches: all but the (E - k) unrouted experts of each layer (a shared
+    #              expert is active)
     experts: int  # every expert's gate / up / down
     router: int  # L x E x H
     expert_tensors: int  # pushed expert tensors: L x E x 3
@@ -278,9 +281,11 @@ def layer_activation_elements(model: ModelConfig, tp: int, sequence_parallel: bo
         if implementation != "megatron":
             raise ConfigError("plan: the transformers activation accounting is a dense Llama's (the CPU check)")
         k, fe, e = model.moe.router_topk, model.moe.ffn_hidden_size, model.moe.num_experts
-        # the router's logits and probabilities [E] in fp32 (2 x 2 bf16 elements each), on the sequence-parallel rank
-        replicated = 4 * h + 4 * e
-        split = q + 2 * kv + q
+        fs, gated = model.moe.shared_expert_ffn_hidden_size or 0, model.moe.shared_expert_gate
+        # the router's logits and probabilities [E] in fp32 (2 x 2 bf16 elements each), on the sequence-parallel rank;
+        # a gated shared expert's output h and gate score kept for their product
+        replicated = 4 * h + 4 * e + (h + 1 if gated else 0)
+        split = q + 2 * kv + q + 3 * fs  # a shared expert (every token, TP-split): fc1 + SwiGLU outputs 3Fs
         # each token's k dispatched copies (balanced routing: an expert group receives k x its ranks' tokens and
         # each GPU holds 1/EP of them): the expert input h (whole: expert-TP splits F) and the fc2 output h kept
         # for the probability-weighted sum, fc1 output 2F and SwiGLU output F split over expert-TP

@@ -246,6 +246,7 @@ class Architecture:
     features: dict = field(default_factory=dict)  # ModelConfig feature fields the family implies
     layer_rules: Callable[[ModelConfig], tuple[Rule, ...]] = decoder_layer_rules
     experts: bool = False  # a mixture-of-experts family: ModelConfig.moe is set (and only here)
+    shared_expert: bool = False  # its MoE layers add a gated shared expert (moe.shared_expert_*: Qwen2-MoE)
 
     def hf_config(self, cfg: ModelConfig, extra: dict | None = None) -> dict:
         raw = {"architectures": [self.hf_class], "model_type": self.name, **common_hf_fields(cfg),

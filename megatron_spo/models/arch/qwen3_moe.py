@@ -26,19 +26,18 @@ _L = "model.layers.{i}."
 _MTP_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
 
 
-def _read(f: HFConfigFields) -> dict:
-    f.refuse_unless("attention_bias", (False,), "Qwen3 biases on q/k/v/o are not built here")
-    f.refuse_sliding_window()
+def refuse_dense_layers(f: HFConfigFields) -> None:
+    """Every layer here is a MoE layer: dense MLP layers among them and multi-token prediction are refused."""
     f.refuse_unless("decoder_sparse_step", (1,), "dense MLP layers between MoE layers are not built here")
     if f.get("mlp_only_layers", []):
         raise UnsupportedHFConfig(f"{f.source}: unsupported mlp_only_layers={f.raw['mlp_only_layers']!r} "
                                   f"(supported: []; dense MLP layers between MoE layers are not built here)")
     for field in _MTP_FIELDS:
         f.refuse_unless(field, (0,), "multi-token prediction layers are not built here")
-    if f.get("shared_expert_intermediate_size", 0):
-        raise UnsupportedHFConfig(f"{f.source}: unsupported shared_expert_intermediate_size="
-                                  f"{f.raw['shared_expert_intermediate_size']!r} (supported: 0; shared experts are "
-                                  f"not built here)")
+
+
+def read_moe(f: HFConfigFields, **shared) -> MoEConfig:
+    """The routed experts of a Qwen MoE config.json (``shared``: the family's shared-expert fields)."""
     experts = f.raw.get("num_experts", f.raw.get("num_local_experts"))  # transformers 5 writes num_local_experts
     if experts is None:
         f.need("num_experts")
@@ -46,26 +45,42 @@ def _read(f: HFConfigFields) -> dict:
     if isinstance(topk, int) and isinstance(experts, int) and topk > experts:
         raise UnsupportedHFConfig(f"{f.source}: num_experts_per_tok {topk} is larger than num_experts {experts}")
     aux = float(f.get("router_aux_loss_coef", 0.0)) if f.get("output_router_logits", False) else 0.0
-    moe = MoEConfig(num_experts=experts, router_topk=topk,
-                    ffn_hidden_size=f.need("moe_intermediate_size"),
-                    norm_topk_prob=bool(f.get("norm_topk_prob", False)),  # transformers' default
-                    aux_loss_coeff=aux)
-    return {**common_model_fields(f, default_head_dim=DEFAULT_HEAD_DIM), "qk_layernorm": True, "moe": moe}
+    return MoEConfig(num_experts=experts, router_topk=topk, ffn_hidden_size=f.need("moe_intermediate_size"),
+                     norm_topk_prob=bool(f.get("norm_topk_prob", False)),  # transformers' default
+                     aux_loss_coeff=aux, **shared)
+
+
+def write_moe(cfg: ModelConfig) -> dict:
+    """read_moe's config.json fields (every layer a MoE layer)."""
+    moe = cfg.moe
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [], "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.router_topk, "moe_intermediate_size": moe.ffn_hidden_size,
+            "norm_topk_prob": moe.norm_topk_prob, "router_aux_loss_coef": moe.aux_loss_coeff,
+            "output_router_logits": moe.aux_loss_coeff > 0}
+
+
+def _read(f: HFConfigFields) -> dict:
+    f.refuse_unless("attention_bias", (False,), "Qwen3 biases on q/k/v/o are not built here")
+    f.refuse_sliding_window()
+    refuse_dense_layers(f)
+    if f.get("shared_expert_intermediate_size", 0):
+        raise UnsupportedHFConfig(f"{f.source}: unsupported shared_expert_intermediate_size="
+                                  f"{f.raw['shared_expert_intermediate_size']!r} (supported: 0; shared experts are "
+                                  f"not built here)")
+    return {**common_model_fields(f, default_head_dim=DEFAULT_HEAD_DIM), "qk_layernorm": True, "moe": read_moe(f)}
 
 
 def _write(cfg: ModelConfig) -> dict:
-    moe = cfg.moe
     return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": cfg.num_layers, "decoder_sparse_step": 1, "mlp_only_layers": [],
-            "num_experts": moe.num_experts, "num_experts_per_tok": moe.router_topk,
-            "moe_intermediate_size": moe.ffn_hidden_size, "norm_topk_prob": moe.norm_topk_prob,
-            "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": moe.aux_loss_coeff > 0}
+            "max_window_layers": cfg.num_layers, **write_moe(cfg)}
 
 
 def _check(cfg: ModelConfig) -> str | None:
     if cfg.qkv_bias or not cfg.qk_layernorm or cfg.rope_scaling is not None or cfg.moe is None:
         return "Qwen3MoeForCausalLM has q/k norms, no biases, no rope scaling and experts (qk_layernorm true, " \
                "qkv_bias false, rope_scaling null, moe set)"
+    if cfg.moe.shared_expert_ffn_hidden_size is not None:
+        return "Qwen3MoeForCausalLM has no shared expert (moe.shared_expert_ffn_hidden_size null)"
     return None
 
 
