@@ -1,7 +1,8 @@
 """Mixture-of-experts trained at the layouts people train it at, held to one process (issue 61): expert parallelism
-(EP 2 over 4 data-parallel ranks: expert-data-parallel 2) and TP 2 + sequence parallelism x EP 2, for SPO (3 steps) and
-GRPO (1 step), replaying the engine's routes; and an EP run resumed from its checkpoint trains as one that was not
-stopped. The model: a tiny odd Qwen3-MoE (6 experts: not a power of two, EP 2 divides it; top-3; hidden 37, head_dim 12)."""
+(EP 2 over 4 data-parallel ranks: expert-data-parallel 2), TP 2 + sequence parallelism x EP 2 and PP 2 x EP 2 over
+DP 2 (each stage is sent its own layers' routes), for SPO (3 steps) and GRPO (1 step), replaying the engine's routes;
+and an EP run resumed from its checkpoint trains as one that was not stopped. The model: a tiny odd Qwen3-MoE
+(6 experts: not a power of two, EP 2 divides it; top-3; hidden 37, head_dim 12)."""
 
 import json
 import os
@@ -16,6 +17,8 @@ pytestmark = [pytest.mark.multiproc]
 ALGOS = {"spo": 3, "grpo": 1}
 LAYOUTS = {  # name -> (ranks, parallel section)
     "ep2dp4": (4, {"expert_model_parallel_size": 2}),
+    # each pipeline stage is sent its own layers' routes, each data-parallel rank its own rows' (trainer._deal_routes)
+    "pp2-ep2dp2": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
     "tp2sp-ep2": (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2}),
 }
 
@@ -107,6 +110,21 @@ def test_a_rank_with_fewer_micro_batches_runs_idle_ones_and_trains_like_one_proc
     _assert_alike(trained, "single-uneven", "ep2dp2-uneven", 3)
     assert all(m["batch/idle_micro_batches"] >= 1 for m in _metrics(trained, "ep2dp2-uneven"))
     assert all("batch/idle_micro_batches" not in m for m in _metrics(trained, "single-uneven"))
+
+
+def test_each_rank_holds_only_its_share_of_the_routes():
+    """tools/bench_routes_memory.py at a small size (8 sequences of 512 tokens, 4 layers, top-8 of 128 experts, one
+    rank of DP 4 x PP 2): the ids take 1 byte (the engine's base64 int32: 5.33), and a rank receives its rows' and
+    stage's routes only, so what it holds of them is under 1 / 40 of what every rank held before."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_routes_memory
+
+    m = bench_routes_memory.measure(8, 512, 4, 8, 128, dp=4, pp=2)
+    assert m["id_bytes_after"] == 1
+    assert m["largest_share"] < m["before"] / 40, m
 
 
 def test_single_process_moe_runs_trained_their_experts(trained):

@@ -68,21 +68,23 @@ def tp_share(flat: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def replayed(chunks, routes: Tensor | None) -> Iterator[None]:
-    """Within: the MoE routers of ``chunks`` take ``routes`` [N, layers, k] (N tokens in router order, every
-    layer of the model) as their top-k; a token whose route holds -1 (a row without routes, padding) is routed
-    by the router itself. routes None: the routers choose (nothing changes)."""
+def replayed(chunks, routes: Tensor | None, layers: list[int] | None = None) -> Iterator[None]:
+    """Within: the MoE routers of ``chunks`` take ``routes`` [N, layers, k] (N tokens in router order) as their top-k;
+    a token whose route holds -1 (a row without routes, padding) is routed by the router itself. layers: the global
+    MoE layer index of each column of routes (a pipeline stage's share); None: column i is layer i (every layer).
+    routes None: the routers choose (nothing changes)."""
     if routes is None:
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = moe_routers(chunks)
-    if routers and routes.shape[1] <= max(layer for layer, _ in routers):
-        raise ValueError(f"routing replay: routes of {routes.shape[1]} layers for a model with layer "
-                         f"{max(layer for layer, _ in routers)}")
+    column = {layer: i for i, layer in enumerate(layers)} if layers is not None else None
+    missing = [layer for layer, _ in routers if (layer not in column if column is not None else layer >= routes.shape[1])]
+    if missing:
+        raise ValueError(f"routing replay: routes of {routes.shape[1]} layers hold none for layer {missing[0]}")
     for layer, replay in routers:
-        target = routes[:, layer].to(torch.long)
+        target = routes[:, layer if column is None else column[layer]].to(torch.long)
         own = target[:, 0] < 0
         if bool(own.any()):  # megatron's REPLAY_FORWARD replays every token: choose, then overwrite the routed
             replay.get_replay_topk = _partial_topk(target, own)

@@ -21,19 +21,24 @@ from megatron_spo.training.sources import GUIDE_SOURCE
 
 
 def shard(trajs: list, dp_rank: int, dp_size: int) -> list:
+    """This data-parallel rank's trajectories (shard_indices)."""
+    return [trajs[i] for i in shard_indices(trajs, dp_rank, dp_size)]
+
+
+def shard_indices(trajs: list, dp_rank: int, dp_size: int) -> list[int]:
     """This data-parallel rank's trajectories: whole prompt groups (trajectories of one prompt_id) dealt to the
     ranks by tokens (deal_by_tokens), so that no rank waits with the long tail of the responses. Every rank computes
     the same deal from the same global list: the shares are disjoint and cover it. A share lists its groups in
     the order of their first appearance, each group's trajectories in their order in the global list (with one
     rank: the global list, grouped), so the micro-batch cut stays deterministic."""
     groups: dict = {}
-    for t in trajs:
-        groups.setdefault(t.prompt_id, []).append(t)
+    for i, t in enumerate(trajs):
+        groups.setdefault(t.prompt_id, []).append(i)
     if len(groups) < dp_size:
         raise ConfigError(f"batch: {len(groups)} prompt groups cannot feed {dp_size} data-parallel ranks; "
                           "raise batch.sequences_per_step")
-    owner = deal_by_tokens([sum(record_tokens(t) for t in g) for g in groups.values()], dp_size)
-    return [t for g, r in zip(groups.values(), owner) if r == dp_rank for t in g]
+    owner = deal_by_tokens([sum(record_tokens(trajs[i]) for i in g) for g in groups.values()], dp_size)
+    return [i for g, r in zip(groups.values(), owner) if r == dp_rank for i in g]
 
 
 def deal_by_tokens(loads: list[int], bins: int, *, refine: bool = True) -> list[int]:

@@ -34,6 +34,7 @@ from megatron_spo.config import ConfigError
 from megatron_spo.data.batching import (
     TrainBatch,
 )
+from megatron_spo.data.routes import RoutesError
 from megatron_spo.memory import reset_peak_rss
 from megatron_spo.models.routing_replay import replayed
 from megatron_spo.run_layout import CheckpointDir, PreemptionHandler, Stopped
@@ -51,6 +52,7 @@ from megatron_spo.training.micro_batches import (
     microbatch_group_size,
     pad_rows,
     shard,
+    shard_indices,
 )
 from megatron_spo.training.online import FleetUnavailable, q0_from_own_groups
 from megatron_spo.training.run_log import LIBRARY_WARNINGS, start_banner
@@ -150,6 +152,7 @@ class Trainer:
         self.reference = None if cfg.lora else self._schedule_ready(builders.build_reference(self.model_cfg,
                                                                                              cfg.parallel))
         self._load_initial_weights()
+        self._route_layers, self._route_plan = self._routes_plan()
         self.policy, self.optimizer = self._wrap_and_optimizer(self.policy, cfg.optimizer.lr)
         self.value = self.value_optimizer = None
         if self.algorithm.uses_value_model:
@@ -196,6 +199,18 @@ class Trainer:
             self._print_library_warnings()
 
     # -- setup ---------------------------------------------------------------------------------
+    def _routes_plan(self) -> tuple[list[int] | None, list | None]:
+        """Routing replay: the global MoE layer indices this rank's chunks hold (the columns of the routes it is
+        sent), and every rank's (data-parallel rank, those layers), which rank 0 deals routes by (_deal_routes)."""
+        if not self.replay_routes:
+            return None, None
+        from megatron_spo.models.routing_replay import moe_routers
+
+        layers = sorted(layer for layer, _ in moe_routers(self.policy))
+        plan = [None] * self.world
+        dist.all_gather_object(plan, (self.dp_rank, layers))
+        return layers, plan
+
     def _load_initial_weights(self, chunks=None, keep_own: tuple[str, ...] = ()) -> None:
         """Policy and reference (or the given chunks) from init.megatron, else from the HF weights.
         keep_own: key prefixes the init checkpoint lacks, left as the model initialised them."""
@@ -279,11 +294,41 @@ class Trainer:
             else:
                 if self.archive is not None:
                     self.archive.add(t for t in payload[0] if t.source == "online")
+                try:
+                    check_routes(payload[0], self.model_cfg)
+                except RoutesError as err:  # every rank raises it below
+                    payload = [err]
+                else:  # routes travel on their own, each rank's share only (_deal_routes)
+                    payload[0], routes = _without_routes(payload[0])
         dist.broadcast_object_list(payload, src=0)
-        if isinstance(payload[0], WAIT_ENDED):
+        if isinstance(payload[0], (*WAIT_ENDED, RoutesError)):
             self.step -= 1  # this step never ran: its batch did not come
             raise payload[0]
-        return payload[0], time.perf_counter() - t0
+        return self._deal_routes(payload[0], routes if self.rank == 0 else None), time.perf_counter() - t0
+
+    def _deal_routes(self, trajs: list, routes: list | None) -> list:
+        """The step's trajectories with the engine's routes of the rows this rank trains (its data-parallel shard,
+        training/micro_batches.shard_indices) and of the MoE layers its model chunks hold (its pipeline stage),
+        each in the smallest integer type (data/routes.py): rank 0 sends every other rank its share. Nothing when
+        the step has no routes or the policy does not replay them (routing_replay off, a dense model)."""
+        has = [self.replay_routes and routes is not None and any(r is not None for r in routes)]
+        dist.broadcast_object_list(has, src=0)
+        if not has[0]:
+            return trajs
+
+        def share(dp_rank: int, layers: list[int]) -> dict:
+            return {i: routes[i].select_layers(layers) for i in shard_indices(trajs, dp_rank, self.dp_size)
+                    if routes[i] is not None}
+
+        if self.rank == 0:
+            for rank in range(1, self.world):
+                dist.send_object_list([share(*self._route_plan[rank])], dst=rank)
+            mine = share(*self._route_plan[0])
+        else:
+            box = [None]
+            dist.recv_object_list(box, src=0)
+            mine = box[0]
+        return [dataclasses.replace(t, routed_experts=mine[i]) if i in mine else t for i, t in enumerate(trajs)]
 
     def _token_logprobs(self, chunk, hidden: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
                         layout, return_entropy: bool = False, temperature: torch.Tensor | None = None
@@ -391,7 +436,8 @@ class Trainer:
                 args, kwargs = (ids, pos, None), {}
             rows = mbs_size if virtual else mb.num_sequences
             routes = self._router_routes(mb, layout, rows) if replay and mb.routes is not None else None
-            with output_hidden_states(model) if output == "logp" else contextlib.nullcontext(), replayed(model, routes):
+            with output_hidden_states(model) if output == "logp" else contextlib.nullcontext(), \
+                    replayed(model, routes, self._route_layers):
                 out = model(*args, **kwargs)
             if not _is_last(model):
                 return out, None
@@ -499,7 +545,6 @@ class Trainer:
         and the seconds waited for rollouts."""
         cfg = self.cfg
         trajs, t_wait = self._global_batch()
-        check_routes(trajs, self.model_cfg)
         if self.reference_step and self.algorithm.uses_q0:
             q0_from_own_groups(trajs, cfg.beta)  # the Q0 table is of the first reference
         mbs = micro_batches(shard(trajs, self.dp_rank, self.dp_size), cfg, pad_id=self.pad_id, dp_rank=self.dp_rank,
@@ -880,6 +925,14 @@ def sampling_temperature(mb: TrainBatch) -> torch.Tensor:
     t = mb.behaviour_temperature.to(mb.loss_mask.device)
     has = (mb.behaviour_logp != 0).any(1).to(t.device)
     return torch.where(has & torch.isfinite(t) & (t > 0), t, torch.ones_like(t))
+
+
+def _without_routes(trajs: list) -> tuple[list, list | None]:
+    """(the trajectories without their routed_experts, each one's routes or None; None when none has routes)."""
+    routes = [getattr(t, "routed_experts", None) for t in trajs]
+    if all(r is None for r in routes):
+        return trajs, None
+    return [t if r is None else dataclasses.replace(t, routed_experts=None) for t, r in zip(trajs, routes)], routes
 
 
 def check_routes(trajs: list, model_cfg) -> None:
