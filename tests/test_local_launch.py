@@ -24,7 +24,9 @@ def record_rank(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "ppid": os.getppid(), "world": int(os.environ["WORLD_SIZE"]),
                    "megatron_imported_at_entry": "megatron.core.models.gpt" in sys.modules,
-                   "cwd": os.getcwd(), "env": os.environ.get("LOCAL_LAUNCH_PROBE")}, f)
+                   "cwd": os.getcwd(), "env": os.environ.get("LOCAL_LAUNCH_PROBE"),
+                   # one write per line (parallel.whole_lines): under python -u print writes text and newline apart
+                   "whole_lines": sys.stdout.line_buffering and not sys.stdout.write_through}, f)
 
 
 def fail_on_rank(rank_to_fail: int, how: str) -> None:
@@ -47,7 +49,7 @@ def test_ranks_fork_from_one_helper_that_imported_megatron_with_the_callers_env_
         spawn_local(record_rank, world, str(out))
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
         assert len({r["pid"] for r in ranks}) == world and all(r["world"] == world for r in ranks)
-        assert all(r["cwd"] == str(out) and r["env"] == probe for r in ranks)
+        assert all(r["cwd"] == str(out) and r["env"] == probe and r["whole_lines"] for r in ranks)
         said = [line for line in capfd.readouterr().out.splitlines() if line.startswith("rank ")]  # not the imports'
         assert sorted(said) == [f"rank {r} on stdout" for r in range(world)]
         if world > 1:

@@ -136,8 +136,22 @@ def _spawn_entry(local_rank: int, world_size: int, port: int, fn: Callable, args
         **{STORE_HOSTED_ENV: "1"},  # start_local's caller hosts the store on the port
     )
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)  # a forked rank inherits its helper's mask
+    whole_lines()
     torch.set_num_threads(1)
     fn(*args)
+
+
+def whole_lines() -> None:
+    """Each line a rank prints reaches the shared stdout / stderr in one write. Under ``python -u`` (pytest-xdist's
+    workers, and a fork server they start) print writes its text and its newline apart, so two ranks' lines could
+    join ("rank 1 on stdoutrank 2 on stdout", seen once in four CI runs); line buffering writes each whole line."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            stream.flush()
+            reconfigure(line_buffering=True, write_through=False)
 
 
 # A process that starts many groups (the test suite) may set this: each group's helper is then forked from one
