@@ -306,12 +306,14 @@ def test_estimate_q0_exact_values_and_interrupt_resume_equality(engine, tokenize
     full = run(tmp_path / "full.jsonl", tmp_path / "full-traj.jsonl", one)
     assert one.calls == 64  # seeded: one request per sample, each with its own seed
 
-    # S0 = correct / n, Q0 = beta log(S0 + (1 - S0) e^(-1/beta)); every kept trajectory really contains 'e'
+    # S0 = (correct + 1/2) / (n + 1) (Jeffreys' prior), Q0 = beta log(S0 + (1 - S0) e^(-1/beta)); every kept
+    # trajectory really contains 'e'
     kept, _ = read_jsonl(tmp_path / "full-traj.jsonl")
     for p in prompts:
         est = full[p.prompt_id]
         mine = [t for t in kept if t.prompt_id == p.prompt_id]
-        assert est.n == 16 and est.correct == len(mine) and est.s0 == est.correct / 16
+        assert est.n == 16 and est.correct == len(mine) and est.s0 == (est.correct + 0.5) / 17
+        assert est.q0_low < est.q0 < est.q0_high
         assert est.q0 == pytest.approx(BETA * math.log(est.s0 + (1 - est.s0) * math.exp(-1 / BETA)), abs=1e-6)
         assert all("e" in tokenizer.decode(t.response_tokens, skip_special_tokens=True) for t in mine)
         assert all(t.q0 == est.q0 and t.reward == 0.0 for t in mine)
@@ -415,7 +417,7 @@ def test_read_q0_at_a_beta_derives_q0_from_counts_and_refuses_a_mixed_file_witho
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     with pytest.raises(ValueError, match=r"q0 values at several betas \[0.25, 1.0\]"):
         read_q0(path)
-    at = read_q0(path, beta=0.5)
+    at = read_q0(path, beta=0.5, prior=0)  # the plain rate: S0 = correct / n
     assert at["a"].q0 == pytest.approx(0.5 * math.log(0.25 + 0.75 * math.exp(-2.0)), abs=1e-12)
     assert at["b"].q0 == pytest.approx(0.5 * math.log(0.5 + 0.5 * math.exp(-2.0)), abs=1e-12)
     assert (at["a"].n, at["a"].correct, at["b"].s0) == (4, 1, 0.5)
@@ -429,7 +431,7 @@ def test_estimate_q0_greedy_gives_exact_s0_zero_and_one(engine, tokenizer):
 
     async def go(reward):
         async with EngineClient(engine.url) as client:
-            return await estimate_q0([prompt], client, reward, samples=6, beta=BETA, sampling=greedy)
+            return await estimate_q0([prompt], client, reward, samples=6, beta=BETA, sampling=greedy, prior=0)
 
     async def greedy_text():
         async with EngineClient(engine.url) as client:
@@ -518,7 +520,8 @@ def test_cli_estimate_q0_and_eval_on_the_toy_task_with_the_sandbox(engine, sandb
 
     common = ["--engine-url", engine.url, "--task", "toy", "--limit", "2", "--sandbox-slots", "2",
               "--temperature", "0", "--max-new-tokens", "16", "--no-progress"]
-    assert q0_tool.main([*common, "--out", str(tmp_path / "q0.jsonl"), "--samples", "3", "--beta", "0.25"]) == 0
+    assert q0_tool.main([*common, "--out", str(tmp_path / "q0.jsonl"), "--samples", "3", "--beta", "0.25",
+                         "--prior", "0"]) == 0
     lines = [json.loads(x) for x in (tmp_path / "q0.jsonl").read_text().splitlines()]
     assert [(r["s0"], r["q0"], r["n"], r["correct"]) for r in lines] == [(0.0, -1.0, 3, 0)] * 2
     assert eval_tool.main([*common, "--out", str(tmp_path / "ev.jsonl"), "--json", str(tmp_path / "ev.json"),
@@ -528,6 +531,8 @@ def test_cli_estimate_q0_and_eval_on_the_toy_task_with_the_sandbox(engine, sandb
     assert [p["tests"] for p in summary["problems"]] == [{"reward": 5, "hidden": 5}] * 2
     out = capsys.readouterr().out
     assert "pass@1 0.0000, pass@2 0.0000 over 2 problems" in out and "mean of 2" in out
+    assert "3 samples each, S0 prior Beta(0, 0)" in out  # estimate-q0's summary: samples, prior, interval, warning
+    assert "warning: Q0 of 2 of 2 prompts rests on fewer than 100 samples" in out
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:  # refused by the flag parser, naming --ks, before any sampling
         eval_tool.main([*common, "--out", str(tmp_path / "ev.jsonl"), "-n", "4", "--ks", "1", "8"])
@@ -544,13 +549,16 @@ def test_cli_estimate_q0_from_a_training_config_feeds_the_trainer(engine, model_
     config.write_text(f"beta: 0.5\ninit: {{hf: {model_dir}}}\ntask: {{kind: toy, toy: {{num_problems: 12}}}}\n")
     out_dir = tmp_path / "q0"
     assert q0_tool.main([str(config), "--router-url", engine.url, "--out", str(out_dir), "--limit", "2", "--samples", "2",
-                         "--temperature", "0", "--max-new-tokens", "8", "--sandbox-slots", "1", "--no-progress"]) == 0
+                         "--temperature", "0", "--max-new-tokens", "8", "--sandbox-slots", "1", "--no-progress",
+                         "--prior", "0"]) == 0
     lines = [json.loads(x) for x in (out_dir / "q0.jsonl").read_text().splitlines()]
     from megatron_spo.data.toy_code import make_task
 
     assert [r["prompt_id"] for r in lines] == [p.id for p in make_task(num_problems=12).train[:2]]
     assert [(r["s0"], r["q0"], r["beta"]) for r in lines] == [(0.0, -1.0, 0.5)] * 2
     assert {k: v.q0 for k, v in read_q0(out_dir / "q0.jsonl").items()} == {r["prompt_id"]: -1.0 for r in lines}
+    # the trainer reads the counts with its task.q0_prior (Jeffreys' 1/2): 0 of 2 is not -1
+    assert all(-1.0 < v.q0 < -0.1 for v in read_q0(out_dir / "q0.jsonl", beta=0.5).values())
 
 
 def test_cli_estimate_q0_stops_on_sigusr1_keeps_finished_prompts_and_resumes(model_dir, sandbox_ok, tmp_path):

@@ -26,22 +26,26 @@ from megatron_spo.data.trajectory import Provenance, Trajectory
 
 
 class ExperienceArchive:
-    def __init__(self, path: str | Path, *, run_id: str, model: str | None = None, rows_per_shard: int = 4096):
+    def __init__(self, path: str | Path, *, run_id: str, model: str | None = None, rows_per_shard: int = 4096,
+                 q0_basis: str | None = None):
+        """q0_basis: what the run's Q0 values are of (data/q0.q0_basis: its beta and reference), kept with every
+        record that has a q0, so a later run at another beta or reference recomputes or refuses them."""
         self.path = Path(path)
-        self.run_id, self.model = run_id, model
+        self.run_id, self.model, self.q0_basis = run_id, model, q0_basis
         self.writer = OfflineStoreWriter(self.path, rows_per_shard=rows_per_shard)
         self.added = 0
 
     def record(self, t) -> Trajectory:
         """The store record of one online trajectory (a rollout.manager.Trajectory or a record-like object)."""
+        q0 = getattr(t, "q0", None)
         provenance = Provenance(kind="online", model=self.model, run_id=self.run_id,
                                 temperature=getattr(t, "temperature", None), top_p=getattr(t, "top_p", None),
-                                created=time.time())
+                                created=time.time(), q0_basis=self.q0_basis if q0 is not None else None)
         return Trajectory(prompt_id=t.prompt_id, prompt_tokens=list(t.prompt_tokens),
                           response_tokens=list(t.response_tokens), reward=float(t.reward), source="online",
                           policy_version=int(t.policy_version),
                           behaviour_logprobs=None if t.behaviour_logprobs is None else list(t.behaviour_logprobs),
-                          q0=getattr(t, "q0", None), provenance=provenance,
+                          q0=q0, provenance=provenance,
                           routed_experts=getattr(t, "routed_experts", None))
 
     def add(self, trajectories: Iterable) -> None:

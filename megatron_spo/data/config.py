@@ -73,6 +73,10 @@ class TaskConfig(StrictModel):
     toy: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
     q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0): SPO needs one for every "
                                 "online prompt and every offline record without q0, else it refuses to start")
+    q0_prior: float = Field(0.5, ge=0, description="Q0 from q0_path's counts: each prompt's success rate as the "
+                            "posterior mean under a Beta(q0_prior, q0_prior) prior, (correct + q0_prior) / (n + 2 "
+                            "q0_prior): 0.5 = Jeffreys' (0 of 12 successes: Q0 -0.283 at the paper's beta, not -1); "
+                            "0 = the plain rate (data/q0.py)")
     max_prompt_tokens: int = Field(2048, gt=0)
     limit: int | None = Field(None, gt=0, description="use only the first N training problems")
 

@@ -55,7 +55,7 @@ PROVENANCE_KINDS = (
     "other-model",     # samples of another model (model says which), imported as text
     "offline-import",  # imported trajectories whose producer is not known more precisely
 )
-PROVENANCE_STRINGS = ("kind", "model", "run_id", "origin")
+PROVENANCE_STRINGS = ("kind", "model", "run_id", "origin", "q0_basis")
 PROVENANCE_NUMBERS = ("temperature", "top_p", "created")
 PROVENANCE_FIELDS = PROVENANCE_STRINGS + PROVENANCE_NUMBERS
 
@@ -72,6 +72,8 @@ class Provenance:
     created      when the trajectory was produced (Unix seconds, UTC); for an import that cannot know,
                  when it was imported
     origin       a free label of the input it came from (a dataset name, a file)
+    q0_basis     what the record's q0 is a soft value of: "beta=B reference=R" (data/q0.q0_basis), so a run at
+                 another beta or from another reference recomputes or refuses it
     """
 
     kind: str
@@ -81,6 +83,7 @@ class Provenance:
     top_p: float | None = None
     created: float | None = None
     origin: str | None = None
+    q0_basis: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -185,7 +188,7 @@ def validate_provenance(obj: Any, where: str, field_name: str = "provenance") ->
     if obj.get("kind") not in PROVENANCE_KINDS:
         raise RecordError(where, field_name, f"kind must be one of {', '.join(PROVENANCE_KINDS)}, "
                           f"got {_show(obj.get('kind'))}")
-    for key in ("model", "run_id", "origin"):
+    for key in PROVENANCE_STRINGS[1:]:
         value = obj.get(key)
         if value is not None and (not isinstance(value, str) or not value):
             raise RecordError(where, field_name, f"{key} must be a non-empty string, got {_show(value)}")
@@ -196,7 +199,7 @@ def validate_provenance(obj: Any, where: str, field_name: str = "provenance") ->
         value = obj.get(key)
         if value is not None and not (_is_number(value) and ok(value)):
             raise RecordError(where, field_name, f"{key} must be {what}, got {_show(value)}")
-    return Provenance(kind=obj["kind"], **{k: obj.get(k) for k in ("model", "run_id", "origin")},
+    return Provenance(kind=obj["kind"], **{k: obj.get(k) for k in PROVENANCE_STRINGS[1:]},
                       **{k: None if obj.get(k) is None else float(obj[k]) for k in PROVENANCE_NUMBERS})
 
 

@@ -40,6 +40,8 @@ class Q0Config(StrictModel):
 
     samples: int = Field(800, gt=0, description="samples per prompt")
     beta: float = Field(PAPER_BETA, gt=0)
+    prior: float = Field(0.5, ge=0, description="S0 = (correct + prior) / (samples + 2 prior): the posterior mean "
+                         "under a Beta(prior, prior) prior (0.5 Jeffreys'; 0 the plain rate; data/q0.py)")
     sampling: ToolSamplingConfig = Field(default_factory=ToolSamplingConfig)
 
 

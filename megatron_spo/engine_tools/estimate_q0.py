@@ -20,7 +20,7 @@ from typing import Any
 
 from megatron_spo.config import build_config
 from megatron_spo.data.prompts import Prompt
-from megatron_spo.data.q0 import Q0Estimate, q0_from_counts
+from megatron_spo.data.q0 import Q0_PRIOR, Q0Estimate, few_samples_warning, q0_from_counts
 from megatron_spo.data.result_log import ResultLog, json_line
 from megatron_spo.engine_tools.command_line import (
     add_sampling_args,
@@ -41,15 +41,16 @@ from megatron_spo.rollout.protocol import Completion
 async def estimate_q0(prompts: Sequence[Prompt], client: Any, reward_pool: Any, *, samples: int = 800,
                       beta: float, sampling: ToolSamplingConfig | None = None, out_path: str | Path | None = None,
                       trajectories_out: str | Path | None = None, keep_successful: int = 0,
-                      progress: bool = False) -> dict[str, Q0Estimate]:
+                      progress: bool = False, prior: float = Q0_PRIOR) -> dict[str, Q0Estimate]:
     """prompt_id -> Q0Estimate from ``samples`` reference samples per prompt, each scored by reward_pool.
 
-    out_path: the resumable result file ({prompt_id, s0, q0, n, correct, beta} per line; TaskConfig.q0_path).
+    out_path: the resumable result file ({prompt_id, s0, q0, n, correct, beta, prior, q0_low, q0_high} per line;
+    TaskConfig.q0_path). prior: S0's Beta(prior, prior) prior (data/q0.py).
     A file made at another beta resumes (S0 and the counts do not depend on beta); the returned Q0 is at ``beta``.
     trajectories_out: a trajectory JSONL that receives up to ``keep_successful`` correct samples per prompt
     (source "reference", q0 at the beta of the run that sampled them): inputs for pivotal token search.
     """
-    cfg = build_config(Q0Config, {"samples": samples, "beta": beta,
+    cfg = build_config(Q0Config, {"samples": samples, "beta": beta, "prior": prior,
                                   "sampling": (sampling or ToolSamplingConfig()).model_dump()})
     log = ResultLog(out_path) if out_path is not None else None
     if log is not None:
@@ -65,12 +66,12 @@ async def estimate_q0(prompts: Sequence[Prompt], client: Any, reward_pool: Any, 
         completions = await sample(client, prompt.tokens, cfg.samples, cfg.sampling, seed_key=(prompt.prompt_id,))
         results = await score_all(reward_pool, prompt.problem, [c.text for c in completions])
         correct = sum(r.passed for r in results)
-        est = q0_from_counts(correct, cfg.samples, cfg.beta)
+        est = q0_from_counts(correct, cfg.samples, cfg.beta, cfg.prior)
         if kept is not None:
             good = [(c, r.reward) for c, r in zip(completions, results) if r.passed and c.output_ids]
             kept.add(prompt, good[:keep_successful], est.q0)
         return {"prompt_id": prompt.prompt_id, "s0": est.s0, "q0": est.q0, "n": est.n, "correct": est.correct,
-                "beta": cfg.beta}
+                "beta": cfg.beta, "prior": est.prior, "q0_low": est.q0_low, "q0_high": est.q0_high}
 
     try:
         records = await run_resumable(prompts, lambda p: p.prompt_id, work, log,
@@ -81,7 +82,7 @@ async def estimate_q0(prompts: Sequence[Prompt], client: Any, reward_pool: Any, 
             log.close()
     if kept is not None:  # every prompt is done (a cut run raised above)
         kept.finalize([p.prompt_id for p in prompts])
-    return {k: q0_from_counts(r["correct"], r["n"], cfg.beta) for k, r in records.items()}
+    return {k: q0_from_counts(r["correct"], r["n"], cfg.beta, cfg.prior) for k, r in records.items()}
 
 
 class _TrajectorySink:
@@ -124,9 +125,12 @@ def main(argv: list[str]) -> int:
                         help="a training config (YAML): task, tokenizer, engines and beta come from it unless given")
     add_task_args(parser, default_split="train")
     parser.add_argument("--out", required=True, help="result JSONL (resumable; a path without .jsonl is a folder "
-                        "receiving q0.jsonl): prompt_id, s0, q0, n, correct, beta")
+                        "receiving q0.jsonl): prompt_id, s0, q0, n, correct, beta, prior, q0_low, q0_high")
     parser.add_argument("--samples", type=int, default=defaults.samples, help="samples per prompt (paper: 800)")
     parser.add_argument("--beta", type=float, default=None, help=f"default: the config's, else {defaults.beta:.6f}")
+    parser.add_argument("--prior", type=float, default=defaults.prior, help="S0 = (correct + prior) / (samples + 2 "
+                        "prior), a Beta(prior, prior) prior (0.5: Jeffreys'; 0: the plain rate; the trainer applies "
+                        "its task.q0_prior to the counts)")
     parser.add_argument("--trajectories-out", default=None, help="also save correct samples as trajectories here")
     parser.add_argument("--keep-successful", type=int, default=4, help="correct samples saved per prompt")
     add_sampling_args(parser, defaults.sampling)
@@ -135,7 +139,8 @@ def main(argv: list[str]) -> int:
     if not args.out.endswith(".jsonl"):
         args.out = os.path.join(args.out, "q0.jsonl")
     beta = defaults.beta if args.beta is None else args.beta
-    cfg = build_config(Q0Config, {"samples": args.samples, "beta": beta, "sampling": sampling_from_args(args)})
+    cfg = build_config(Q0Config, {"samples": args.samples, "beta": beta, "prior": args.prior,
+                                  "sampling": sampling_from_args(args)})
 
     async def body() -> int:
         from megatron_spo.rollout.client import EngineClient
@@ -147,11 +152,17 @@ def main(argv: list[str]) -> int:
                 est = await estimate_q0(prompts, client, pool, samples=cfg.samples, beta=cfg.beta,
                                         sampling=cfg.sampling, out_path=args.out,
                                         trajectories_out=args.trajectories_out,
-                                        keep_successful=args.keep_successful, progress=not args.no_progress)
+                                        keep_successful=args.keep_successful, progress=not args.no_progress,
+                                        prior=cfg.prior)
         finally:
             close_reward_pool(pool)
         mean_s0 = sum(e.s0 for e in est.values()) / len(est)
-        print(f"estimate-q0: {len(est)} prompts, mean S0 {mean_s0:.4f}, {cfg.samples} samples each -> {args.out}")
+        width = sorted((e.q0_high - e.q0_low) / cfg.beta for e in est.values())[len(est) // 2]
+        print(f"estimate-q0: {len(est)} prompts, mean S0 {mean_s0:.4f}, {cfg.samples} samples each, S0 prior "
+              f"Beta({cfg.prior:g}, {cfg.prior:g}); median 95% interval of Q0 {width:.2f} nats (/ beta) -> {args.out}")
+        warning = few_samples_warning(est, cfg.beta)
+        if warning:
+            print(f"estimate-q0: {warning}")
         return 0
 
     return run_cli("megatron-spo estimate-q0", body)

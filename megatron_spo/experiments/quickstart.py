@@ -123,6 +123,9 @@ class QuickstartConfig(StrictModel):
     cache_dir: str | None = Field(None, description="reference model cache (default ~/.cache/megatron-spo)")
     engines: int = Field(2, gt=0)
     q0_samples: int = Field(12, gt=0, description="paper: 800 per prompt; the toy task needs far fewer")
+    q0_prior: float = Field(0.5, ge=0, description="S0 = (correct + q0_prior) / (q0_samples + 2 q0_prior) (Jeffreys' "
+                            "1/2: 0 of 12 gives Q0 -0.283, not -1; 0: the plain rate, the quickstart's rule before "
+                            "2026-12-02; data/q0.py)")
     offline_per_prompt: int = Field(4, ge=0, description="correct reference samples kept per prompt")
     experience: list[str] = Field(default_factory=list, description="offline stores of earlier runs (RUN/train/"
                                   "experience: their archived online trajectories) trained on as one more source")
@@ -339,7 +342,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "sources": sources,
         "ppo": t.ppo.model_dump(), "grpo": grpo,
         "task": {"kind": GENERATED_TASKS[cfg.reference.task.kind], "toy": cfg.reference.task.model_dump(),
-                 "q0_path": str(q0_path),
+                 "q0_path": str(q0_path), "q0_prior": cfg.q0_prior,
                  "limit": train_problems if train_problems is not None else cfg.train_limit},
         "fleet": {"router_url": endpoints.router_url, "engine_urls": endpoints.engine_urls},
         "rollout": rollout.model_dump(mode="json"),
@@ -678,6 +681,7 @@ def run(cfg: QuickstartConfig) -> dict:
             async def q0_now():
                 async with EngineClient(fleet.router_url) as client:
                     return await estimate_q0(train_prompts, client, rewards, samples=cfg.q0_samples,
+                                             prior=cfg.q0_prior,
                                              beta=cfg.train.beta or QUICKSTART_BETA,  # GRPO's 0: no soft value
                                              out_path=q0_dir / "q0.jsonl",
                                              sampling=ToolSamplingConfig(temperature=1.0,

@@ -64,8 +64,8 @@ def online_q0_table(cfg: TrainConfig, prompts: list) -> dict[str, float] | None:
     from megatron_spo.training.algos import algorithm_needs_q0
 
     if not algorithm_needs_q0(cfg):  # at beta 0 (GRPO's default) there is no soft value to read
-        return q0_table(cfg.task.q0_path, cfg.beta) if cfg.beta > 0 else None
-    table = q0_table(cfg.task.q0_path, cfg.beta)
+        return q0_table(cfg.task.q0_path, cfg.beta, cfg.task.q0_prior) if cfg.beta > 0 else None
+    table = q0_table(cfg.task.q0_path, cfg.beta, cfg.task.q0_prior)
     if table is None:
         raise ConfigError(f"task.q0_path: algo {cfg.algo} needs Q0 for every online prompt and none is set; "
                           f"{ESTIMATE_HINT}")

@@ -79,10 +79,12 @@ class OfflineSource:
 
     def __init__(self, name: str, path: str, seed: int, select=None, *, q0: dict[str, float] | None = None,
                  q0_path: str | None = None, needs_q0: bool = False, max_seq_length: int | None = None,
-                 max_new_tokens: int | None = None):
+                 max_new_tokens: int | None = None, q0_basis: tuple[float, str] | None = None):
         """select: a ProvenanceSelect (config) or None: only records of that provenance are drawn.
         needs_q0: the algorithm reads Q0 (SPO): records without q0 take their prompt's from ``q0`` (the table
-        of task.q0_path), or the source is refused naming the prompt. max_seq_length: refuse longer records;
+        of task.q0_path), or the source is refused naming the prompt; q0_basis (this run's beta, reference identity):
+        records whose q0 is of another (an earlier run's archive at another beta or from another reference) take
+        the table's too, or the source is refused (data/q0.refresh_foreign_q0). max_seq_length: refuse longer records;
         max_new_tokens: warn of longer responses (long_response_warning)."""
         from megatron_spo.data.offline_store import load_trajectories
 
@@ -101,10 +103,16 @@ class OfflineSource:
         warn_long_responses(self.records, max_new_tokens, f"sources.{name} ({path})")
         if needs_q0:
             from megatron_spo.config import ConfigError
-            from megatron_spo.data.q0 import fill_missing_q0
+            from megatron_spo.data.q0 import fill_missing_q0, refresh_foreign_q0
 
+            where = f"sources.{name} ({path})"
             try:
-                fill_missing_q0(self.records, q0, where=f"sources.{name} ({path})", q0_path=q0_path)
+                fill_missing_q0(self.records, q0, where=where, q0_path=q0_path)
+                if q0_basis is not None:
+                    redone = refresh_foreign_q0(self.records, q0, beta=q0_basis[0], reference=q0_basis[1], where=where)
+                    if redone:
+                        print(f"[megatron-spo] {where}: {redone} record(s) carried a q0 of another beta or reference; "
+                              f"each now has its prompt's Q0 of this run (task.q0_path)", flush=True)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         for r in self.records:
@@ -215,12 +223,14 @@ class BatchSampler:
 def build_sampler(cfg: TrainConfig, online_source=None):
     """(BatchSampler over cfg.sources, the online source or None). online_source: the 'online' source to use
     (default: OnlineSource.from_config(cfg), the rollout manager over cfg.fleet)."""
+    from megatron_spo.data.q0 import reference_identity
+
     sources, online = {}, None
     needs_q0, q0 = algorithm_needs_q0(cfg), None
     if needs_q0 and any(name != "online" for name in cfg.sources):
         from megatron_spo.data.q0 import q0_table
 
-        q0 = q0_table(cfg.task.q0_path, cfg.beta)
+        q0 = q0_table(cfg.task.q0_path, cfg.beta, cfg.task.q0_prior)
     for name, src in cfg.sources.items():
         if name == "online":
             if online_source is None:
@@ -232,7 +242,8 @@ def build_sampler(cfg: TrainConfig, online_source=None):
             sources[name] = OfflineSource(name, src.path, seed=cfg.seed, select=src.select, q0=q0,
                                           q0_path=cfg.task.q0_path, needs_q0=needs_q0,
                                           max_seq_length=cfg.batch.max_seq_length,
-                                          max_new_tokens=cfg.rollout.max_new_tokens)
+                                          max_new_tokens=cfg.rollout.max_new_tokens,
+                                          q0_basis=(cfg.beta, reference_identity(cfg.init.megatron, cfg.init.hf)))
     guide = GuideSource(cfg.grpo.guide_path, cfg.grpo.guide_per_prompt, cfg.batch.max_seq_length,
                         cfg.rollout.max_new_tokens) if cfg.grpo.guide_path else None
     return BatchSampler(sources, {n: s.weight if s.weight_final is None else s.weight_at
@@ -246,7 +257,9 @@ def build_archive(cfg: TrainConfig):
     from pathlib import Path
 
     from megatron_spo.data.archive import ExperienceArchive
+    from megatron_spo.data.q0 import q0_basis, reference_identity
 
     run_dir = Path(cfg.run_dir)
     return ExperienceArchive(cfg.archive.path or run_dir / "experience", run_id=cfg.archive.run_id or run_dir.name,
-                             model=cfg.init.hf or cfg.init.megatron, rows_per_shard=cfg.archive.rows_per_shard)
+                             model=cfg.init.hf or cfg.init.megatron, rows_per_shard=cfg.archive.rows_per_shard,
+                             q0_basis=q0_basis(cfg.beta, reference_identity(cfg.init.megatron, cfg.init.hf)))
