@@ -166,6 +166,9 @@ def test_the_example_configs_validate_on_64_gpus(example, config_only_hf):
     report = _validate_at_64(example, ["init.megatron=null", f"init.hf={hf}"])
     assert report.problems and all(p.startswith(PLACEHOLDERS) for p in report.problems), report.problems
     assert any(n.startswith("memory plan ") for n in report.notes), report.notes
+    if example.stem == "qwen3-30b-a3b-spo":  # the plan preset's EP 8 layout, which the trainer trains now
+        assert "layout TP 1 x PP 1 x DP 64 on 64 rank(s)" in report.notes
+        assert any(n.startswith("memory plan 78.9 GB per GPU of 80") for n in report.notes), report.notes
     if example.stem == "llama3.1-70b-spo-32k":  # what its comments quote
         assert "layout TP 8 x PP 2 x DP 4 on 64 rank(s)" in report.notes
         assert ("memory plan 62.6 GB per GPU of 80 (batch 128 x seq 34816, micro-batch 1 x 34816 tokens, full "

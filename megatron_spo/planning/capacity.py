@@ -584,8 +584,9 @@ def make_plan(model: ModelConfig, parallel: ParallelConfig, shape: CapacityConfi
                         **({"by_path": adapter_path_sync(model, shape)} if shape.lora_rank else {})},
         "throughput": asdict(tput),
         "notes": [] if ep == 1 else [
-            f"the trainer refuses expert_model_parallel_size {ep} today (ParallelConfig.check_training: lockstep "
-            "micro-batches over each expert group are not built); this plan prices the layout megatron-core runs"],
+            f"expert_model_parallel_size {ep}: each rank of an expert group runs the step's most micro-batches (idle "
+            "ones where it has fewer: batch/idle_micro_batches, a few pad tokens each, not priced here); the alltoall "
+            "dispatcher (model.moe.token_dispatcher auto)"],
     }
 
 
