@@ -84,7 +84,10 @@ def test_offline_records_without_q0_are_filled_from_the_q0_file_or_refused(tmp_p
     records = [Rec("a", None), Rec("b", -0.3), Rec("b", None)]
     assert fill_missing_q0(records, table, where="sources.offline (x)", q0_path="q0.jsonl") == 2
     assert [r.q0 for r in records] == [table["a"], -0.3, table["b"]]
-    assert table["b"] == pytest.approx(-1.0)  # S0 = 0: the lowest value, where 0 (the old default) is the highest
+    # 0 of 4 successes: the lowest values, where 0 (the old default) is the highest; -1 exactly with the plain rate,
+    # above it with the default Jeffreys prior (data/q0.py)
+    assert table["b"] < table["a"] and table["b"] > -1.0
+    assert q0_table(tmp_path / "q0.jsonl", BETA, prior=0)["b"] == pytest.approx(-1.0)
     with pytest.raises(ValueError, match=r"^sources.offline \(x\): 1 of 2 records have no q0 \(first: prompt 'c'\) "
                                          r"and task.q0_path is not set; run `megatron-spo estimate-q0"):
         fill_missing_q0([Rec("a", -0.1), Rec("c", None)], None, where="sources.offline (x)", q0_path=None)
