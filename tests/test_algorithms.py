@@ -437,10 +437,22 @@ def test_gae_matches_reference_loop(gamma, lam, width):
     assert float(adv[~mask].abs().max()) == 0.0 and float(ret[~mask].abs().max()) == 0.0
 
 
-def test_gae_refuses_gaps_inside_a_response():
-    mask = torch.tensor([[0, 1, 1, 0], [1, 0, 1, 0]])
-    with pytest.raises(ValueError, match=r"gae: mask rows \[1\] have gaps inside the response"):
-        gae(torch.zeros(2, 4, dtype=D), torch.zeros(2, 4, dtype=D), mask)
+def test_gae_runs_over_the_model_tokens_of_a_multi_turn_response():
+    """Environment tokens inside a response (mask 0 between model turns) are context: the next value is the next
+    model token's, as the loop over the valid columns above computes; rows without gaps are unchanged."""
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 1, 1], [1, 1, 0, 1, 0]], dtype=torch.bool)
+    gen = torch.Generator().manual_seed(5)
+    rewards, values = torch.randn(3, 5, generator=gen, dtype=D), torch.randn(3, 5, generator=gen, dtype=D)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    for b in range(3):
+        cols, running = mask[b].nonzero().flatten().tolist(), 0.0
+        for i in reversed(range(len(cols))):
+            c = cols[i]
+            next_v = float(values[b, cols[i + 1]]) if i + 1 < len(cols) else 0.0
+            running = float(rewards[b, c]) + 0.9 * next_v - float(values[b, c]) + 0.9 * 0.8 * running
+            assert float(adv[b, c]) == pytest.approx(running, abs=1e-12)
+            assert float(ret[b, c]) == pytest.approx(running + float(values[b, c]), abs=1e-12)
+    assert float(adv[~mask].abs().max()) == 0.0 and float(ret[~mask].abs().max()) == 0.0
 
 
 def test_ppo_policy_loss_clipping_values_and_gradients():

@@ -1,6 +1,7 @@
 """PPO baseline pieces (SPO paper 3.1.4): KL-regularised token rewards, GAE, clipped surrogate, value loss.
 
-Shapes: [B, T] per token with mask != 0 on response tokens (one contiguous span per row); [B] per sequence.
+Shapes: [B, T] per token with mask != 0 on the response tokens the model sampled (a multi-turn response's
+environment tokens are 0 inside it); [B] per sequence.
 Sequence-level reduction (default) sums over a response's tokens and averages over sequences, matching
 the gradient of an undiscounted sequence objective; "token" averages over all response tokens instead.
 """
@@ -101,20 +102,27 @@ def gae(
     """Generalised advantage estimation. Returns (advantages, returns), each [B, T], 0 on padding.
 
     values[b, t] = V(state before token t). The state after the last response token is terminal (V = 0).
-    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  returns = A + V.
-    Each row's response must be one contiguous span (padding only before and after it).
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  returns = A + V, over the valid
+    tokens in order: a multi-turn response's environment tokens (mask 0 inside it) are context, so t + 1 is the next
+    model token and the observation between them is part of the transition.
     """
     where = "gae"
     valid = check_token_inputs(where, mask, {"token_rewards": token_rewards, "values": values})
     token_rewards, values = upcast(token_rewards), upcast(values)
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"{where}: gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
-    starts = valid[:, :1].sum(1) + (valid[:, 1:] & ~valid[:, :-1]).sum(1)
-    if not bool((starts <= 1).all()):
-        rows = (starts > 1).nonzero().flatten().tolist()
-        raise ValueError(
-            f"{where}: mask rows {rows[:8]} have gaps inside the response (need one contiguous span)"
-        )
+    # each row's valid tokens moved to its front, in order (stable): one contiguous span, then back
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    valid = valid.gather(1, order)
+    token_rewards, values = token_rewards.gather(1, order), values.gather(1, order)
+    advantages, returns = _gae_contiguous(token_rewards, values, valid, gamma, lam)
+    return (torch.zeros_like(advantages).scatter(1, order, advantages),
+            torch.zeros_like(returns).scatter(1, order, returns))
+
+
+def _gae_contiguous(token_rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: float
+                    ) -> tuple[Tensor, Tensor]:
+    """gae of rows whose valid tokens are one span at the front."""
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     rewards = torch.where(valid, token_rewards, zero)
     vals = torch.where(valid, values, zero)

@@ -46,7 +46,8 @@ class ExperienceArchive:
                           policy_version=int(t.policy_version),
                           behaviour_logprobs=None if t.behaviour_logprobs is None else list(t.behaviour_logprobs),
                           q0=q0, provenance=provenance,
-                          routed_experts=getattr(t, "routed_experts", None))
+                          routed_experts=getattr(t, "routed_experts", None),
+                          response_mask=getattr(t, "response_mask", None), turn_versions=getattr(t, "turn_versions", None))
 
     def add(self, trajectories: Iterable) -> None:
         for t in trajectories:

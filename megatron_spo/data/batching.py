@@ -4,7 +4,8 @@ Layout of one sequence (prompt p_1..p_P, response a_1..a_T), as the model sees i
 
     input_ids = [p_1 .. p_P, a_1 .. a_{T-1}]          (length P + T - 1)
     targets   = [p_2 .. p_P, a_1 .. a_T]              (the token predicted at each position)
-    loss_mask = [0 .. 0,     1 .. 1]                  (1 where the target is a response token)
+    loss_mask = [0 .. 0,     1 .. 1]                  (1 where the target is a response token the model
+                                                       sampled: a multi-turn record's environment tokens are 0)
 
 so log pi(a_t | a_<t, x) sits at position P - 1 + (t - 1) and the algorithms' [B, T] tensors are these
 rows with the prompt part masked out (cumulative_q holds q0 until the first response token).
@@ -125,7 +126,11 @@ def collate(trajectories: Sequence[TrajectoryLike], pad_id: int, length: int | N
         first = len(prompt) - 1  # position whose target is a_1
         input_ids[i, :n] = torch.tensor(seq[:-1])
         targets[i, :n] = torch.tensor(seq[1:])
-        loss_mask[i, first:n] = 1.0
+        turns = getattr(tr, "response_mask", None)  # multi-turn: the environment's tokens are context, not trained
+        if turns is not None and len(turns) != len(response):
+            raise ValueError(f"collate: trajectory {i} has {len(turns)} response_mask entries for {len(response)} "
+                             "response tokens")
+        loss_mask[i, first:n] = 1.0 if turns is None else torch.tensor([float(m) for m in turns])
         blp = getattr(tr, "behaviour_logprobs", None)
         if blp is not None:
             if len(blp) != len(response):

@@ -21,7 +21,11 @@ Layout of a store folder:
                           engine's int32 for up to 256 experts), routes_offsets.npy int64 [rows + 1],
                           routes_shape.npy int32 [rows, 2] = (layers, top_k), (0, 0) = no routes  [version 3 shards]
 
-A shard holds the route columns (version 3) only when one of its records carries routed_experts (rollout
+        response_mask.npy uint8 per response token (1 = the model's, 0 = the environment's) + has_mask.npy uint8,
+        turn_versions.npy int64 + turn_offsets.npy int64 [rows + 1]: multi-turn records  [with turns]
+
+A shard holds the turn columns only when one of its records is multi-turn (a response_mask; the index's version 4),
+whatever its version otherwise. A shard holds the route columns (version 3) only when one of its records carries routed_experts (rollout
 routing replay, data/routes.py): a store of dense-model trajectories stays version 2. Routes read back
 bit-exactly (the same int32 ids, the same base64) and are checked on read like a trajectory file's: a row whose
 ids do not fill prompt + response - 1 tokens x layers x top_k is invalid, naming the row and field.
@@ -64,6 +68,7 @@ from megatron_spo.data.trajectory import (
     Provenance,
     RecordError,
     Trajectory,
+    check_turns,
     iter_jsonl,
     read_jsonl,
     record_tokens,
@@ -76,7 +81,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT, VERSION = "megatron-spo-offline-store", 3
 BASE_VERSION = 2  # what a shard without routes is written as (readable by code before version 3)
-READABLE_VERSIONS = (1, 2, 3)
+TURNS_VERSION = 4  # an index with a multi-turn shard (readable only by code that knows the turn columns)
+READABLE_VERSIONS = (1, 2, 3, 4)
 INDEX = "index.json"
 STRINGS = "strings.json"
 # column -> dtype; "<name>_offsets" columns index the variable-length ones
@@ -94,6 +100,8 @@ ROUTE_FILES = {"routes.npy", "routes_offsets.npy", "routes_shape.npy"}
 ROUTE_DTYPES = (np.uint8, np.uint16, np.int32)  # routes.npy: the smallest holding the shard's ids
 SHARD_FILES = {1: {f"{c}.npy" for c in COLUMNS_V1} | {STRINGS}, 2: {f"{c}.npy" for c in COLUMNS} | {STRINGS}}
 SHARD_FILES[3] = SHARD_FILES[2] | ROUTE_FILES
+TURN_COLUMNS = {"response_mask": np.uint8, "has_mask": np.uint8, "turn_versions": np.int64, "turn_offsets": np.int64}
+TURN_FILES = {f"{c}.npy" for c in TURN_COLUMNS}
 RAGGED = {"prompt_tokens": "prompt_offsets", "response_tokens": "response_offsets",
           "behaviour_logprobs": "behaviour_offsets", "mc_t": "mc_offsets", "mc_p": "mc_offsets"}
 PER_ROW = ("has_behaviour", "reward", "policy_version", "q0", "has_mc")
@@ -140,6 +148,20 @@ def _columns(records: list[Trajectory]) -> tuple[dict[str, np.ndarray], list[dic
             raise StoreError(f"offline store: a token id in '{name}' does not fit int32")
     provenance = [{k: v for k, v in zip(PROVENANCE_STRINGS, key) if v is not None} for key in table]
     return {name: cols[name].astype(dtype, copy=False) for name, dtype in COLUMNS.items()}, provenance
+
+
+def _turn_columns(records: list[Trajectory]) -> dict[str, np.ndarray] | None:
+    """response_mask / has_mask / turn_versions / turn_offsets of a shard, None when no record is multi-turn."""
+    masks = [getattr(r, "response_mask", None) for r in records]
+    if all(m is None for m in masks):
+        return None
+    versions = [getattr(r, "turn_versions", None) or [] for r in records]
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    np.cumsum([len(v) for v in versions], out=offsets[1:])
+    mask = [m if m is not None else [1] * len(r.response_tokens) for r, m in zip(records, masks)]
+    return {"response_mask": np.array([x for m in mask for x in m], dtype=np.uint8),
+            "has_mask": np.array([m is not None for m in masks], dtype=np.uint8),
+            "turn_versions": np.array([x for v in versions for x in v], dtype=np.int64), "turn_offsets": offsets}
 
 
 def _route_columns(records: list[Trajectory], first: int = 0) -> dict[str, np.ndarray] | None:
@@ -202,6 +224,9 @@ class OfflineStoreWriter:
         routes = _route_columns(self.buffer, self.written)
         if routes is not None:
             columns = {**columns, **routes}
+        turns = _turn_columns(self.buffer)
+        if turns is not None:
+            columns = {**columns, **turns}
         tmp = self.path / f".{name}.{uuid.uuid4().hex}.tmp"
         tmp.mkdir()
         try:
@@ -212,7 +237,8 @@ class OfflineStoreWriter:
         os.rename(tmp, self.path / name)
         fsync_path(self.path)
         # a version 1 store with a version 2 shard (or any with a version 3 one) reads only with this code
-        self.index["version"] = max(self.index["version"], VERSION if routes is not None else BASE_VERSION)
+        self.index["version"] = max(self.index["version"], TURNS_VERSION if turns is not None else
+                                    VERSION if routes is not None else BASE_VERSION)
         self.index["shards"].append({"name": name, "rows": len(self.buffer), "files": files})
         _write_json_atomic(self.path / INDEX, self.index)
         self.written += len(self.buffer)
@@ -296,7 +322,9 @@ class _Shard:
             raise RecordError(str(root / INDEX), "shards", f"entry {self.name!r} lacks rows (an integer >= 0) / files")
         if not SHARD_NAME.fullmatch(self.name):  # a name like ../../x would read files outside the store
             raise RecordError(str(root / INDEX), "shards", f"entry {self.name!r} is not a shard folder name")
-        self.version = next((v for v, expected in SHARD_FILES.items() if set(files) == expected), None)
+        self.turns = TURN_FILES <= set(files)  # multi-turn columns beside any version's
+        base = set(files) - TURN_FILES if self.turns else set(files)
+        self.version = next((v for v, expected in SHARD_FILES.items() if base == expected), None)
         if self.version is None:
             expected = SHARD_FILES[VERSION]
             missing = sorted(expected - set(files)) or sorted(set(files) - expected)
@@ -310,7 +338,8 @@ class _Shard:
                 raise RecordError(where, file, f"checksum mismatch (expected sha256 {str(files[file])[:16]}, found "
                                   f"{digest[:16]}): the file is corrupt or was edited; {SKIP_HINT}")
         names = [*(COLUMNS if self.version >= 2 else COLUMNS_V1), *(
-            f.removesuffix(".npy") for f in sorted(ROUTE_FILES) if self.version >= 3)]
+            f.removesuffix(".npy") for f in sorted(ROUTE_FILES) if self.version >= 3), *(
+            TURN_COLUMNS if self.turns else ())]
         self.cols = {}
         for c in names:
             try:
@@ -338,6 +367,11 @@ class _Shard:
             self.cols["routes"] = np.zeros(0, dtype=np.int32)
             self.cols["routes_offsets"] = np.zeros(self.rows + 1, dtype=np.int64)
             self.cols["routes_shape"] = np.zeros((self.rows, 2), dtype=np.int32)
+        if not self.turns:  # single-turn records
+            self.cols["has_mask"] = np.zeros(self.rows, dtype=np.uint8)
+            self.cols["response_mask"] = np.zeros(0, dtype=np.uint8)
+            self.cols["turn_versions"] = np.zeros(0, dtype=np.int64)
+            self.cols["turn_offsets"] = np.zeros(self.rows + 1, dtype=np.int64)
         self._check_shapes(where)
 
     def _check_shapes(self, where: str) -> None:
@@ -362,7 +396,14 @@ class _Shard:
             raise RecordError(where, "routes_offsets.npy", "expected a 1-d int64 array")
         if self.cols["routes_shape"].dtype != np.int32 or self.cols["routes_shape"].shape != (self.rows, 2):
             raise RecordError(where, "routes_shape.npy", f"expected an int32 array [{self.rows}, 2] (layers, top_k)")
-        for values, offsets in {**RAGGED, "routes": "routes_offsets"}.items():
+        for c, dtype in TURN_COLUMNS.items():
+            if self.cols[c].dtype != dtype or self.cols[c].ndim != 1:
+                raise RecordError(where, f"{c}.npy", f"expected a 1-d {np.dtype(dtype)} array")
+        if len(self.cols["has_mask"]) != self.rows:
+            raise RecordError(where, "has_mask.npy", f"has {len(self.cols['has_mask'])} rows, the index says {self.rows}")
+        if self.turns and len(self.cols["response_mask"]) != len(self.cols["response_tokens"]):
+            raise RecordError(where, "response_mask.npy", "does not hold one 0 / 1 per response token")
+        for values, offsets in {**RAGGED, "routes": "routes_offsets", "turn_versions": "turn_offsets"}.items():
             off = self.cols[offsets]
             if len(off) != self.rows + 1 or off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] != len(self.cols[values]):
                 raise RecordError(where, f"{offsets}.npy", f"offsets do not index {values}.npy")
@@ -413,6 +454,7 @@ class _Shard:
                 mc_targets=[{"t": t, "success_prob": p} for t, p in zip(cut("mc_t", r), cut("mc_p", r))]
                 if per_row["has_mc"][r] else None,
                 provenance=provenance, routed_experts=self.routes(r) if routed[r] else None,
+                **self.turns_of(r),
             )
 
     def record(self, r: int) -> Trajectory:
@@ -428,8 +470,18 @@ class _Shard:
             source=self.sources[r], policy_version=int(c["policy_version"][r]),
             behaviour_logprobs=self.slice("behaviour_logprobs", r).tolist() if c["has_behaviour"][r] else None,
             q0=None if np.isnan(q0) else q0, mc_targets=mc, provenance=self.provenance(r),
-            routed_experts=self.routes(r),
+            routed_experts=self.routes(r), **self.turns_of(r),
         )
+
+    def turns_of(self, row: int) -> dict:
+        """{response_mask, turn_versions} of a multi-turn row ({} for a single-turn one)."""
+        if not self.cols["has_mask"][row]:
+            return {}
+        off = self.cols["response_offsets"]
+        toff = self.cols["turn_offsets"]
+        versions = self.cols["turn_versions"][toff[row]:toff[row + 1]].tolist()
+        return {"response_mask": self.cols["response_mask"][off[row]:off[row + 1]].tolist(),
+                "turn_versions": versions or None}
 
     def routes(self, row: int) -> RoutedExperts | None:
         """The row's routed_experts (int32 ids [prompt + response - 1, layers, top_k]), None if it has none."""
@@ -482,6 +534,12 @@ class _Shard:
         flag(has_r & (n_ids != positions * shape[:, 0].astype(np.int64) * shape[:, 1]), "routed_experts",
              "the expert ids do not fill prompt + response - 1 tokens x layers x top_k")
         flag(~has_r & (n_ids != 0), "routed_experts", "expert ids without a shape (routes_shape 0, 0)")
+        for r in np.flatnonzero(c["has_mask"]):  # multi-turn rows: the record schema's own check
+            try:
+                turns = self.turns_of(int(r))
+                check_turns(turns["response_mask"], turns["turn_versions"], int(lengths["response_tokens"][r]), "")
+            except RecordError as err:
+                bad.append((int(r), err.field, str(err).partition(f"field '{err.field}': ")[2]))
         pid = c["provenance_id"]
         flag((pid < -1) | (pid >= len(self.provenance_table)), "provenance", "provenance_id is not an entry of "
              f"the shard's table ({len(self.provenance_table)} entries)")

@@ -40,7 +40,8 @@ from megatron_spo.fsutil import write_lines_atomic
 logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("prompt_id", "prompt_tokens", "response_tokens", "reward", "source", "policy_version")
-OPTIONAL_FIELDS = ("behaviour_logprobs", "q0", "mc_targets", "provenance", "routed_experts")
+OPTIONAL_FIELDS = ("behaviour_logprobs", "q0", "mc_targets", "provenance", "routed_experts", "response_mask",
+                   "turn_versions")
 FIELDS = REQUIRED_FIELDS + OPTIONAL_FIELDS
 LOGPROB_SLACK = 1e-4  # samplers report log-probs a hair above 0 in low precision
 TOKEN_ID_LIMIT = 2**31  # the offline store keeps token ids as int32
@@ -102,6 +103,11 @@ class Trajectory:
     mc_targets: list[dict] | None = None
     provenance: Provenance | None = None
     routed_experts: RoutedExperts | None = None
+    # multi-turn: 1 where the model sampled the response token (trained), 0 where the environment gave it (an
+    # observation: context only, no behaviour log-prob); None: every response token is the model's
+    response_mask: list[int] | None = None
+    # the policy version of each model turn (a maximal run of 1s in response_mask), in order
+    turn_versions: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form; absent optional fields are omitted."""
@@ -258,14 +264,57 @@ def validate_record(obj: Any, where: str) -> Trajectory:
             routes = RoutedExperts.from_json(routes, where, len(prompt_tokens) + len(response_tokens) - 1)
         except RoutesError as err:
             raise RecordError(where, "routed_experts", err.detail) from None
+    mask, versions = check_turns(obj.get("response_mask"), obj.get("turn_versions"), len(response_tokens), where)
     return Trajectory(
         prompt_id=prompt_id, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
         reward=float(obj["reward"]), source=obj["source"], policy_version=obj["policy_version"],
         behaviour_logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
         q0=float(q0) if q0 is not None else None,
         mc_targets=[{"t": m["t"], "success_prob": float(m["success_prob"])} for m in mc] if mc is not None else None,
-        provenance=provenance, routed_experts=routes,
+        provenance=provenance, routed_experts=routes, response_mask=mask, turn_versions=versions,
     )
+
+
+def model_tokens(record) -> int:
+    """The response tokens the model sampled (a multi-turn record's response_mask 1s; else all of them)."""
+    mask = getattr(record, "response_mask", None)
+    return len(record.response_tokens) if mask is None else sum(mask)
+
+
+def model_turns(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each model turn of a response_mask: its maximal runs of 1s."""
+    turns, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            turns.append((start, i))
+            start = None
+    return turns
+
+
+def check_turns(mask: Any, versions: Any, response_length: int, where: str) -> tuple[list[int] | None, list[int] | None]:
+    """A multi-turn record's response_mask (0 / 1 per response token, the first token the model's, at least one 1)
+    and turn_versions (an integer >= 0 per model turn), or RecordError naming the field."""
+    if mask is None:
+        if versions is not None:
+            raise RecordError(where, "turn_versions", "needs response_mask (which tokens are the model's turns)")
+        return None, None
+    if not isinstance(mask, list) or len(mask) != response_length or any(m not in (0, 1) or isinstance(m, bool)
+                                                                          for m in mask):
+        n = len(mask) if isinstance(mask, list) else type(mask).__name__
+        raise RecordError(where, "response_mask", f"must be a 0 / 1 per response token ({response_length}), got {n}"
+                          if not isinstance(mask, list) or len(mask) != response_length else
+                          "must hold only 0 (environment) and 1 (model)")
+    if response_length and mask[0] != 1:
+        raise RecordError(where, "response_mask", "the response starts with the model's turn (the first token is 1)")
+    turns = model_turns(mask)
+    if versions is not None:
+        if not isinstance(versions, list) or len(versions) != len(turns) or not all(
+                _is_int(v) and 0 <= v < INT_LIMIT for v in versions):
+            raise RecordError(where, "turn_versions", f"must be one integer >= 0 per model turn ({len(turns)}), "
+                              f"got {_show(versions)}")
+    return [int(m) for m in mask], None if versions is None else [int(v) for v in versions]
 
 
 # ---------------------------------------------------------------------------------------------

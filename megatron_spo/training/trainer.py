@@ -35,6 +35,7 @@ from megatron_spo.data.batching import (
     TrainBatch,
 )
 from megatron_spo.data.routes import RoutesError
+from megatron_spo.data.trajectory import model_tokens
 from megatron_spo.memory import reset_peak_rss
 from megatron_spo.models.routing_replay import replayed
 from megatron_spo.run_layout import CheckpointDir, PreemptionHandler, Stopped
@@ -582,7 +583,7 @@ class Trainer:
             cfg=cfg, step=self.step, micro_batches=mbs, ref=ref, lr=rates.__getitem__,
             optimize=lambda model, output, loss_fn: self.optimize(model, mbs, rates[model], output, loss_fn),
             forward=lambda model, output: self.forward(model, mbs, output), is_last_stage=self.is_last_stage,
-            global_sequences=len(trajs), global_response_tokens=sum(len(t.response_tokens) for t in trajs),
+            global_sequences=len(trajs), global_response_tokens=sum(model_tokens(t) for t in trajs),
             sum_across_data_parallel=self._sum_across_data_parallel))
         refresh = cfg.reference_refresh_interval
         if refresh and self.step % refresh == 0:

@@ -37,7 +37,7 @@ class StepInputs:
     forward: Callable[..., list]  # (model, output) -> per micro-batch outputs (last stage; None elsewhere)
     is_last_stage: bool
     global_sequences: int = 0  # sequences of the whole step (all data-parallel ranks)
-    global_response_tokens: int = 0  # their response tokens (token-mean losses normalise by this)
+    global_response_tokens: int = 0  # their response tokens the model sampled (token-mean losses normalise by this)
     # sum of a tensor over the data-parallel ranks (last pipeline stage; collective): batch-wide statistics
     sum_across_data_parallel: Callable[[Any], Any] = lambda t: t
 
