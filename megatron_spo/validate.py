@@ -262,7 +262,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-spo validate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="megatron-spo validate", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="training YAML config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, as for megatron-spo train")
     add_arguments(parser)

@@ -192,8 +192,8 @@ fi
 offline_inputs="$(quote "${offline_data[@]}")"
 convert_cmd='[ -e "$RUN_DIR/megatron-init" ] || megatron-spo convert hf-to-megatron --hf "$MODEL_PATH" --out "$RUN_DIR/megatron-init"'
 offline_cmd='[ -e "$RUN_DIR/offline" ] || { inputs=(); [ -s "$SPO_Q0_DIR/reference.jsonl" ] && inputs+=("$SPO_Q0_DIR/reference.jsonl"); megatron-spo offline build "${inputs[@]}" '"$offline_inputs"' --out "$RUN_DIR/offline" --verdict pass --assume-kind reference; }'
-pts_cmd='megatron-spo pts --router-url "$SPO_ROUTER_URL" '"$task_args"' --tokenizer "$MODEL_PATH" --trajectories "$RUN_DIR/offline" --q0 "$SPO_Q0_DIR/q0.jsonl" --out "$RUN_DIR/pts/pts.jsonl" --no-progress '"$pts_args"
-eval_cmd='megatron-spo eval --router-url "$SPO_ROUTER_URL" '"$task_args"' --tokenizer "$MODEL_PATH" --out "$RUN_DIR/eval/eval.jsonl" --json "$RUN_DIR/eval/eval.json" --no-progress '"$eval_args"
+pts_cmd='megatron-spo pts "$CONFIG" --router-url "$SPO_ROUTER_URL" '"$task_args"' --tokenizer "$MODEL_PATH" --trajectories "$RUN_DIR/offline" --q0 "$SPO_Q0_DIR/q0.jsonl" --out "$RUN_DIR/pts/pts.jsonl" --no-progress '"$pts_args"
+eval_cmd='megatron-spo eval "$CONFIG" --router-url "$SPO_ROUTER_URL" '"$task_args"' --tokenizer "$MODEL_PATH" --out "$RUN_DIR/eval/eval.jsonl" --json "$RUN_DIR/eval/eval.json" --no-progress '"$eval_args"
 
 common=(--parsable --job-name="$job_name" --time="$time_limit" --signal="B:USR1@$lead"
         --output="$run_dir/logs/%x-%j.out" --export=ALL "${extra[@]}")

@@ -38,7 +38,8 @@ def test_registries_are_the_config_choices():
 
     assert names() == ["agro", "grpo", "ppo", "spo"]
     assert LOSSES == tuple(REGRESSION_LOSSES) == ("squared", "cross_entropy", "sigmoid_bce")
-    assert list(TASK_KINDS) == ["toy", "toy_math", "codecontests", "taco", "math", "jsonl"]
+    assert list(TASK_KINDS) == ["toy", "toy_math", "codecontests", "taco", "math", "jsonl", "humaneval", "mbpp",
+                                "verl", "slime", "trl", "hf"]
     base = dict(init={"hf": "x"})
     with pytest.raises(ValueError, match=r"algo\n.*unknown algorithm 'trpo' \(choose from agro, grpo, ppo, spo, or a hook"):
         TrainConfig.model_validate({**base, "algo": "trpo"})

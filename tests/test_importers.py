@@ -150,16 +150,17 @@ def test_taco_rows(rewards, tok, tmp_path):
     rows = write_rows(tmp_path / "taco.jsonl", TACO_ROWS, bad_line=bad, at=1)
     skipped = Counter()
     items = list(taco_candidates(rows, skipped=skipped))
-    assert [type(i).__name__ for i in items] == ["Candidate", "Candidate", "RecordError"]
+    assert [type(i).__name__ for i in items] == ["Candidate", "Candidate", "RecordError", "Candidate"]
     assert str(items[2]).startswith(f"{rows}:2: field 'solutions': is not valid JSON (Expecting value")
-    assert skipped == {"call-based (fn_name)": 1}  # row 3: no stdin tests, as tasks.load_taco skips it
+    assert skipped == {} and items[3].problem.harness is not None  # row 3: call-based, function-call tests
     with pytest.raises(RecordError, match=r"taco\.jsonl:2: field 'solutions'"):
         run_import(lambda: taco_candidates(rows), tmp_path / "s", tokenizer=tok, rewards=rewards[0])
     summary = run_import(lambda: taco_candidates(rows), tmp_path / "s", tokenizer=tok, rewards=rewards[0],
                          skip_invalid=True)
-    assert (summary.report.read, summary.report.skipped, summary.imported, summary.passed) == (1, 1, 2, 1)
+    assert (summary.report.read, summary.report.skipped, summary.imported, summary.passed) == (2, 1, 3, 2)
     assert texts(tok, tmp_path / "s") == [("taco/0/double", fence("print(2 * int(input()))"), 0.0),
-                                          ("taco/0/double", fence("print(int(input()) + 2)"), -1.0)]
+                                          ("taco/0/double", fence("print(int(input()) + 2)"), -1.0),
+                                          ("taco/2", fence("def f(x): return 2 * x"), 0.0)]
     assert OfflineStore(tmp_path / "s").record(0).provenance.origin == "taco"
 
 

@@ -71,7 +71,8 @@ def test_the_check_itself_sees_lazy_imports(tmp_path):
 # argparse types and signal handlers may be used anywhere; `train --dry-run` is routed there to validate.py).
 FLOORS = (
     {"config", "cli", "extras", "fsutil", "checkpoint_digest", "net", "memory", "collectives", "algorithms", "ops",
-     "eval", "deferred_compile", "__init__"},  # the package's __init__ installs deferred_compile's hook
+     "eval", "deferred_compile", "library_warnings",
+     "__init__"},  # the package's __init__ installs deferred_compile's hook
     {"hooks", "run_layout", "rewards"},
     {"data", "models"},
     {"rollout"},

@@ -11,14 +11,7 @@ import pytest
 from megatron_spo.data.tasks import Problem
 from megatron_spo.rewards.code_reward import extract_program
 from megatron_spo.rewards.config import SandboxConfig
-from megatron_spo.rewards.math_answer import (
-    SympyJudge,
-    answers_match,
-    last_boxed,
-    math_reward,
-    normalize,
-    to_sympy_text,
-)
+from megatron_spo.rewards.math_answer import MathJudge, answers_match, last_boxed, math_reward
 from megatron_spo.rewards.reward import RewardPool
 from megatron_spo.rewards.sandbox import SandboxPool, SandboxUnavailableError
 
@@ -49,19 +42,9 @@ def test_last_boxed_handles_nesting_and_forms():
     assert last_boxed("no answer") is None
 
 
-def test_normalize_follows_the_math_conventions():
-    assert normalize(r"\dfrac{1}{2}") == normalize(r"\frac12") == r"\frac{1}{2}"
-    assert normalize(r"10^\circ") == normalize(r"10^{\circ}") == "10"
-    assert normalize(r"\$5.") == "5"
-    assert normalize(r"x = .5") == "0.5"
-    assert normalize(r"5\text{ cm}") == "5"
-    assert normalize(r"\left( 1, 2 \right)") == "(1,2)"
-    assert normalize("1,000") == "1000"
-
-
 @pytest.fixture(scope="module")
 def judge():
-    j = SympyJudge(timeout_s=10.0)
+    j = MathJudge(timeout_s=10.0)
     yield j
     j.close()
 
@@ -74,7 +57,7 @@ def judge():
     ("x^2+2x+1", "(x+1)^2", True),
     ("(1, 2)", "(1,2)", True),
     ("2", "3", False),
-    ("1,2", "2,1", False),
+    ("(1,2)", "(2,1)", False),  # an ordered pair ("1,2" vs "2,1" is a set of solutions: tests/test_math_judge.py)
     (r"\text{Monday}", r"\text{Tuesday}", False),
     (r"\sqrt{8}", r"2\sqrt{2}", True),
 ])
@@ -82,23 +65,21 @@ def test_answers_match(judge, a, b, same):
     assert answers_match(a, b, judge=judge) is same
 
 
-def test_untrusted_text_never_reaches_the_sympy_parser(tmp_path):
+def test_untrusted_text_is_never_evaluated(tmp_path, judge):
     marker = tmp_path / "pwned"
-    evil = f"__import__('os').system('touch {marker}')"
-    assert to_sympy_text(evil) is None
-    assert to_sympy_text("x.real") is None and to_sympy_text("lambda: 1") is None
-    assert not answers_match(evil, "0")
+    for evil in (f"__import__('os').system('touch {marker}')", "x.real", "lambda: 1"):
+        assert judge.verdict(evil, "0")[0] is False
     assert not marker.exists()
 
 
-def test_a_runaway_sympy_comparison_is_cut_at_the_timeout():
-    judge = SympyJudge(timeout_s=1.0)
+def test_a_runaway_comparison_is_cut_at_the_timeout():
+    judge = MathJudge(timeout_s=1.0, workers=1)
     try:
-        judge.equal("1", "1")  # start the worker outside the timing
+        judge.warm()  # start the worker outside the timing
         start = time.monotonic()
         assert answers_match("9^{9^{9^{9}}}", "1", judge=judge) is False
         assert time.monotonic() - start < 5.0
-        assert judge.equal("2", "1+1") is True  # a fresh worker took over
+        assert judge.verdict("2", "1+1") == (True, "match")  # a fresh worker took over
     finally:
         judge.close()
 
@@ -106,12 +87,13 @@ def test_a_runaway_sympy_comparison_is_cut_at_the_timeout():
 def test_math_reward_values(judge):
     assert math_reward(r"... so the answer is $\boxed{\frac{1}{2}}$.", "0.5", judge=judge)[0] == 0.0
     reward, info = math_reward(r"... $\boxed{3}$", "4", judge=judge)
-    assert reward == -1.0 and info["predicted"] == "3"
-    assert math_reward("I don't know", "4", judge=judge)[0] == -1.0
+    assert reward == -1.0 and info["predicted"] == "3" and info["reason"] == "wrong"
+    assert math_reward("I don't know", "4", judge=judge) == (-1.0, {"predicted": None, "reference": "4",
+                                                                   "passed": False, "reason": "no_answer"})
 
 
 # ---------------------------------------------------------------------------------------------
-# The reward pool (code in the sandbox, math with sympy)
+# The reward pool (code in the sandbox, math with math-verify)
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rewards(judge):

@@ -72,10 +72,12 @@ def test_taco_input_output_json(tmp_path):
     ]
     path = write_jsonl(rows, tmp_path / "taco.jsonl")
     problems = load_taco(path, n_reward_tests=2, cache_dir=str(tmp_path / "cache"))
-    assert [p.id for p in problems] == ["taco/0/sum", "taco/2/lines"]
+    assert [p.id for p in problems] == ["taco/0/sum", "taco/1", "taco/2/lines"]
     assert problems[0].tests == (("1 2\n", "3\n"), ("3 4\n", "7\n")) and problems[0].hidden_tests == (("0 0\n", "0\n"),)
     assert (problems[0].time_limit_s, problems[0].memory_mb) == (1.0, 256)
-    assert problems[1].tests == (("1\n2\n", "3\n"),)
+    assert problems[0].harness is None and problems[1].harness.fn_name == "f"  # call-based: function-call tests
+    assert problems[1].tests == (("[1]", "[2]"),)
+    assert problems[2].tests == (("1\n2\n", "3\n"),)
 
 
 def test_bad_rows_name_file_row_and_field(tmp_path):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AliasPath, Field, model_validator
 
@@ -68,7 +68,16 @@ class TaskConfig(StrictModel):
     kind: TaskKindName = "codecontests"
     reward: str | None = Field(None, description="a custom reward hook 'package.module:function' (problem, "
                                "completion_text) -> float, used for every problem instead of the kind's own")
-    paths: list[str] = Field(default_factory=list, description="parquet / jsonl files (not for 'toy')")
+    paths: list[str] = Field(default_factory=list, description="parquet / jsonl files or datasets save_to_disk "
+                             "folders (not for 'toy')")
+    input_key: str | None = Field(None, description="verl / slime / trl / hf: the prompt column (slime's --input-key; "
+                                  "default: 'prompt', slime's 'input')")
+    label_key: str | None = Field(None, description="slime / trl / hf: the reference answer (or tests) column "
+                                  "(slime's --label-key; trl's default 'solution')")
+    metadata_key: str = Field("metadata", description="slime / hf: the metadata column (slime's --metadata-key)")
+    reward_kind: Literal["code", "math", "gsm8k"] | None = Field(
+        None, description="verl / slime / trl / hf: the built-in reward of the rows (verl: by data_source when "
+        "unset; the others: math); a task.reward hook replaces it")
     dedup_against: list[str] = Field(default_factory=list, description="TACO test files to remove from training")
     toy: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
     q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0): SPO needs one for every "

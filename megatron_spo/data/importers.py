@@ -33,7 +33,7 @@ Row schemas:
   * TACO:          question, input_output (a JSON string {inputs, outputs, fn_name?}), solutions (a JSON
                     string: a list of Python programs), name?, time_limit?, memory_limit?; the problem as
                     tasks.load_taco builds it (id taco/<row>[/<name>], row = 0-based row of the file);
-                    call-based problems (fn_name) have no stdin tests and are skipped and counted.
+                    call-based problems (fn_name) are scored by their function-call tests.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Candidate:
 @dataclass
 class ImportSummary:
     """What an import did. report.read: rows that gave responses, report.skipped / errors: corrupt rows;
-    skipped_rows: valid rows that gave no response, by reason (no Python 3 solution, call-based, ...);
+    skipped_rows: valid rows that gave no response, by reason (no Python 3 solution, no tests, ...);
     candidates / imported / passed: responses; claimed_pass_failed: responses whose row claimed a pass
     (reward >= 0) that the sandbox failed."""
 
@@ -218,9 +218,6 @@ def taco_candidates(path: str | Path, *, max_per_problem: int | None = None, raw
             continue
         except Exception as err:
             yield _task_error(err, where)
-            continue
-        if problem is None:
-            skipped["call-based (fn_name)"] += 1
             continue
         programs = [s for s in solutions if s.strip()]
         if not programs:
@@ -412,7 +409,7 @@ def add_import_args(sub, name: str, help_text: str):
         p.add_argument("--task", default=None, type=task_kind_name, choices=list(TASK_KINDS),
                        help=f"the task ({TASK_ALIASES})")
         p.add_argument("--data", default=None, help="task file(s) (glob); not for --task toy")
-        p.add_argument("--split", default="all", help="toy task split")
+        p.add_argument("--split", default="all", help="toy task split, or a DatasetDict folder's split")
         p.add_argument("--toy-seed", type=non_negative_int, default=0)
         p.add_argument("--kind", default="other-model", choices=PROVENANCE_KINDS,
                        help="provenance kind of rows that do not say")

@@ -1,14 +1,15 @@
 """The resumable result file of the engine tools (estimate-q0, pts, eval): an append-only JSONL, one record per
 finished item, keyed by one of its fields. Each line is flushed and fsynced when appended; a torn last line (a
 write cut by a kill) is dropped on reopening; once every item is done the file is rewritten in input order, so
-an interrupted-then-resumed run ends with the same file as an uninterrupted one.
+an interrupted-then-resumed run ends with the same file as an uninterrupted one. ItemLines: several lines per item
+beside it (eval's completions), kept consistent with it on resume.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 
 from megatron_spo.config import DuplicateKeyError, loads_json, quote
@@ -79,3 +80,37 @@ class ResultLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+class ItemLines:
+    """A JSONL of several lines per item beside a ResultLog (eval's completions): each item's lines are appended
+    BEFORE its result record, so on reopening the lines of items without a result (a cut run) are dropped and
+    none is duplicated; ``finalize`` orders the lines as the items (stable within an item)."""
+
+    def __init__(self, path: str | Path, done: Container[str], key: str = "prompt_id"):
+        self.path, self.key = Path(path), key
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            write_lines_atomic(self.path, [ln for ln in self._lines() if self._key(ln) in done])
+
+    def _lines(self) -> list[str]:
+        """The complete lines (a torn last one dropped)."""
+        return [ln + "\n" for ln in self.path.read_text(encoding="utf-8").split("\n")[:-1] if ln.strip()]
+
+    def _key(self, line: str) -> str:
+        try:
+            return str(loads_json(line)[self.key])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{self.path}: not a file of this tool: {line[:80]!r}; fix or remove the file") from None
+
+    def add(self, records: Sequence[dict]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json_line(r) for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finalize(self, order: Sequence[str]) -> None:
+        rank = {k: i for i, k in enumerate(order)}
+        lines = self._lines() if self.path.exists() else []
+        lines.sort(key=lambda ln: rank.get(self._key(ln), len(rank)))
+        write_lines_atomic(self.path, lines)

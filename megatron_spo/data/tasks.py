@@ -10,22 +10,33 @@ Schemas (files are read with the ``datasets`` library, parquet or json/jsonl by 
     generated_tests as {"input": [...], "output": [...]}, time_limit {"seconds", "nanos"} (nullable),
     memory_limit_bytes, source, difficulty.
   * TACO (BAAI/TACO): question, input_output (a JSON string {"inputs": [...], "outputs": [...],
-    optional "fn_name"}), name, source, difficulty, time_limit, memory_limit (strings). Call-based
-    problems (fn_name) have no stdin/stdout tests: they are skipped and counted.
+    optional "fn_name"}), starter_code, name, source, difficulty, time_limit, memory_limit (strings). Call-based
+    problems (fn_name) get function-call tests (rewards/sandbox.py CallHarness): each input is the call's
+    argument list, each output its expected return value.
   * MATH (hendrycks competition_math): problem, solution (final answer in \\boxed{}), level, type.
+  * HumanEval (openai/human-eval, HumanEval.jsonl(.gz)): task_id, prompt (signature and docstring),
+    canonical_solution, test (defines check(candidate)), entry_point; one function-call test, check(entry_point),
+    on prompt + completion.
+  * MBPP (google-research/mbpp): task_id, text, code, test_list (assert statements), test_setup_code,
+    challenge_test_list; each assert is a function-call test.
+Other frameworks' formats (verl, slime, TRL, datasets folders) are read by data/frameworks.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_spo.config import DuplicateKeyError, loads_json
 from megatron_spo.data.problem import Problem, Test, expand_paths, read_problems_jsonl
+
+if TYPE_CHECKING:
+    from megatron_spo.rewards.sandbox import CallHarness
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +45,10 @@ CODE_INSTRUCTION = (
     "output. Put the whole program in one ```python code block."
 )
 MATH_INSTRUCTION = "Reason step by step, and put your final answer within \\boxed{}."
+CALL_INSTRUCTION = (
+    "Write the Python function the problem asks for; the tests call it (nothing is read from standard input). "
+    "Put the whole solution, with its imports, in one ```python code block."
+)
 
 
 class TaskFormatError(ValueError):
@@ -128,30 +143,47 @@ def _limit_number(text: Any) -> float | None:
         return None
 
 
-def taco_problem(row: dict, index: int, where: str, *, n_reward_tests: int | None = None) -> Problem | None:
-    """One TACO row (row ``index`` of its file) -> Problem (None: call-based, fn_name: no stdin/stdout tests).
-    The first ``n_reward_tests`` tests reward (all when None); the rest are hidden."""
-    question = _field(row, "question", where, str)
-    raw = _field(row, "input_output", where, str)
-    try:
-        io = loads_json(raw)
-    except DuplicateKeyError as err:
-        raise TaskFormatError(f"{where}: field 'input_output' holds {err}") from None
-    except ValueError as err:
-        raise TaskFormatError(f"{where}: field 'input_output' is not valid JSON ({err})") from None
+def io_tests(raw: Any, where: str, name: str) -> tuple[tuple[Test, ...], CallHarness | None]:
+    """TACO / APPS tests {"inputs": [...], "outputs": [...], "fn_name"?} (a JSON string or the dict): stdin/stdout
+    pairs, or with fn_name (JSON arguments, JSON result) pairs and the CallHarness that calls fn_name."""
+    from megatron_spo.rewards.sandbox import CallHarness
+
+    io = raw
+    if isinstance(raw, str):
+        try:
+            io = loads_json(raw)
+        except DuplicateKeyError as err:
+            raise TaskFormatError(f"{where}: field '{name}' holds {err}") from None
+        except ValueError as err:
+            raise TaskFormatError(f"{where}: field '{name}' is not valid JSON ({err})") from None
     if not isinstance(io, dict) or not {"inputs", "outputs"} <= set(io):
-        raise TaskFormatError(f"{where}: field 'input_output' should hold 'inputs' and 'outputs'")
-    if io.get("fn_name"):
-        return None
+        raise TaskFormatError(f"{where}: field '{name}' should hold 'inputs' and 'outputs'")
     if len(io["inputs"]) != len(io["outputs"]):
-        raise TaskFormatError(f"{where}: field 'input_output' has {len(io['inputs'])} inputs but "
+        raise TaskFormatError(f"{where}: field '{name}' has {len(io['inputs'])} inputs but "
                               f"{len(io['outputs'])} outputs")
-    tests = tuple((_text(x), _text(y)) for x, y in zip(io["inputs"], io["outputs"]))
+    fn_name = io.get("fn_name")
+    if not fn_name:
+        return tuple((_text(x), _text(y)) for x, y in zip(io["inputs"], io["outputs"])), None
+    if not isinstance(fn_name, str) or not fn_name.isidentifier():
+        raise TaskFormatError(f"{where}: field '{name}' has fn_name {fn_name!r}, not a Python name")
+    tests = tuple((json.dumps(x if isinstance(x, list) else [x]), json.dumps(y))
+                  for x, y in zip(io["inputs"], io["outputs"]))
+    return tests, CallHarness(fn_name=fn_name)
+
+
+def taco_problem(row: dict, index: int, where: str, *, n_reward_tests: int | None = None) -> Problem:
+    """One TACO row (row ``index`` of its file) -> Problem: stdin/stdout tests, or function-call tests for a
+    call-based problem (fn_name; its starter code joins the prompt). The first ``n_reward_tests`` tests reward
+    (all when None); the rest are hidden."""
+    question = _field(row, "question", where, str)
+    tests, harness = io_tests(_field(row, "input_output", where, str), where, "input_output")
     k = len(tests) if n_reward_tests is None else n_reward_tests
     name = row.get("name") or ""
+    starter = (row.get("starter_code") or "").strip() if harness else ""
     return Problem(
-        id=f"taco/{index}" + (f"/{name}" if name else ""), prompt=question.strip(), tests=tests[:k],
-        hidden_tests=tests[k:], source="taco", kind="code",
+        id=f"taco/{index}" + (f"/{name}" if name else ""),
+        prompt=question.strip() + (f"\n\n```python\n{starter}\n```" if starter else ""), tests=tests[:k],
+        hidden_tests=tests[k:], source="taco", kind="code", harness=harness,
         time_limit_s=_limit_number(row.get("time_limit")),
         memory_mb=int(_limit_number(row.get("memory_limit")) or 0) or None,
         metadata={"difficulty": row.get("difficulty"), "url": row.get("url")},
@@ -160,17 +192,9 @@ def taco_problem(row: dict, index: int, where: str, *, n_reward_tests: int | Non
 
 def load_taco(paths: str | Sequence[str], *, n_reward_tests: int | None = None,
               cache_dir: str | None = None) -> list[Problem]:
-    """taco_problem of every row; call-based problems are skipped and counted in the log."""
-    problems, call_based = [], 0
-    for path, i, row in read_rows(paths, cache_dir):
-        problem = taco_problem(row, i, f"{path} row {i}", n_reward_tests=n_reward_tests)
-        if problem is None:
-            call_based += 1
-            continue
-        problems.append(problem)
-    if call_based:
-        logger.info("taco: skipped %d call-based problems (fn_name: no stdin/stdout tests)", call_based)
-    return problems
+    """taco_problem of every row (call-based ones with function-call tests)."""
+    return [taco_problem(row, i, f"{path} row {i}", n_reward_tests=n_reward_tests)
+            for path, i, row in read_rows(paths, cache_dir)]
 
 
 def _text(value: Any) -> str:
@@ -201,6 +225,51 @@ def load_math(paths: str | Sequence[str], *, cache_dir: str | None = None) -> li
 
 
 # ---------------------------------------------------------------------------------------------
+# HumanEval and MBPP: function-call tests
+# ---------------------------------------------------------------------------------------------
+def load_humaneval(paths: str | Sequence[str], *, cache_dir: str | None = None) -> list[Problem]:
+    """HumanEval problems: the prompt (the function's signature and docstring) shown in a code block; the reward
+    runs prompt + completion (a completion may be the body or the whole function), then the test's
+    check(entry_point)."""
+    from megatron_spo.rewards.sandbox import CallHarness
+
+    problems = []
+    for path, i, row in read_rows(paths, cache_dir):
+        where = f"{path} row {i}"
+        task_id, prompt, test, entry = (_field(row, k, where, str) for k in ("task_id", "prompt", "test", "entry_point"))
+        if not entry.isidentifier():
+            raise TaskFormatError(f"{where}: field 'entry_point' {entry!r} is not a Python name")
+        problems.append(Problem(
+            id=task_id, prompt=f"Complete the Python function `{entry}`:\n\n```python\n{prompt.rstrip()}\n```",
+            tests=((f"check({entry})", ""),), source="humaneval", kind="code",
+            harness=CallHarness(prefix=prompt, setup=test), metadata={"entry_point": entry},
+        ))
+    return problems
+
+
+def load_mbpp(paths: str | Sequence[str], *, cache_dir: str | None = None) -> list[Problem]:
+    """MBPP problems: the text and its asserts in the prompt (the MBPP paper's format: they name the function);
+    each assert is a function-call test, challenge_test_list the hidden ones."""
+    from megatron_spo.rewards.sandbox import CallHarness
+
+    problems = []
+    for path, i, row in read_rows(paths, cache_dir):
+        where = f"{path} row {i}"
+        text = _field(row, "text", where, str)
+        asserts = _field(row, "test_list", where, list)
+        hidden = row.get("challenge_test_list") or []
+        if not asserts or not all(isinstance(a, str) for a in [*asserts, *hidden]):
+            raise TaskFormatError(f"{where}: field 'test_list' should be a non-empty list of assert statements")
+        problems.append(Problem(
+            id=f"mbpp/{row.get('task_id', i)}",
+            prompt=f"{text.strip()}\nYour code should pass these tests:\n\n" + "\n".join(asserts),
+            tests=tuple((a, "") for a in asserts), hidden_tests=tuple((a, "") for a in hidden), source="mbpp",
+            kind="code", harness=CallHarness(setup=row.get("test_setup_code") or ""),
+        ))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
 # Deduplication and prompts
 # ---------------------------------------------------------------------------------------------
 def text_key(text: str) -> str:
@@ -222,11 +291,24 @@ def dedup_against(train: Sequence[Problem], held_out: Sequence[Problem]) -> tupl
 
 def build_prompt(problem: Problem, tokenizer: Any = None, *, system: str | None = None,
                  instruction: str | None = None) -> str:
-    """The model input text: the tokenizer's chat template when it has one, else a plain layout."""
+    """The model input text: the tokenizer's chat template when it has one, else a plain layout. An imported chat
+    prompt (problem.messages) goes through the template as it is (an explicit ``instruction`` is appended to
+    its last message); without a template its messages' text is the prompt."""
+    chat_template = tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    if getattr(problem, "messages", None):
+        messages = [{"role": r, "content": c} for r, c in problem.messages]
+        if instruction:
+            messages[-1]["content"] += f"\n\n{instruction}"
+        if system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system})
+        if chat_template:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n\n".join(m["content"] for m in messages)
     if instruction is None:
-        instruction = MATH_INSTRUCTION if getattr(problem, "kind", "code") == "math" else CODE_INSTRUCTION
+        instruction = (MATH_INSTRUCTION if getattr(problem, "kind", "code") == "math" else
+                       CALL_INSTRUCTION if getattr(problem, "harness", None) else CODE_INSTRUCTION)
     user = f"{problem.prompt}\n\n{instruction}" if instruction else problem.prompt
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+    if chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     head = f"{system}\n\n" if system else ""
@@ -242,12 +324,12 @@ class TaskKind:
     by each problem's ``kind``). A new kind = one entry here (+ its loader and tests)."""
 
     name: str
-    load: Any  # (data paths or None, split, toy seed) -> list of problems
+    load: Any  # (data paths or None, split, toy seed, frameworks.ImportOptions or None) -> list of problems
     summary: str
     needs_files: bool = True  # False: generated, no --data
 
 
-def _load_toy(data, split: str, seed: int) -> list:
+def _load_toy(data, split: str, seed: int, options=None) -> list:
     from megatron_spo.data.toy_code import make_task
 
     toy = make_task(seed=seed)
@@ -257,7 +339,7 @@ def _load_toy(data, split: str, seed: int) -> list:
     return list(splits[split])
 
 
-def _load_toy_math(data, split: str, seed: int) -> list:
+def _load_toy_math(data, split: str, seed: int, options=None) -> list:
     from megatron_spo.data.toy_math import make_task
 
     toy = make_task(seed=seed)
@@ -268,14 +350,23 @@ def _load_toy_math(data, split: str, seed: int) -> list:
 
 
 def _from_files(loader):
-    def load(data, split: str, seed: int) -> list:
+    def load(data, split: str, seed: int, options=None) -> list:
         return list(loader(data))
 
     return load
 
 
-def _load_jsonl(data, split: str, seed: int) -> list:
+def _load_jsonl(data, split: str, seed: int, options=None) -> list:
     return read_problems_jsonl(data)
+
+
+def _from_framework(kind: str):
+    def load(data, split: str, seed: int, options=None) -> list:
+        from megatron_spo.data.frameworks import load_framework
+
+        return load_framework(kind, data, options, split=None if split == "all" else split)
+
+    return load
 
 
 TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
@@ -286,6 +377,12 @@ TASK_KINDS: dict[str, TaskKind] = {k.name: k for k in (
     TaskKind("taco", _from_files(load_taco), "TACO rows (parquet / jsonl)"),
     TaskKind("math", _from_files(load_math), "MATH rows (answer in \\boxed{})"),
     TaskKind("jsonl", _load_jsonl, "problems JSONL: {id, prompt, tests, hidden_tests?, kind?, answer?}"),
+    TaskKind("humaneval", _from_files(load_humaneval), "HumanEval rows (function-call tests: check(entry_point))"),
+    TaskKind("mbpp", _from_files(load_mbpp), "MBPP rows (function-call tests: its asserts)"),
+    TaskKind("verl", _from_framework("verl"), "verl rows: data_source, prompt (chat), reward_model.ground_truth"),
+    TaskKind("slime", _from_framework("slime"), "slime rows: task.input_key / label_key / metadata_key"),
+    TaskKind("trl", _from_framework("trl"), "TRL rows: prompt (text or chat), solution, other columns"),
+    TaskKind("hf", _from_framework("hf"), "datasets folders (save_to_disk) or files in verl / trl / slime schemas"),
 )}
 
 # The quickstart's generated tasks (its reference.task.kind) -> their TASK_KINDS entry

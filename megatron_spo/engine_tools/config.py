@@ -8,6 +8,7 @@ from megatron_spo.config import ConfigView, StrictModel
 from megatron_spo.data.config import TaskConfig
 from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.models.config import InitConfig
+from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rollout.config import FleetEndpoints
 
 
@@ -79,11 +80,23 @@ class EvalConfig(StrictModel):
         return self
 
 
+class HeldOutView(ConfigView):
+    """What `eval CONFIG` reads of a training config's eval section (training/config.py HeldOutEvalConfig, whose
+    defaults these are): the held-out problems and whether hidden tests count."""
+
+    paths: list[str] = Field(default_factory=list)
+    limit: int | None = Field(64, gt=0)
+    hidden_tests: bool = True
+
+
 class TrainConfigView(ConfigView):
-    """What the offline tools read of a training config: its task, tokenizer (init.hf), engines and beta (the
-    trainer checks the rest of the file)."""
+    """What the offline tools read of a training config: its task and reward (task.reward), the sandbox that
+    runs code rewards, tokenizer (init.hf), engines, beta and held-out problems (the trainer checks the rest of
+    the file)."""
 
     task: TaskConfig = Field(default_factory=TaskConfig)
     init: InitConfig = Field(default_factory=InitConfig)
     fleet: FleetEndpoints = Field(default_factory=FleetEndpoints)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     beta: float = Field(PAPER_BETA, gt=0)
+    eval: HeldOutView = Field(default_factory=HeldOutView)

@@ -121,8 +121,6 @@ def main(argv: list[str]) -> int:
     defaults = Q0Config()
     parser = argparse.ArgumentParser(prog="megatron-spo estimate-q0",
                                      description="Monte-Carlo S0 and Q0 per prompt from reference samples.")
-    parser.add_argument("config", nargs="?", default=None,
-                        help="a training config (YAML): task, tokenizer, engines and beta come from it unless given")
     add_task_args(parser, default_split="train")
     parser.add_argument("--out", required=True, help="result JSONL (resumable; a path without .jsonl is a folder "
                         "receiving q0.jsonl): prompt_id, s0, q0, n, correct, beta, prior, q0_low, q0_high")
@@ -146,7 +144,7 @@ def main(argv: list[str]) -> int:
         from megatron_spo.rollout.client import EngineClient
 
         prompts = prompts_from_args(args)
-        pool = reward_pool_from_args(args, [p.problem for p in prompts])
+        pool = reward_pool_from_args(args, [p.problem for p in prompts], prog="estimate-q0")
         try:
             async with EngineClient(args.engine_url, timeout_s=args.request_timeout) as client:
                 est = await estimate_q0(prompts, client, pool, samples=cfg.samples, beta=cfg.beta,

@@ -8,6 +8,10 @@ SPO paper protocol (the defaults): n = 20 samples at temperature 0.4, top-p 0.95
     result.mean[1], result.to_json(), result.table()
 
     megatron-spo eval --engine-url URL --task toy --split heldout --out eval.jsonl --json eval.json
+    megatron-spo eval CONFIG --out eval.jsonl       # the config's held-out problems, reward, tokenizer, engines
+
+Beside the results, every sample (eval.completions.jsonl: prompt_id, sample, text, reward, passed, info): what
+a pass@1 of 0 was made of.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 from megatron_spo.cli import positive_int
 from megatron_spo.config import build_config
 from megatron_spo.data.prompts import Prompt
-from megatron_spo.data.result_log import ResultLog
+from megatron_spo.data.result_log import ItemLines, ResultLog
 from megatron_spo.engine_tools.command_line import (
     add_sampling_args,
     add_task_args,
@@ -41,9 +45,9 @@ from megatron_spo.eval.passk import pass_at_k
 @dataclass(frozen=True)
 class ProblemEval:
     """One problem: ``correct`` of ``n`` samples passed; pass_at[k]; tests: what was scored
-    ({"reward": count, "hidden": count} for code, {"answer": 1} for math); distinct_correct: how many different
-    programs (normalised_program) among the correct ones, the diversity a "soft" policy keeps (None in records
-    written before it was counted)."""
+    ({"reward": count, "hidden": count} for code, {"answer": 1} for math, {"custom": 1} for a reward hook);
+    distinct_correct: how many different programs (normalised_program) among the correct ones, the diversity a
+    "soft" policy keeps (None in records written before it was counted)."""
 
     prompt_id: str
     n: int
@@ -109,7 +113,10 @@ class EvalResult:
         return table
 
 
-def tests_used(problem: Any, hidden: bool) -> dict[str, int]:
+def tests_used(problem: Any, hidden: bool, custom: bool = False) -> dict[str, int]:
+    """What scored a problem: {"custom": 1} for a reward hook, {"answer": 1} for math, the test counts for code."""
+    if custom:
+        return {"custom": 1}
     if getattr(problem, "kind", "code") == "math":
         return {"answer": 1}
     return {"reward": len(problem.tests), "hidden": len(getattr(problem, "hidden_tests", ())) if hidden else 0}
@@ -119,12 +126,26 @@ def pass_at_ks(n: int, correct: int, ks: Sequence[int]) -> dict[int, float]:
     return {k: float(pass_at_k(n, correct, k)) for k in ks}
 
 
+def completions_path(out_path: str | Path) -> Path:
+    """Where eval's samples go beside its results: eval.jsonl -> eval.completions.jsonl."""
+    out = Path(out_path)
+    return out.with_name((out.stem if out.suffix == ".jsonl" else out.name) + ".completions.jsonl")
+
+
+def completion_records(prompt_id: str, texts: Sequence[str], results: Sequence[Any]) -> list[dict]:
+    """One record per sample: prompt_id, sample (its index), text, reward, passed and the reward's info."""
+    return [{"prompt_id": prompt_id, "sample": i, "text": text, "reward": float(r.reward), "passed": bool(r.passed),
+             "info": json.loads(json.dumps(r.info, default=str))} for i, (text, r) in enumerate(zip(texts, results))]
+
+
 async def evaluate(prompts: Sequence[Prompt], client: Any, reward_pool: Any, *, n: int = 20, temperature: float = 0.4,
                    top_p: float = 0.95, ks: Sequence[int] = (1, 10), sampling: ToolSamplingConfig | None = None,
-                   out_path: str | Path | None = None, progress: bool = False) -> EvalResult:
+                   out_path: str | Path | None = None, completions_out: str | Path | None = None,
+                   progress: bool = False) -> EvalResult:
     """pass@k of the engines' model on ``prompts``. Hidden tests count when ``reward_pool.hidden`` is set
     (RewardPool(..., hidden=True)); each problem's record says which tests were used. ``sampling`` sets the
-    rest (max_new_tokens, seed, samples per request, concurrency); temperature and top_p override it."""
+    rest (max_new_tokens, seed, samples per request, concurrency); temperature and top_p override it.
+    completions_out: a JSONL receiving every sample (completion_records), resumable with out_path."""
     base = (sampling or ToolSamplingConfig()).model_dump()
     cfg = build_config(EvalConfig, {"n": n, "ks": tuple(ks), "hidden_tests": bool(getattr(reward_pool, "hidden", False)),
                                     "sampling": {**base, "temperature": temperature, "top_p": top_p}})
@@ -135,14 +156,20 @@ async def evaluate(prompts: Sequence[Prompt], client: Any, reward_pool: Any, *, 
             if rec.get("n") != cfg.n or not set(cfg.ks) <= set(had):
                 raise ValueError(f"{out_path}: problem '{key}' was evaluated with n={rec.get('n')}, ks={had}; "
                                  f"this run asks n={cfg.n}, ks={list(cfg.ks)} (use another output file)")
+    if completions_out is not None and log is None:
+        raise ValueError("evaluate: completions_out needs out_path (the results file is the resume state of both)")
+    kept = ItemLines(completions_out, log.records) if completions_out is not None else None
+    custom = getattr(reward_pool, "custom", None) is not None  # a reward hook: no tests to count
 
     async def work(prompt: Prompt) -> dict:
         completions = await sample(client, prompt.tokens, cfg.n, cfg.sampling, seed_key=("eval", prompt.prompt_id))
         results = await score_all(reward_pool, prompt.problem, [c.text for c in completions])
         correct = sum(r.passed for r in results)
         distinct = len({normalised_program(c.text) for c, r in zip(completions, results) if r.passed})
+        if kept is not None:  # before the problem's result line: a cut run drops these on resume
+            kept.add(completion_records(prompt.prompt_id, [c.text for c in completions], results))
         return ProblemEval(prompt.prompt_id, cfg.n, correct, pass_at_ks(cfg.n, correct, cfg.ks),
-                           tests_used(prompt.problem, cfg.hidden_tests), distinct).to_record()
+                           tests_used(prompt.problem, cfg.hidden_tests, custom), distinct).to_record()
 
     try:
         records = await run_resumable(prompts, lambda p: p.prompt_id, work, log, concurrency=cfg.sampling.concurrency,
@@ -150,27 +177,36 @@ async def evaluate(prompts: Sequence[Prompt], client: Any, reward_pool: Any, *, 
     finally:
         if log is not None:
             log.close()
+    if kept is not None:  # every problem is done (a cut run raised above)
+        kept.finalize([p.prompt_id for p in prompts])
     problems = [ProblemEval.from_record(r, cfg.ks) for r in records.values()]
     return EvalResult(problems, tuple(cfg.ks), cfg.n, cfg.sampling.temperature, cfg.sampling.top_p)
 
 
 def main(argv: list[str]) -> int:
     defaults = EvalConfig()
-    parser = argparse.ArgumentParser(prog="megatron-spo eval", description="pass@k of a model on a task.")
+    parser = argparse.ArgumentParser(prog="megatron-spo eval", description="pass@k of a model on a task (with a "
+                                     "training config: its held-out problems, eval.paths or the generated task's "
+                                     "held-out split, scored with its reward).")
     add_task_args(parser, default_split="heldout")
-    parser.add_argument("--out", required=True, help="per-problem results JSONL (resumable)")
+    parser.add_argument("--out", required=True, help="per-problem results JSONL (resumable); every sample goes "
+                        "beside it (OUT.completions.jsonl: prompt_id, sample, text, reward, passed, info)")
     parser.add_argument("--json", default=None, help="also write the whole result (mean + per problem) as JSON")
     parser.add_argument("-n", "--n", type=positive_int, default=defaults.n, help="samples per problem")
     parser.add_argument("--ks", type=positive_int, nargs="+", default=list(defaults.ks),
                         help=f"the k of pass@k, each at most -n (default {' '.join(map(str, defaults.ks))})")
-    parser.add_argument("--no-hidden-tests", action="store_true", help="score on the reward tests only")
+    parser.add_argument("--no-hidden-tests", action="store_true",
+                        help="score on the reward tests only (default: with the hidden tests, unless the config's "
+                             "eval.hidden_tests is false)")
     add_sampling_args(parser, defaults.sampling)
     args = parser.parse_args(argv)
     if max(args.ks) > args.n:
         parser.error(f"--ks {' '.join(map(str, args.ks))}: each k must be at most -n {args.n} (samples per problem)")
-    apply_train_config(args, parser)
-    cfg = build_config(EvalConfig, {"n": args.n, "ks": tuple(args.ks), "hidden_tests": not args.no_hidden_tests,
+    apply_train_config(args, parser, held_out=True)
+    hidden = not args.no_hidden_tests and (args.held_out is None or args.held_out.hidden_tests)
+    cfg = build_config(EvalConfig, {"n": args.n, "ks": tuple(args.ks), "hidden_tests": hidden,
                                     "sampling": sampling_from_args(args)})
+    completions = completions_path(args.out)
 
     async def body() -> int:
         from rich.console import Console
@@ -178,19 +214,19 @@ def main(argv: list[str]) -> int:
         from megatron_spo.rollout.client import EngineClient
 
         prompts = prompts_from_args(args)
-        pool = reward_pool_from_args(args, [p.problem for p in prompts], hidden=cfg.hidden_tests)
+        pool = reward_pool_from_args(args, [p.problem for p in prompts], prog="eval", hidden=cfg.hidden_tests)
         try:
             async with EngineClient(args.engine_url, timeout_s=args.request_timeout) as client:
                 result = await evaluate(prompts, client, pool, n=cfg.n, temperature=cfg.sampling.temperature,
                                         top_p=cfg.sampling.top_p, ks=cfg.ks, sampling=cfg.sampling, out_path=args.out,
-                                        progress=not args.no_progress)
+                                        completions_out=completions, progress=not args.no_progress)
         finally:
             close_reward_pool(pool)
         if args.json:
             Path(args.json).write_text(json.dumps(result.to_json(), indent=1) + "\n")
         Console().print(result.table())
         print("eval: " + ", ".join(f"pass@{k} {v:.4f}" for k, v in result.mean.items())
-              + f" over {len(result.problems)} problems -> {args.out}")
+              + f" over {len(result.problems)} problems -> {args.out} (samples: {completions})")
         return 0
 
     return run_cli("megatron-spo eval", body)

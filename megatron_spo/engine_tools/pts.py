@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
         tokenizer = load_tokenizer(args.tokenizer, args.engine_url)
         by_id = {str(p.id): p for p in problems}
         estimates = read_q0(args.q0) if args.q0 else None
-        pool = reward_pool_from_args(args, problems)
+        pool = reward_pool_from_args(args, problems, prog="pts")
         try:
             async with EngineClient(args.engine_url, timeout_s=args.request_timeout) as client:
                 report = await pivotal_token_search(

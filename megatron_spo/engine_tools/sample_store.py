@@ -5,11 +5,11 @@
         --kind other-model --model OTHER_CKPT --temperature 1.0 --store stores/other
     megatron-spo sample ... --kind reference --temperature 1.6 --store stores/explore   # exploration decodings
 
-Each record: the engine's token ids (prompt as training builds it, response as sampled), the reward the training
-reward gives (0 pass, -1 fail; failures kept: off-policy learners need them), source "offline", and provenance
-{kind, model, temperature, top_p, origin "megatron-spo sample", run_id, created}. Unlike estimate-q0, which keeps
-only pi_0's correct samples, this keeps what the data is: another policy's successes and failures, or
-high-temperature decodings of pi_0 that its T=1 rollouts rarely produce.
+Each record: the engine's token ids (prompt as training builds it, response as sampled), the reward train gives it
+(the config's task.reward or --reward, else the task's built-in: 0 pass, -1 fail; failures kept: off-policy learners
+need them), source "offline", and provenance {kind, model, temperature, top_p, origin "megatron-spo sample", run_id,
+created}. Unlike estimate-q0, which keeps only pi_0's correct samples, this keeps what the data is: another policy's
+successes and failures, or high-temperature decodings of pi_0 that its T=1 rollouts rarely produce.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ def main(argv: list[str]) -> int:
     )
 
     parser = argparse.ArgumentParser(prog="megatron-spo sample", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", nargs="?", default=None, help="a training config: task, tokenizer, engines")
     add_task_args(parser, default_split="train")
     parser.add_argument("--store", required=True, help="offline store folder (created, or appended to)")
     parser.add_argument("--n", type=positive_int, default=8, help="samples per problem")
@@ -86,7 +85,7 @@ def main(argv: list[str]) -> int:
         from megatron_spo.rollout.client import EngineClient
 
         prompts = prompts_from_args(args)
-        pool = reward_pool_from_args(args, [p.problem for p in prompts])
+        pool = reward_pool_from_args(args, [p.problem for p in prompts], prog="sample")
         try:
             with OfflineStoreWriter(Path(args.store)) as writer:
                 async with EngineClient(args.engine_url, timeout_s=args.request_timeout) as client:

@@ -439,8 +439,11 @@ def main(argv: list[str]) -> int:
                        help="do not check the input's files against its digest manifest (digests.json): for "
                             "checkpoint files you edited yourself; a mismatch is otherwise refused naming the file")
     args = parser.parse_args(argv)
+    from megatron_spo.library_warnings import LIBRARY_WARNINGS
     from megatron_spo.models.dcp_metadata import CheckpointFileError
 
+    out = Path(args.out)  # megatron-core / apex fallback warnings: to OUT.warnings.log, one line here (as train)
+    library = LIBRARY_WARNINGS.attach(out.parent, enabled=True, name=f"{out.name}.warnings.log")
     try:
         with verification(False) if args.no_verify else nullcontext():
             _convert(args)
@@ -448,6 +451,10 @@ def main(argv: list[str]) -> int:
             MemoryPreflightError) as err:
         print(f"megatron-spo convert: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if line := library.summary():
+            print(line, flush=True)
+        library.close()
     print(f"wrote {args.out}")
     return 0
 

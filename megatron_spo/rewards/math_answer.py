@@ -1,23 +1,33 @@
-"""MATH answers: the last \\boxed{} of a text, normalisation, and sympy equivalence under a timeout.
+"""MATH answers: the last \\boxed{} of a text, judged by math-verify in worker processes.
 
     last_boxed("so \\boxed{\\frac{1}{2}}.")         # '\\frac{1}{2}'
-    answers_match("0.5", "\\frac12")                # True (sympy)
-    math_reward("... \\boxed{2}", "2")              # 0.0  (-1.0 when wrong or missing)
+    answers_match("0.5", "\\frac12")                # True
+    math_reward("... \\boxed{2}", "2")              # (0.0, {..., "reason": "match"}); -1.0 when wrong or missing
 
-Model output is untrusted: sympy's parser evaluates Python, so an expression reaches it only after a
-character/identifier whitelist, and always in a separate worker process with an address-space limit that is
-killed when it passes the timeout (9^{9^{9^9}} would otherwise run for ever).
+math-verify (HF's answer verifier: LaTeX and plain answers, units, percentages, sets, intervals, equations) parses
+both answers and decides their equivalence. Model output is untrusted and sympy can run for ever on it
+(9^{9^{9^9}}), so the library runs only in spawned worker processes, each under an address-space limit, with its
+own signal.alarm timeouts on (in the worker's main thread), killed and replaced when a verdict passes the judge's
+timeout. Every answer gets one verdict and a reason (REASONS). Done here, because math-verify does not: a full stop
+ending the answer ('5.', '\\text{Monday.}'), digit groups split by a space ('1\\,000' is 1000, not 1*000), and two
+plain numbers compared exactly without a worker (math-verify rounds to 6 decimals): docs/extending.md, "Math
+answers".
 """
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
+import queue
 import re
 import threading
+import time
 from decimal import Decimal
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-STARTUP_TIMEOUT_S = 120.0  # spawning the judge worker and importing sympy (not counted in timeout_s)
+STARTUP_TIMEOUT_S = 120.0  # spawning a worker and importing math-verify (not counted in timeout_s)
+MAX_ANSWER_CHARS = 2000  # a longer predicted answer is wrong unread ("too_long")
+REASONS = ("match", "wrong", "no_answer", "too_long", "unparsed", "timeout", "memory", "crashed")
 
 
 def last_boxed(text: str) -> str | None:
@@ -40,237 +50,220 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _braced(s: str, i: int) -> tuple[str, int] | None:
-    """The {group} (or single character) starting at s[i]: (content, index after it)."""
-    if i >= len(s):
-        return None
-    if s[i] != "{":
-        return s[i], i + 1
-    depth = 0
-    for j in range(i, len(s)):
-        depth += {"{": 1, "}": -1}.get(s[j], 0)
-        if depth == 0:
-            return s[i + 1 : j], j + 1
-    return None
-
-
-def _fix_fracs(s: str) -> str:
-    """\\frac12 -> \\frac{1}{2}; \\sqrt3 -> \\sqrt{3}."""
-    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
-    out, i = [], 0
-    while i < len(s):
-        if s.startswith("\\frac", i):
-            num = _braced(s, i + 5)
-            den = _braced(s, num[1]) if num else None
-            if num and den:
-                out.append(f"\\frac{{{num[0]}}}{{{den[0]}}}")
-                i = den[1]
-                continue
-        out.append(s[i])
-        i += 1
-    return "".join(out)
-
-
-def normalize(answer: str) -> str:
-    """Hendrycks-style canonical string: no spaces, units, \\left/\\right, dollars, degree marks."""
-    s = answer.strip().replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
-    s = s.replace("tfrac", "frac").replace("dfrac", "frac").replace("\\left", "").replace("\\right", "")
-    s = re.sub(r"\^\s*\{\\circ\}|\^\\circ", "", s)
-    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
-    s = re.sub(r"(?<=[\d}])\s*\\(text|mbox|mathrm)\{\s*[a-zA-Z ]*\}$", "", s)  # trailing units: '5\text{ cm}'
-    s = re.sub(r"\\(text|mbox|mathrm)\{([^{}]*)\}", r"\2", s)
-    s = s.replace("\\,", "").replace("\\;", "").replace("\\ ", "").replace(" ", "")
-    s = s.rstrip(".")
-    if re.fullmatch(r"[a-zA-Z]\w?=.+", s):  # 'x=5' -> '5'
-        s = s.split("=", 1)[1]
-    s = re.sub(r"(^|[^\d])\.(\d)", r"\g<1>0.\2", s)  # '.5' -> '0.5'
-    s = _fix_fracs(s)
-    if re.fullmatch(r"-?\d+/\d+", s):
-        num, den = s.split("/")
-        s = f"\\frac{{{num}}}{{{den}}}"
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # '1,000' -> '1000'
-        s = s.replace(",", "")
-    return s
-
-
-# ---------------------------------------------------------------------------------------------
-# LaTeX -> sympy text, and the guarded sympy comparison
-# ---------------------------------------------------------------------------------------------
-_FUNCTIONS = {"sqrt", "pi", "oo", "sin", "cos", "tan", "log", "ln", "exp", "I"}
-_SAFE = re.compile(r"[0-9A-Za-z+\-*/^().,\s]*")
-
-
-def to_sympy_text(latex: str) -> str | None:
-    """A whitelisted sympy expression string, or None when the answer is not plain algebra."""
-    s = normalize(latex)
-    for old, new in (("\\cdot", "*"), ("\\times", "*"), ("\\pi", " pi "), ("\\infty", " oo "), ("\\ln", " log"),
-                     ("\\log", " log"), ("\\sin", " sin"), ("\\cos", " cos"), ("\\tan", " tan"), ("\\exp", " exp")):
-        s = s.replace(old, new)
-    while True:  # innermost-first rewriting of \frac and \sqrt
-        m = re.search(r"\\(frac|sqrt)", s)
-        if not m:
-            break
-        i = m.end()
-        if m.group(1) == "sqrt":
-            root = None
-            if s[i : i + 1] == "[":
-                close = s.find("]", i)
-                if close < 0:
-                    return None
-                root, i = s[i + 1 : close], close + 1
-            arg = _braced(s, i)
-            if arg is None:
-                return None
-            rep = f"(({arg[0]})**(1/({root})))" if root else f"sqrt({arg[0]})"
-            s = s[: m.start()] + rep + s[arg[1] :]
-        else:
-            num = _braced(s, i)
-            den = _braced(s, num[1]) if num else None
-            if den is None:
-                return None
-            s = s[: m.start()] + f"(({num[0]})/({den[0]}))" + s[den[1] :]
-    s = s.replace("{", "(").replace("}", ")").replace("^", "**")
-    if "\\" in s or not _SAFE.fullmatch(s) or "__" in s or re.search(r"\.\s*[A-Za-z_]", s):
-        return None
-    for name in re.findall(r"[A-Za-z_]\w*", s):
-        if name not in _FUNCTIONS and len(name) > 1:
-            return None
-    return s
-
-
-def _sympy_equal(a: str, b: str) -> bool:
-    import sympy
-    from sympy.parsing.sympy_parser import (
-        convert_xor,
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
-
-    transforms = standard_transformations + (implicit_multiplication_application, convert_xor)
-    ea = parse_expr(a, transformations=transforms, evaluate=True)
-    eb = parse_expr(b, transformations=transforms, evaluate=True)
-    if isinstance(ea, tuple) or isinstance(eb, tuple):
-        ta, tb = (ea if isinstance(ea, tuple) else (ea,)), (eb if isinstance(eb, tuple) else (eb,))
-        return len(ta) == len(tb) and all(sympy.simplify(x - y) == 0 for x, y in zip(ta, tb))
-    diff = sympy.simplify(ea - eb)
-    if diff == 0:
-        return True
-    return bool(diff.is_number and abs(complex(sympy.N(diff))) < 1e-9)
-
-
-def _judge_worker(conn, memory_bytes: int) -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    import sympy.parsing.sympy_parser  # noqa: F401  (loaded before "ready": start-up is not comparison time)
-
-    conn.send("ready")
-    while True:
-        try:
-            a, b = conn.recv()
-        except EOFError:
-            return
-        try:
-            result = _sympy_equal(a, b)
-        except Exception:  # unparsable or unsupported: not equal
-            result = False
-        conn.send(result)
-
-
-class SympyJudge:
-    """A worker process comparing sympy expressions; killed and restarted when one passes ``timeout_s``."""
-
-    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 2048):
-        self.timeout_s = timeout_s
-        self.memory_mb = memory_mb
-        self._lock = threading.Lock()
-        self._proc = None
-        self._conn = None
-
-    def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_judge_worker, args=(child, self.memory_mb << 20), daemon=True)
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(STARTUP_TIMEOUT_S) or self._conn.recv() != "ready":
-            self._proc.kill()
-            raise RuntimeError(f"sympy judge: the worker did not start within {STARTUP_TIMEOUT_S} s")
-
-    def equal(self, a: str, b: str) -> bool | None:
-        """True / False, or None when the comparison passed the timeout (the worker is then replaced)."""
-        with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                self._start()
-            self._conn.send((a, b))
-            if self._conn.poll(self.timeout_s):
-                try:
-                    return bool(self._conn.recv())
-                except EOFError:  # the worker died (memory limit): not equal
-                    self._proc = None
-                    return False
-            self._proc.kill()
-            self._proc.join()
-            self._proc = None
-            return None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._proc is not None:
-                self._proc.kill()
-                self._proc.join()
-                self._proc = None
-
-
-_default_judge: SympyJudge | None = None
-_judge_lock = threading.Lock()
-
-
-def default_judge() -> SympyJudge:
-    global _default_judge
-    with _judge_lock:
-        if _default_judge is None:
-            _default_judge = SympyJudge()
-        return _default_judge
-
-
-def _split_top_level(s: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(s):
-        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            parts.append(s[start:i])
-            start = i + 1
-    return parts + [s[start:]]
-
-
+_SPACED_THOUSANDS = re.compile(r"(?<=\d)(?:\\[,;: ]|~|\s)+(?=\d{3}(?!\d))")
 _PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
 
-def answers_match(predicted: str | None, reference: str | None, *, judge: SympyJudge | None = None) -> bool:
-    """Whether two final answers are the same: equal after normalisation, else equal under sympy
-    (element-wise for comma-separated answers). A timed-out comparison counts as different."""
-    if predicted is None or reference is None:
-        return False
-    a, b = normalize(predicted), normalize(reference)
-    if a == b:
-        return True
-    if _PLAIN_NUMBER.fullmatch(a) and _PLAIN_NUMBER.fullmatch(b):  # '12' vs '13': no judge process needed
-        return Decimal(a) == Decimal(b)
-    pa, pb = _split_top_level(a), _split_top_level(b)
-    if len(pa) != len(pb):
-        return False
-    if len(pa) > 1:
-        return all(answers_match(x, y, judge=judge) for x, y in zip(pa, pb))
-    sa, sb = to_sympy_text(a), to_sympy_text(b)
-    if sa is None or sb is None:
-        return False
-    return (judge or default_judge()).equal(sa, sb) is True
+def _prepare(answer: str) -> str:
+    """What math-verify does not do: drop a full stop ending the answer, join digit groups split by spaces."""
+    s = answer.strip()
+    body = s.rstrip("}")
+    return _SPACED_THOUSANDS.sub("", body.rstrip(".") + s[len(body) :])
 
 
-def math_reward(completion: str, reference_answer: str, *, judge: SympyJudge | None = None) -> tuple[float, dict]:
-    """0 when the completion's last \\boxed{} answer matches the reference, else -1 (missing box included)."""
+# ---------------------------------------------------------------------------------------------
+# The worker process: math-verify in its main thread
+# ---------------------------------------------------------------------------------------------
+_references: dict[str, list] = {}  # parsed reference answers (a prompt's samples share one)
+
+
+def _grade(predicted: str, reference: str, timeout_s: float) -> tuple[bool, str]:
+    """(passed, reason) by math-verify's parse and verify, each call's alarm the whole seconds left of timeout_s."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify.errors import TimeoutException
+
+    deadline = time.monotonic() + timeout_s
+    config = [LatexExtractionConfig(), ExprExtractionConfig()]
+
+    def left() -> int:
+        return max(1, int(deadline - time.monotonic()))
+
+    def parsed(answer: str) -> list:
+        return parse(f"\\boxed{{{answer}}}", extraction_config=config, parsing_timeout=left(), raise_on_error=True)
+
+    try:
+        gold = _references.get(reference)
+        if gold is None:
+            if len(_references) >= 1024:
+                _references.clear()
+            gold = _references[reference] = parsed(reference)
+        target = parsed(predicted)
+    except TimeoutException:
+        return False, "timeout"
+    except MemoryError:
+        return False, "memory"
+    except Exception:
+        return False, "unparsed"
+    reason = "wrong" if any(not isinstance(t, str) for t in target) else "unparsed"
+    for g, t in itertools.product(gold, target):  # verify()'s own order, gold first
+        try:
+            if verify(g, t, timeout_seconds=left(), raise_on_error=True):
+                return True, "match"
+        except TimeoutException:
+            reason = "timeout"
+        except MemoryError:
+            reason = "memory"
+        except Exception:  # a pair the library cannot compare is not equal (its own default)
+            pass
+    return False, reason
+
+
+def _worker_main(conn, memory_bytes: int) -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the trainer's to handle; it kills its workers
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    try:
+        _grade("1", "1", 5.0)  # imports math-verify and compiles its patterns before "ready"
+    except ImportError as err:
+        conn.send(f"{err} (math-verify is a dependency of megatron-spo: pip install math-verify==0.9.0)")
+        return
+    conn.send("ready")
+    while True:
+        try:
+            predicted, reference, timeout_s = conn.recv()
+        except EOFError:
+            return
+        try:
+            result = _grade(predicted, reference, timeout_s)
+        except MemoryError:
+            result = (False, "memory")
+        del predicted, reference
+        try:
+            conn.send(result)
+        except MemoryError:  # pickling the verdict itself, at the limit
+            conn.send((False, "memory"))
+
+
+class _Worker:
+    """One judge process, spawned on first use; killed when a verdict passes its deadline, then spawned again."""
+
+    def __init__(self, memory_mb: int):
+        self.memory_mb = memory_mb
+        self.lock = threading.Lock()
+        self.proc = None
+        self.conn = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def start(self) -> None:
+        """Under self.lock: spawn the process unless it runs."""
+        if self.alive():
+            return
+        self.kill()
+        ctx = multiprocessing.get_context("spawn")  # never fork a trainer's threads
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, self.memory_mb << 20), daemon=True,
+                                name="math-judge")
+        self.proc.start()
+        child.close()
+        try:
+            msg = self.conn.recv() if self.conn.poll(STARTUP_TIMEOUT_S) else f"no word in {STARTUP_TIMEOUT_S:g} s"
+        except EOFError:
+            self.proc.join(5)
+            msg = f"it exited with code {self.proc.exitcode}"
+        if msg != "ready":
+            self.kill()
+            raise RuntimeError(f"math judge: the worker did not start: {msg}")
+
+    def ask(self, predicted: str, reference: str, timeout_s: float) -> tuple[bool, str]:
+        with self.lock:
+            self.start()
+            try:
+                self.conn.send((predicted, reference, timeout_s))
+                if not self.conn.poll(timeout_s):
+                    self.kill()
+                    return False, "timeout"
+                return tuple(self.conn.recv())
+            except (EOFError, OSError):  # died without a word (e.g. a C stack overflow)
+                self.kill()
+                return False, "crashed"
+            except BaseException:  # interrupted mid-verdict: its late answer must not reach the next caller
+                self.kill()
+                raise
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join()
+            self.conn.close()
+        self.proc = self.conn = None
+
+
+class MathJudge:
+    """math-verify's verdicts from ``workers`` processes (each spawned on first need, under an address-space limit
+    of ``memory_mb``, killed and replaced when a verdict passes ``timeout_s``). Thread-safe."""
+
+    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 2048, workers: int = 2,
+                 max_answer_chars: int | None = MAX_ANSWER_CHARS):
+        if timeout_s <= 0 or workers < 1:
+            raise ValueError(f"MathJudge: timeout_s must be > 0 and workers >= 1, got {timeout_s} and {workers}")
+        self.timeout_s = timeout_s
+        self.max_answer_chars = max_answer_chars
+        self._workers = [_Worker(memory_mb) for _ in range(workers)]
+        self._idle: queue.LifoQueue = queue.LifoQueue()  # the warmest worker first: others start under load only
+        for worker in reversed(self._workers):
+            self._idle.put(worker)
+
+    @property
+    def started(self) -> int:
+        """Worker processes running now."""
+        return sum(w.alive() for w in self._workers)
+
+    def warm(self) -> None:
+        """Start every worker now (otherwise each starts on first need; start-up is not verdict time)."""
+        for worker in self._workers:
+            with worker.lock:
+                worker.start()
+
+    def verdict(self, predicted: str | None, reference: str) -> tuple[bool, str]:
+        """(passed, reason in REASONS): one verdict within timeout_s (plus any wait for a free worker and its
+        start-up), whatever ``predicted`` holds."""
+        if self.max_answer_chars is not None and predicted is not None and len(predicted) > self.max_answer_chars:
+            return False, "too_long"
+        if predicted is None or not (a := _prepare(predicted)):
+            return False, "no_answer"
+        b = _prepare(reference)
+        if a == b or (_PLAIN_NUMBER.fullmatch(a) and _PLAIN_NUMBER.fullmatch(b)):  # '12' vs '13.0': no worker
+            passed = a == b or Decimal(a) == Decimal(b)  # exact (math-verify rounds to 6 decimals)
+            return passed, "match" if passed else "wrong"
+        worker = self._idle.get()
+        try:
+            return worker.ask(a, b, self.timeout_s)
+        finally:
+            self._idle.put(worker)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            with worker.lock:
+                worker.kill()
+
+
+_default_judge: MathJudge | None = None
+_judge_lock = threading.Lock()
+
+
+def default_judge() -> MathJudge:
+    global _default_judge
+    with _judge_lock:
+        if _default_judge is None:
+            _default_judge = MathJudge()
+        return _default_judge
+
+
+def answers_match(predicted: str | None, reference: str | None, *, judge: MathJudge | None = None) -> bool:
+    """Whether two final answers are the same by math-verify (a timed-out or failed verdict: not the same)."""
+    if reference is None:
+        return False
+    return (judge or default_judge()).verdict(predicted, reference)[0]
+
+
+def math_reward(completion: str, reference_answer: str, *, judge: MathJudge | None = None) -> tuple[float, dict]:
+    """0 when the completion's last \\boxed{} answer matches the reference, else -1 (missing box included);
+    info["reason"] says why (REASONS)."""
     predicted = last_boxed(completion)
-    passed = answers_match(predicted, reference_answer, judge=judge)
-    return (0.0 if passed else -1.0), {"predicted": predicted, "reference": reference_answer, "passed": passed}
+    passed, reason = (judge or default_judge()).verdict(predicted, reference_answer)
+    return (0.0 if passed else -1.0), {"predicted": predicted, "reference": reference_answer, "passed": passed,
+                                       "reason": reason}

@@ -4,8 +4,11 @@
     result = await rewards.score(problem, completion_text)     # RewardResult(reward=0.0 | -1.0, passed, info)
 
 A problem is anything with ``id``, ``tests`` and optionally ``kind`` ("code" / "math"), ``answer``,
-``time_limit_s``, ``memory_mb`` (megatron_spo.data.tasks.Problem, or the toy task's problems).
-Code is scored in the sandbox pool; math answers by sympy in a worker thread (never in the event loop).
+``answer_format`` ("gsm8k": the completion's answer after '####', else its \\boxed{}), ``harness`` (a
+sandbox.CallHarness: function-call tests), ``time_limit_s``, ``memory_mb`` (megatron_spo.data.tasks.Problem, or the
+toy task's problems).
+Code is scored in the sandbox pool; math answers by math-verify in the judge's worker processes (MathJudge, called
+from a worker thread, never in the event loop).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_spo.rewards.code_reward import extract_program, reward_from_report
-from megatron_spo.rewards.math_answer import SympyJudge, math_reward
+from megatron_spo.rewards.gsm8k import gsm8k_answer
+from megatron_spo.rewards.math_answer import MathJudge, math_reward
 from megatron_spo.rewards.sandbox import SandboxPool, TestReport
 
 PASS_REWARD, FAIL_REWARD = 0.0, -1.0
@@ -72,15 +76,15 @@ def needs_sandbox(problems: Sequence[Any], custom_reward: Any = None) -> bool:
 
 
 class RewardPool:
-    """Scores completions: programs in the sandbox pool, math answers with sympy, or every problem with a
+    """Scores completions: programs in the sandbox pool, math answers with math-verify, or every problem with a
     custom reward (``custom(problem, completion_text) -> float``, a config hook; run in a worker thread).
     Thread- and asyncio-safe. hidden=True also runs the problem's hidden tests (evaluation); rewards use only
     ``tests``."""
 
-    def __init__(self, sandbox: SandboxPool | None = None, *, judge: SympyJudge | None = None,
+    def __init__(self, sandbox: SandboxPool | None = None, *, judge: MathJudge | None = None,
                  hidden: bool = False, custom=None):
         self.sandbox = sandbox
-        self.judge = judge or SympyJudge()
+        self.judge = judge or MathJudge()
         self.hidden = hidden
         self.custom = custom
 
@@ -104,7 +108,8 @@ class RewardPool:
         if getattr(problem, "kind", "code") == "math":
             future.set_result(self._math(problem, completion_text))
             return future
-        program = extract_program(completion_text)
+        harness = getattr(problem, "harness", None)
+        program = extract_program(completion_text, continuation=bool(harness is not None and harness.prefix))
         tests = list(problem.tests) + (list(getattr(problem, "hidden_tests", ())) if self.hidden else [])
         if program is None or not tests:
             why = "no_program" if program is None else "no_tests"
@@ -113,6 +118,8 @@ class RewardPool:
         if self.sandbox is None:
             raise ValueError(f"RewardPool: problem {problem.id} is a code problem but no SandboxPool was given")
         limits = {k: v for k in ("time_limit_s", "memory_mb") if (v := getattr(problem, k, None)) is not None}
+        if harness is not None:
+            limits["harness"] = harness
         inner = self.sandbox.submit(program, tests, **limits)
         inner.add_done_callback(lambda f: _resolve(future, f))
         return future
@@ -123,13 +130,15 @@ class RewardPool:
     async def score(self, problem: Any, completion_text: str) -> RewardResult:
         if self.custom is not None:  # user code may block: keep it off the event loop
             return await asyncio.to_thread(self._custom, problem, completion_text)
-        if getattr(problem, "kind", "code") == "math":  # sympy may take seconds: keep it off the event loop
+        if getattr(problem, "kind", "code") == "math":  # a verdict may take seconds: keep it off the event loop
             return await asyncio.to_thread(self._math, problem, completion_text)
         return await asyncio.wrap_future(self.submit(problem, completion_text))
 
     def _math(self, problem: Any, completion_text: str) -> RewardResult:
         if getattr(problem, "answer", None) is None:
             raise ValueError(f"RewardPool: math problem {problem.id} has no reference answer")
+        if getattr(problem, "answer_format", "boxed") == "gsm8k" and (hashed := gsm8k_answer(completion_text)):
+            completion_text = f"\\boxed{{{hashed}}}"  # GSM8K's '#### 42', judged as the boxed answer would be
         reward, info = math_reward(completion_text, problem.answer, judge=self.judge)
         return RewardResult(reward, reward == PASS_REWARD, info)
 

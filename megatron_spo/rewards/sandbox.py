@@ -21,6 +21,15 @@ with ``prestart`` (default) while the slot is idle: each idle slot holds a start
 Programs run with this interpreter when the slot uids can reach it, else /usr/bin/python3 (stdlib only).
 Expected outputs never enter the sandbox; they are compared here, CodeContests-style (whitespace-separated
 tokens, optionally with a float tolerance).
+
+Function-call tests (HumanEval's ``check(candidate)``, MBPP's asserts, TACO's ``fn_name`` problems) run in the same
+sandbox, limits and statuses: a CallHarness wraps the solution in a fixed harness program, each test's input is
+its stdin, and the harness reports a pass (or the call's JSON result) after a per-test nonce it reads from stdin,
+so a program that exits early (``sys.exit(0)``) or prints "ok" does not pass. A call's expected result stays here;
+assert tests (HumanEval, MBPP) carry theirs in the test code, which runs inside:
+
+    report = pool.submit(solution, [("check(add)", "")], harness=CallHarness(setup=test_code)).result()
+    report = pool.submit(solution, [("[1, 2]", "3")], harness=CallHarness(fn_name="add")).result()
 """
 
 from __future__ import annotations
@@ -30,20 +39,23 @@ import atexit
 import errno
 import fcntl
 import functools
+import json
 import logging
 import marshal
 import os
 import pickle
+import secrets
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_spo.rewards.config import SandboxConfig
 
@@ -161,6 +173,110 @@ def outputs_match(actual: bytes | str, expected: str, float_tolerance: float | N
         if not abs(gf - wf) <= float_tolerance * max(1.0, abs(wf)):
             return False
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Function-call tests: a harness program around the solution (inside), the nonce and the comparison (here)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CallHarness:
+    """How a problem's function-call tests run. The program is ``prefix`` + the solution (HumanEval's prompt: a
+    completion may be the function's body), run as module "solution" (a main block does not run), then ``setup``
+    in its namespace (HumanEval's test code defining ``check``, MBPP's test_setup_code). A test is (input, expected):
+    without ``fn_name``, input is code that must run without an exception (an AssertionError is a wrong answer)
+    and expected is unused; with ``fn_name``, input is the JSON list of arguments of a call of ``fn_name`` (a
+    method of class Solution when there is one, as TACO / APPS call it), and expected the JSON value it must
+    return (a list-wrapped expected value matches too: TACO's outputs)."""
+
+    prefix: str = ""
+    setup: str = ""
+    fn_name: str | None = None
+
+
+_HARNESS = """\
+import os as _os, sys as _sys
+_nonce, _, _test = _sys.stdin.read().partition("\\n")
+_sys.modules["solution"] = _mod = type(_sys)("solution")  # a real module: dataclasses, enum, pickle work
+_ns = _mod.__dict__
+exec(compile(%(solution)r, "solution.py", "exec"), _ns)
+exec(compile(%(setup)r, "test_setup.py", "exec"), _ns)
+%(call)s
+_sys.stdout.flush()
+_sys.__stdout__.flush()
+if _out is not None:
+    _b = ("\\n%%s %%d\\n%%s" %% (_nonce, len(_out), _out)).encode("utf-8", "surrogateescape")
+    while _b:
+        _b = _b[_os.write(1, _b):]
+"""
+_ASSERT_CALL = """\
+try:
+    exec(compile(_test, "test.py", "exec"), _ns)
+    _out = ""
+except AssertionError:
+    import traceback as _tb
+    _tb.print_exc()
+    _out = None"""
+_FN_CALL = """\
+import json as _json
+_cls = _ns.get("Solution")
+_fn = getattr(_cls(), %(fn)r) if isinstance(_cls, type) and hasattr(_cls, %(fn)r) else _ns[%(fn)r]
+_args = _json.loads(_test)
+_out = _json.dumps(_fn(*(_args if isinstance(_args, list) else [_args])), default=repr)"""
+
+
+def harness_program(harness: CallHarness, solution: str) -> str:
+    """The program the sandbox runs for ``solution`` under ``harness`` (the solution and setup as string literals:
+    nothing of them is parsed until the harness runs them)."""
+    call = _FN_CALL % {"fn": harness.fn_name} if harness.fn_name else _ASSERT_CALL
+    return _HARNESS % {"solution": harness.prefix + solution, "setup": harness.setup, "call": call}
+
+
+def _harness_result(stdout: bytes, nonce: str) -> str | None:
+    """What the harness reported after its nonce (None: it never reported: failed, or exited before)."""
+    i = stdout.find(f"\n{nonce} ".encode())
+    if i < 0:
+        return None
+    head, _, rest = stdout[i + len(nonce) + 2 :].partition(b"\n")
+    try:
+        return rest.decode("utf-8", "surrogateescape")[: int(head)]
+    except ValueError:
+        return None
+
+
+def values_match(got: Any, want: Any, float_tolerance: float | None = None) -> bool:
+    """JSON values equal (numbers within ``float_tolerance``, absolute or relative, when given)."""
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(values_match(g, w, float_tolerance) for g, w in zip(got, want))
+    if isinstance(got, dict) and isinstance(want, dict):
+        return got.keys() == want.keys() and all(values_match(got[k], want[k], float_tolerance) for k in got)
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (got, want))
+    if numbers and float_tolerance is not None:
+        return abs(got - want) <= float_tolerance * max(1.0, abs(want))
+    return got == want
+
+
+def _call_matches(stdout: bytes, nonce: str, expected: str, fn_call: bool, float_tolerance: float | None) -> bool:
+    result = _harness_result(stdout, nonce)
+    if result is None or not fn_call:
+        return result is not None
+    try:
+        got, want = json.loads(result), json.loads(expected)
+    except ValueError:
+        return False
+    return values_match(got, want, float_tolerance) or (
+        isinstance(want, list) and len(want) == 1 and values_match(got, want[0], float_tolerance))
+
+
+def _job(program: str, tests: Sequence[tuple[str, str]], harness: CallHarness | None,
+         float_tolerance: float | None) -> tuple[str, list[str], list[Callable[[bytes], bool]]]:
+    """(program to run, stdin per test, verdict per test on its stdout) of a submission."""
+    if harness is None:
+        return program, [t[0] for t in tests], [
+            functools.partial(outputs_match, expected=t[1], float_tolerance=float_tolerance) for t in tests]
+    nonces = [secrets.token_hex(16) for _ in tests]
+    checks = [functools.partial(_call_matches, nonce=n, expected=t[1], fn_call=bool(harness.fn_name),
+                                float_tolerance=float_tolerance) for n, t in zip(nonces, tests)]
+    return harness_program(harness, program), [f"{n}\n{t[0]}" for n, t in zip(nonces, tests)], checks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,7 +503,7 @@ class SandboxPool:
         else:
             self._argv = [self.python, "-I", "-B", "-c", SUPERVISOR.read_text()]
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Future, list[str], float | None]] = {}
+        self._pending: dict[int, tuple[Future, list[Callable[[bytes], bool]]]] = {}
         self._next_id = 0
         self._closed = False
         self._host = subprocess.Popen(
@@ -405,8 +521,10 @@ class SandboxPool:
 
     # -- public --------------------------------------------------------------------------------
     def submit(self, program: str, tests: Sequence[tuple[str, str]], *, time_limit_s: float | None = None,
-               memory_mb: int | None = None, float_tolerance: float | None = None) -> Future:
-        """Run ``program`` on every test input; the Future resolves to a TestReport (or SandboxError)."""
+               memory_mb: int | None = None, float_tolerance: float | None = None,
+               harness: CallHarness | None = None) -> Future:
+        """Run ``program`` on every test input (under ``harness``: function-call tests); the Future resolves to a
+        TestReport (or SandboxError)."""
         if not isinstance(program, str):
             raise TypeError(f"run_tests: program must be a str, got {type(program).__name__}")
         _check_tests(tests)
@@ -431,15 +549,16 @@ class SandboxPool:
             "base_filter": self._base_filter,
             "test_filter": self._test_filter,
         }
+        program, inputs, checks = _job(program, tests, harness, float_tolerance)
         stdin = b"".join([_frame(marshal.dumps(header)), _frame(program.encode("utf-8", "surrogateescape"))]
-                         + [_frame(t[0].encode()) for t in tests])
+                         + [_frame(i.encode()) for i in inputs])
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise SandboxError("sandbox pool is closed")
             job_id = self._next_id
             self._next_id += 1
-            self._pending[job_id] = (future, [t[1] for t in tests], float_tolerance)
+            self._pending[job_id] = (future, checks)
             self._send({
                 "op": "run", "id": job_id, "stdin": stdin,
                 "deadline_s": cfg.startup_timeout_s + len(tests) * (wall_limit_s + 0.5),
@@ -467,7 +586,7 @@ class SandboxPool:
             self._host.kill()
             self._host.wait()
         self._reader.join(timeout=5)
-        for future, _, _ in self._pending.values():
+        for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(SandboxError("sandbox pool closed before the program ran"))
         self._pending.clear()
@@ -499,25 +618,25 @@ class SandboxPool:
     def _read_results(self) -> None:
         while (msg := self._recv()) is not None:
             with self._lock:
-                future, expected, tolerance = self._pending.pop(msg["id"])
+                future, checks = self._pending.pop(msg["id"])
             try:
-                future.set_result(self._report(msg, expected, tolerance))
+                future.set_result(self._report(msg, checks))
             except SandboxError as err:
                 future.set_exception(err)
         with self._lock:  # the host died: nothing pending will ever resolve
             pending, self._pending = self._pending, {}
-        for future, _, _ in pending.values():
+        for future, _ in pending.values():
             if not future.done():
                 future.set_exception(SandboxError("sandbox pool host process exited"))
 
-    def _report(self, msg: dict, expected: list[str], tolerance: float | None) -> TestReport:
+    def _report(self, msg: dict, checks: list[Callable[[bytes], bool]]) -> TestReport:
         frames, error = msg["frames"], msg["error"]
         if not frames or frames[0] != b"ready":
             raise SandboxError(
                 f"sandbox did not start ({error or 'exit ' + str(msg['returncode'])}): {msg['stderr'].strip()[-500:]}"
             )
         outcomes = []
-        for i, want in enumerate(expected):
+        for i, check in enumerate(checks):
             if 3 + 3 * i >= len(frames):
                 # The supervisor died or the whole-sandbox deadline hit: the program's doing.
                 status = "timeout" if error and "deadline" in error else "runtime_error"
@@ -533,7 +652,7 @@ class SandboxPool:
             if status == "setup_failed":
                 raise SandboxError(f"sandbox could not apply limits for test {i}: {stderr[-500:]!r}")
             if status == "finished":
-                status = "ok" if outputs_match(stdout, want, tolerance) else "wrong_answer"
+                status = "ok" if check(stdout) else "wrong_answer"
             elif status not in STATUSES:
                 status = "runtime_error"
             outcomes.append(TestOutcome(
@@ -563,8 +682,10 @@ def default_pool() -> SandboxPool:
 
 
 def run_tests(program: str, tests: list[tuple[str, str]], *, time_limit_s: float, memory_mb: int,
-              float_tolerance: float | None = None, pool: SandboxPool | None = None) -> TestReport:
-    """Run ``program`` (Python source) on each (stdin, expected stdout) pair; one status per test."""
+              float_tolerance: float | None = None, pool: SandboxPool | None = None,
+              harness: CallHarness | None = None) -> TestReport:
+    """Run ``program`` (Python source) on each (stdin, expected stdout) pair, or under ``harness`` on each
+    function-call test; one status per test."""
     pool = pool or default_pool()
     return pool.submit(program, tests, time_limit_s=time_limit_s, memory_mb=memory_mb,
-                       float_tolerance=float_tolerance).result()
+                       float_tolerance=float_tolerance, harness=harness).result()
