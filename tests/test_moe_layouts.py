@@ -65,6 +65,9 @@ def trained(tmp_path_factory):
     # 3 prompt groups on 2 data-parallel ranks: one rank has more micro-batches, the other runs idle ones
     uneven = dict(batch={"sequences_per_step": 12, "max_tokens_per_micro_batch": 40, "max_seq_length": 64})
     single.append((train_cfg(root, hf, "single-uneven", "spo", 3, **uneven), str(root / "single-uneven.pt")))
+    # full activation recompute re-runs the routers in the backward: they must replay the same routes there
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    single.append((train_cfg(root, hf, "single-recompute", "spo", 3, recompute), str(root / "single-recompute.pt")))
     spawn_local(train_moe_and_dump, 1, single)
     spawn_local(train_moe_and_dump, 2, [(train_cfg(root, hf, "ep2dp2-uneven", "spo", 3, {"expert_model_parallel_size": 2},
                                                    **uneven), str(root / "ep2dp2-uneven.pt"))])
@@ -125,6 +128,21 @@ def test_each_rank_holds_only_its_share_of_the_routes():
     m = bench_routes_memory.measure(8, 512, 4, 8, 128, dp=4, pp=2)
     assert m["id_bytes_after"] == 1
     assert m["largest_share"] < m["before"] / 40, m
+
+
+@pytest.mark.megatron
+def test_routing_replay_under_full_recompute_trains_as_keeping_activations(trained):
+    """The recomputed routers replay the micro-batch's routes (kept set through its backward): losses, grad norms
+    and weights are the run's without recompute; PP > 1 (interleaved micro-batches) is refused in one line."""
+    from megatron_spo.config import ConfigError
+    from megatron_spo.models.config import ParallelConfig
+    from megatron_spo.models.routing_replay import check_replay_layout
+
+    _assert_alike(trained, "single-spo", "single-recompute", 3)
+    with pytest.raises(ConfigError, match=r"^routing_replay: routing replay with parallel.recompute_granularity "
+                                          r"'full' at pipeline_model_parallel_size 2 is not built"):
+        check_replay_layout(ParallelConfig(pipeline_model_parallel_size=2, recompute_granularity="full",
+                                           recompute_method="uniform", recompute_num_layers=1))
 
 
 def test_single_process_moe_runs_trained_their_experts(trained):

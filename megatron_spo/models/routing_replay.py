@@ -16,7 +16,8 @@ stage (or virtual stage) takes its own layers' routes from the full table.
 This drives megatron-core's ``RouterReplay`` (one per router, built by ``moe_enable_routing_replay``) per router,
 not through its process-global instance list, which also holds every other model's routers (the reference, a
 checkpoint reload). The action is REPLAY_FORWARD: the backward pass needs nothing more unless activation
-recompute re-runs the router (refused with full recompute; see ``check_replay_layout``).
+recompute re-runs the router; with full recompute the routes stay set through the micro-batch's backward
+(``replayed(..., keep=True)``, then ``release``), which PP 1 orders right (``check_replay_layout``).
 """
 
 from __future__ import annotations
@@ -68,12 +69,15 @@ def tp_share(flat: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def replayed(chunks, routes: Tensor | None, layers: list[int] | None = None) -> Iterator[None]:
+def replayed(chunks, routes: Tensor | None, layers: list[int] | None = None, keep: bool = False) -> Iterator[None]:
     """Within: the MoE routers of ``chunks`` take ``routes`` [N, layers, k] (N tokens in router order) as their top-k;
     a token whose route holds -1 (a row without routes, padding) is routed by the router itself. layers: the global
     MoE layer index of each column of routes (a pipeline stage's share); None: column i is layer i (every layer).
-    routes None: the routers choose (nothing changes)."""
+    routes None: the routers choose (nothing changes). keep: the routes stay set after the context (full activation
+    recompute re-runs the routers in the backward): the next call replaces them, ``release`` ends them."""
     if routes is None:
+        if keep:  # a kept earlier micro-batch's routes must not route this one
+            release(chunks)
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -83,6 +87,7 @@ def replayed(chunks, routes: Tensor | None, layers: list[int] | None = None) -> 
     missing = [layer for layer, _ in routers if (layer not in column if column is not None else layer >= routes.shape[1])]
     if missing:
         raise ValueError(f"routing replay: routes of {routes.shape[1]} layers hold none for layer {missing[0]}")
+    release(chunks)  # a kept earlier micro-batch's (keep), or nothing
     for layer, replay in routers:
         target = routes[:, layer if column is None else column[layer]].to(torch.long)
         own = target[:, 0] < 0
@@ -94,10 +99,16 @@ def replayed(chunks, routes: Tensor | None, layers: list[int] | None = None) -> 
     try:
         yield
     finally:
-        for _, replay in routers:
-            replay.__dict__.pop("get_replay_topk", None)
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+        if not keep:
+            release(chunks)
+
+
+def release(chunks) -> None:
+    """Every MoE router of ``chunks`` chooses its own experts again (what ``replayed`` set is cleared)."""
+    for _, replay in moe_routers(chunks):
+        replay.__dict__.pop("get_replay_topk", None)
+        replay.clear_indices()
+        replay.clear_router_replay_action()
 
 
 def _partial_topk(target: Tensor, own: Tensor) -> Callable:
@@ -129,9 +140,12 @@ def recorded(chunks) -> Iterator[Callable[[], Tensor]]:
             replay.clear_router_replay_action()
 
 
-def check_replay_layout(recompute_granularity: str | None, field: str = "routing_replay") -> None:
-    """Full activation recompute re-runs every router in the backward pass, which REPLAY_FORWARD does not cover
-    (megatron's REPLAY_BACKWARD queue would need driving per micro-batch): refused in one line."""
-    if recompute_granularity == "full":
-        raise ConfigError(f"{field}: routing replay with parallel.recompute_granularity 'full' is not built (the "
-                          f"recomputed routers would choose their own experts); use 'selective' or none")
+def check_replay_layout(parallel, field: str = "routing_replay") -> None:
+    """Full activation recompute re-runs every router in the backward pass: a micro-batch's routes are kept set
+    until the next micro-batch's forward (``replayed(keep=True)``), which is the order of its recompute only without
+    pipelining (PP 1: each micro-batch's backward follows its forward). Under PP > 1 the schedule interleaves
+    micro-batches (megatron's REPLAY_BACKWARD queue would need driving per stage): refused in one line."""
+    if parallel.recompute_granularity == "full" and parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{field}: routing replay with parallel.recompute_granularity 'full' at "
+                          f"pipeline_model_parallel_size {parallel.pipeline_model_parallel_size} is not built (the "
+                          f"recomputed routers would take another micro-batch's routes); use PP 1, 'selective' or none")

@@ -80,7 +80,7 @@ def check_before_start(cfg: TrainConfig, model_cfg, world_size: int) -> None:
     if cfg.routing_replay == "engine" and model_cfg.moe is not None:
         from megatron_spo.models.routing_replay import check_replay_layout
 
-        check_replay_layout(cfg.parallel.recompute_granularity)
+        check_replay_layout(cfg.parallel)
 
 
 def make_algorithm(cfg: TrainConfig):
@@ -409,6 +409,8 @@ class Trainer:
             gap, self._gap_pass = self._gap_pass, None
         # log-prob passes replay the engines' routes, pi_0's too (TrainConfig.routing_replay); the value model routes itself
         replay = self.replay_routes and output == "logp"
+        # full activation recompute re-runs the routers in the backward: a micro-batch's routes stay set until the next
+        keep_routes = replay and self.cfg.parallel.recompute_granularity == "full"
         real = len(mbs)
         mbs = mbs + [self._idle_mb] * self._idle  # in step with the expert group (_lockstep): trains nothing
         layouts = self._layouts(mbs)
@@ -438,7 +440,7 @@ class Trainer:
             rows = mbs_size if virtual else mb.num_sequences
             routes = self._router_routes(mb, layout, rows) if replay and mb.routes is not None else None
             with output_hidden_states(model) if output == "logp" else contextlib.nullcontext(), \
-                    replayed(model, routes, self._route_layers):
+                    replayed(model, routes, self._route_layers, keep=keep_routes):
                 out = model(*args, **kwargs)
             if not _is_last(model):
                 return out, None
@@ -489,10 +491,16 @@ class Trainer:
             for chunk in chunks:
                 chunk.config.microbatch_group_size_per_vp_stage = group
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with ctx:
-            store = fb(forward_step_func=forward_step, data_iterator=data, model=chunks,
-                       num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs_size,
-                       forward_only=forward_only)
+        try:
+            with ctx:
+                store = fb(forward_step_func=forward_step, data_iterator=data, model=chunks,
+                           num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs_size,
+                           forward_only=forward_only)
+        finally:
+            if keep_routes:
+                from megatron_spo.models.routing_replay import release
+
+                release(chunks)
         return [s for s in store if not s.get("idle")] if self.is_last_stage else []
 
     def _router_routes(self, mb: TrainBatch, layout, rows: int) -> torch.Tensor:
