@@ -170,7 +170,7 @@ def test_the_reward_pool_scores_math_concurrently(judge):
 # ---------------------------------------------------------------------------------------------
 # Hostile answers: one bounded verdict each
 # ---------------------------------------------------------------------------------------------
-TIMEOUT_S, SLACK_S = 2.0, 1.0
+TIMEOUT_S, SLACK_S = 2.0, 3.0  # slack: a killed worker's exit and a loaded CI machine (measured ~0.1 s alone)
 HOSTILE = {
     "tower": "9^{9^{9^{9}}}",
     "huge power": "7^{123456789}",
