@@ -9,7 +9,7 @@ from pathlib import Path
 import python_ast
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_spo"
-LOWER_FLOORS = ("models", "data", "rollout", "rewards", "ops", "algorithms")
+LOWER_FLOORS = ("models", "data", "rollout", "rewards", "environments", "ops", "algorithms")
 # What the bottom floors may import of the project at all: pure math and kernels know nothing of it.
 BOTTOM = {"algorithms": {"megatron_spo.algorithms"}, "ops": {"megatron_spo.ops", "megatron_spo.extras"}}
 
@@ -73,7 +73,7 @@ FLOORS = (
     {"config", "cli", "extras", "fsutil", "checkpoint_digest", "net", "memory", "collectives", "algorithms", "ops",
      "eval", "deferred_compile", "library_warnings",
      "__init__"},  # the package's __init__ installs deferred_compile's hook
-    {"hooks", "run_layout", "rewards"},
+    {"hooks", "run_layout", "rewards", "environments"},
     {"data", "models"},
     {"rollout"},
     {"engine_tools", "training"},

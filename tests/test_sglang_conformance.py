@@ -74,10 +74,10 @@ def recorded_generate_bodies(server, monkeypatch) -> list[dict]:
     bodies = []
     original = client_module.EngineClient.request
 
-    async def recording(self, method, path, body=None, timeout_s=None):
+    async def recording(self, method, path, body=None, timeout_s=None, headers=None):
         if path == "/generate":
             bodies.append(json.loads(json.dumps(body)))
-        return await original(self, method, path, body, timeout_s)
+        return await original(self, method, path, body, timeout_s, headers)
 
     monkeypatch.setattr(client_module.EngineClient, "request", recording)
 
@@ -88,6 +88,14 @@ def recorded_generate_bodies(server, monkeypatch) -> list[dict]:
             await manager.start(max_requests=2)
             await manager.join()
             await manager.stop()
+        # multi-turn: each turn one sample of the conversation's ids so far (tests/env_helpers.py's environment)
+        cfg = RolloutConfig(samples_per_prompt=2, max_new_tokens=4, max_inflight_requests=2,
+                            env={"name": "env_helpers:Scripted", "options": {"turns": 2}})
+        manager = RolloutManager(cfg, [Prompt("p", [3, 4, 5])], lambda p, t: 0.0, endpoints=[server.url],
+                                 tokenizer=server.engine.tokenizer)
+        await manager.start(max_requests=1)
+        await manager.join()
+        await manager.stop()
         async with client_module.EngineClient(server.url) as client:
             for sampling in (ToolSamplingConfig(max_new_tokens=4, seed=3), ToolSamplingConfig(max_new_tokens=4),
                              ToolSamplingConfig(temperature=0.0, max_new_tokens=4, samples_per_request=2)):
@@ -103,6 +111,7 @@ def test_every_generate_body_the_clients_build_passes_sglang(server, monkeypatch
     SamplingParams(**sp).normalize(tokenizer).verify(vocab_size): the server's four stages."""
     bodies = recorded_generate_bodies(server, monkeypatch)
     assert len(bodies) >= 10 and {b["sampling_params"].get("n", 1) for b in bodies} >= {1, 2, 3, 4}
+    assert sum(".t1." in b.get("rid", "") for b in bodies) == 2  # the multi-turn conversations' second turns
     assert any("sampling_seed" in b["sampling_params"] for b in bodies)
     for body in bodies:
         assert sgl.generate_contract_error(body) is None, body

@@ -22,6 +22,8 @@ from megatron_spo.rollout.protocol import (
     parse_generate_response,
 )
 
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router 0.3.2 (smg): src/routers/header_utils.rs, policies/manual.rs
+
 
 class EngineError(RuntimeError):
     """An engine or router call that failed: HTTP error status, timeout, connection loss or garbage.
@@ -64,7 +66,8 @@ class EngineClient:
             await self._session.close()
             self._session = None
 
-    async def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
+    async def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None,
+                      headers: dict[str, str] | None = None) -> Any:
         """JSON in, JSON (or text) out; any failure becomes an EngineError."""
         import aiohttp
 
@@ -72,7 +75,7 @@ class EngineClient:
         session = await self.session()
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with session.request(method, url, json=body, timeout=timeout) as resp:
+            async with session.request(method, url, json=body, timeout=timeout, headers=headers) as resp:
                 raw = await resp.read()
                 if resp.status >= 400:
                     raise EngineError(url, f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}",
@@ -90,17 +93,23 @@ class EngineClient:
 
     async def generate(self, prompts: list[list[int]], sampling_params: SamplingParams, *,
                        return_logprob: bool = True, rid: str | None = None, lora_path: str | None = None,
-                       timeout_s: float | None = None, return_routed_experts: bool = False) -> list[list[Completion]]:
+                       timeout_s: float | None = None, return_routed_experts: bool = False,
+                       routing_key: str | None = None) -> list[list[Completion]]:
         """Completions per prompt ([prompt][sample], n = sampling_params.n). One sampling_params object for
         the whole batch (the router refuses lists); ``lora_path`` the loaded adapter to sample from (None: the
-        base). A malformed response raises EngineError."""
+        base); ``routing_key`` sent as the X-SMG-Routing-Key header (sglang-router's manual policy keeps a key on one
+        worker; other policies and the engines ignore it). A malformed response raises EngineError."""
         if not prompts:
             return []
         single = len(prompts) == 1
         req = GenerateRequest(input_ids=prompts[0] if single else prompts, sampling_params=sampling_params,
                               return_logprob=return_logprob, rid=rid if single else None, lora_path=lora_path,
                               return_routed_experts=return_routed_experts)
-        body = await self.request("POST", "/generate", req.to_json(), timeout_s)
+        if routing_key is None:
+            body = await self.request("POST", "/generate", req.to_json(), timeout_s)
+        else:
+            body = await self.request("POST", "/generate", req.to_json(), timeout_s,
+                                      headers={ROUTING_KEY_HEADER: routing_key})
         try:
             return parse_generate_response(body, len(prompts), sampling_params.n)
         except ProtocolError as err:

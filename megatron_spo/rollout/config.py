@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from megatron_spo.config import ConfigError, StrictModel
+from megatron_spo.environments.config import EnvConfig
 from megatron_spo.rollout.protocol import SYNC_PAUSE_MODES
 
 
@@ -70,7 +71,10 @@ class RolloutConfig(StrictModel):
         "the new weights; their samples then span two versions) or abort (they end and are sent again)")
     mixed_version_policy: Literal["tag", "drop"] = Field(
         "tag", description="a sample whose tokens span a weight update: keep it (policy_version = its oldest "
-        "token's version, counted) or generate it again")
+        "token's version, counted) or generate it again; multi-turn: per model turn (a conversation's turns may come "
+        "from different versions: turn_versions)")
+    env: EnvConfig | None = Field(None, description="multi-turn rollouts: the environment each sample's conversation "
+                                  "runs and its limits (docs/multi-turn.md); None: one /generate per sample")
 
     @model_validator(mode="after")
     def _check_rollout(self) -> RolloutConfig:
