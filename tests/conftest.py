@@ -66,6 +66,7 @@ DEAREST_FIRST = (
     "test_slurm_trainer.py", "test_trainer.py", "test_layouts.py", "test_moe_layouts.py", "test_slurm_flow.py", "test_check_conversion.py", "test_spo_drift.py",
     "test_slurm.py", "test_arch_families.py", "test_quickstart.py", "test_algorithms_tabular.py", "test_models.py",
     "test_moe.py", "test_rollout_fleet.py", "test_trainer_resume.py", "test_q0_pts_eval.py", "test_lora.py",
+    "test_real_model.py",
     "test_convert_trainer_ckpt.py", "test_faults.py", "test_checkpoint_digest.py", "test_async_baselines.py",
     "test_resume_config.py", "test_gpu_check.py", "test_archive.py", "test_extensions.py", "test_lora_push.py",
 )

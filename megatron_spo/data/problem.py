@@ -34,7 +34,8 @@ class Problem:
     instruction added; ``prompt`` is then its last user message). answer_format: how a math completion marks its
     answer: boxed (the last \\boxed{}) or gsm8k (after the last '####', else \\boxed{}). harness: the
     sandbox.CallHarness of function-call tests (HumanEval, MBPP, TACO's fn_name): ``tests`` are then (code,
-    "") or (JSON arguments, JSON result) pairs.
+    "") or (JSON arguments, JSON result) pairs. instruction: what build_prompt appends to the statement (None: its
+    kind's, e.g. tasks.MATH_INSTRUCTION; "": nothing; a chat prompt gets it only when set): task.instruction sets it.
     """
 
     id: str
@@ -50,6 +51,7 @@ class Problem:
     answer_format: Literal["boxed", "gsm8k"] = "boxed"
     harness: CallHarness | None = None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    instruction: str | None = None
 
 
 def expand_paths(paths: str | Sequence[str]) -> list[str]:
@@ -65,7 +67,7 @@ def expand_paths(paths: str | Sequence[str]) -> list[str]:
 
 
 KNOWN_FIELDS = ("id", "prompt", "tests", "hidden_tests", "kind", "answer", "time_limit_s", "memory_mb", "source",
-                "messages", "answer_format", "harness", "metadata")
+                "messages", "answer_format", "harness", "metadata", "instruction")
 HARNESS_FIELDS = ("prefix", "setup", "fn_name")
 
 
@@ -102,7 +104,8 @@ def read_problems_jsonl(paths: str | Path | Sequence[str | Path]) -> list:
     """Problems from JSONL files (a path, a glob or a list of them), one per line: {id, prompt, tests: [[stdin,
     stdout], ...], hidden_tests?, kind? ("code" | "math"), answer?, time_limit_s?, memory_mb?, source?,
     messages? ([{role, content}, ...]: a chat prompt; prompt may then be left out), answer_format? ("boxed" |
-    "gsm8k"), harness? ({prefix?, setup?, fn_name?}: function-call tests), metadata?}. Any other field
+    "gsm8k"), harness? ({prefix?, setup?, fn_name?}: function-call tests), instruction? (replaces the kind's
+    instruction; "": none), metadata?}. Any other field
     (difficulty, tags, ...) goes into the problem's ``metadata`` dict, which rewards (a custom reward hook gets
     the problem) read as ``problem.metadata``."""
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
@@ -150,9 +153,11 @@ def _read_one_jsonl(path: str) -> list:
             if not isinstance(metadata, dict):
                 raise ValueError(f"{where}: field 'metadata' must be a JSON object")
             metadata = {**{k: v for k, v in row.items() if k not in KNOWN_FIELDS}, **metadata}
+            if row.get("instruction") is not None and not isinstance(row["instruction"], str):
+                raise ValueError(f"{where}: field 'instruction' must be a string")
             problems.append(Problem(id=row["id"], prompt=row["prompt"], tests=tests["tests"],
                                     hidden_tests=tests["hidden_tests"], kind=kind, answer=row.get("answer"),
                                     source=row.get("source", "jsonl"), time_limit_s=row.get("time_limit_s"),
                                     memory_mb=row.get("memory_mb"), messages=messages, answer_format=answer_format,
-                                    harness=harness, metadata=metadata))
+                                    harness=harness, metadata=metadata, instruction=row.get("instruction")))
     return problems

@@ -35,13 +35,13 @@ def problems_from_task_config(task: Any) -> list:
     from megatron_spo.data.frameworks import import_options
 
     if not tasks.TASK_KINDS[task.kind].needs_files:  # generated: toy (code) or toy_math
-        return list(tasks.generated_task(task.kind, task.toy).train)[: task.limit]
+        return with_instruction(list(tasks.generated_task(task.kind, task.toy).train)[: task.limit], task.instruction)
     if not task.paths:
         raise ValueError(f"task.paths: task kind '{task.kind}' needs data files")
     problems = load_problems(task.kind, task.paths, options=import_options(task))
     if task.dedup_against:
         problems, _ = tasks.dedup_against(problems, tasks.load_taco(task.dedup_against))
-    return problems[: task.limit]
+    return with_instruction(problems[: task.limit], task.instruction)
 
 
 def held_out_problems(task: Any, paths: Sequence[str] = (), limit: int | None = None) -> list:
@@ -57,4 +57,13 @@ def held_out_problems(task: Any, paths: Sequence[str] = (), limit: int | None = 
                          "held-out files in eval.paths (or --data)")
     else:
         problems = list(tasks.generated_task(task.kind, task.toy).heldout)
-    return problems[:limit]
+    return with_instruction(problems[:limit], task.instruction)
+
+
+def with_instruction(problems: list, instruction: str | None) -> list:
+    """The problems with ``instruction`` (task.instruction) in place of their own (None: unchanged)."""
+    import dataclasses
+
+    if instruction is None:
+        return problems
+    return [dataclasses.replace(p, instruction=instruction) for p in problems]

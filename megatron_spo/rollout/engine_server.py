@@ -160,6 +160,7 @@ class EngineServer:
         return web.json_response({
             "model_path": self.engine.model_path, "tokenizer_path": self.engine.model_path,
             "served_model_name": self.served_model_name, "max_context_length": self.engine.max_context_length,
+            "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),  # SGLang's server arg
             "version": "megatron-spo-local", "host": self.host, "port": self.port, "tp_size": self.engine.tp_size,
             "dp_size": 1, "enable_deterministic_inference": self.engine.deterministic,
             "enable_lora": lora is not None, "max_lora_rank": None if lora is None else lora.max_rank,

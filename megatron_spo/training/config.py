@@ -454,7 +454,9 @@ class TrainConfig(StrictModel):
         None, description="train LoRA adapters on the policy's linears instead of the whole model (models/lora.py): "
         "the base is frozen, the optimizer holds the adapters only, and pi_0 is the policy with its adapters off "
         "(no reference model is built). Weight pushes and the HF export carry the merged weights W + s * B A")
-    model: ModelConfig | None = Field(None, description="default: read from init.hf/config.json")
+    model: ModelConfig | None = Field(None, description="default: read from init.hf/config.json (or init.megatron's "
+                                      "model_config.json); a partial section (model.params_dtype=float32) overrides "
+                                      "those fields of it")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
@@ -472,6 +474,38 @@ class TrainConfig(StrictModel):
     rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
     sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig())
     nproc: int = Field(1, gt=0, description="trainer processes when launched without torchrun/srun")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_over_init(cls, data):
+        """A ``model:`` section without a required field is read as overrides of the init model's config
+        (init.megatron's model_config.json, else init.hf's config.json): ``model.params_dtype=float32`` alone trains in
+        fp32. ValueError naming the field when there is no init model to read."""
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, dict):
+            return data
+        required = [n for n, f in ModelConfig.model_fields.items() if f.is_required()]
+        if all(n in model for n in required):
+            return data
+        init = data.get("init") or {}
+        init = init if isinstance(init, dict) else getattr(init, "model_dump", dict)()
+        if not (init.get("megatron") or init.get("hf")):
+            raise ValueError(f"model: a partial section ({', '.join(sorted(model))}) overrides the init model's "
+                             f"config, and init names none; give init.hf, or the whole model section ({', '.join(required)})")
+        field = "init.megatron" if init.get("megatron") else "init.hf"
+        try:
+            if init.get("megatron"):
+                from megatron_spo.models.megatron_checkpoint import read_megatron_config
+
+                base = read_megatron_config(init["megatron"])
+            else:
+                from megatron_spo.models.hf_checkpoint import read_hf_config
+
+                base = read_hf_config(init["hf"])
+        except (OSError, ValueError) as err:
+            raise ValueError(f"model: a partial section overrides {field}'s model config, which cannot be read: "
+                             f"{err}") from None
+        return {**data, "model": {**base.model_dump(), **model}}
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -109,12 +109,38 @@ def replayed_top_k(cfg: TrainConfig) -> int | None:
     return None if model.moe is None else model.moe.router_topk
 
 
+def engine_dtype(dtype: str, hf_dir: str | None) -> str:
+    """The dtype an engine's /server_info ``dtype`` means: SGLang's 'auto' is the checkpoint's config dtype, except
+    float32 checkpoints, served in float16 (sglang configs/model_config.py _get_and_verify_dtype)."""
+    if dtype != "auto":
+        return dtype.removeprefix("torch.")
+    if hf_dir is None:
+        return "auto"
+    from megatron_spo.models.hf_checkpoint import read_hf_config
+
+    config = read_hf_config(hf_dir).params_dtype
+    return "float16" if config == "float32" else config
+
+
+def dtype_line(served: dict[str, str], trainer_dtype: str) -> str | None:
+    """One line on the engines' dtype (url -> dtype) against the trainer's; None when no engine reported one."""
+    if not served:
+        return None
+    kinds = sorted(set(served.values()))
+    if kinds == [trainer_dtype]:
+        return f"dtype: the engines serve {trainer_dtype}, as the trainer trains (model.params_dtype)"
+    return (f"dtype: the engines serve {' / '.join(kinds)}, the trainer trains {trainer_dtype} (model.params_dtype): "
+            "their log-probs of the same tokens then differ by ~1e-2 per token (logprob_gap/mean_abs), not ~1e-6; "
+            f"start the engines with --dtype {trainer_dtype}, or set model.params_dtype={kinds[0]}")
+
+
 class OnlineSource:
     """RolloutManager running on its own event loop thread; take(k) is thread-safe and blocking."""
 
-    def __init__(self, manager, *, q0: dict[str, float] | None, on_close=None):
+    def __init__(self, manager, *, q0: dict[str, float] | None, on_close=None, start: bool = True):
         """q0: prompt_id -> Q0 attached to every trajectory taken (a prompt it lacks is an error); None: the
-        algorithm reads no Q0 and trajectories carry none."""
+        algorithm reads no Q0 and trajectories carry none. start: begin sampling now; False: at start(), the first
+        take() or after the first push (the trainer checks the engines' weights first: check_engines)."""
         self.manager = manager
         self.q0 = q0
         self._on_close = on_close or []
@@ -122,7 +148,16 @@ class OnlineSource:
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
         self.thread.start()
         self.started = time.monotonic()
-        self._wait(manager.start(), "the rollout manager to start")
+        self._manager_started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the rollout manager (sampling), once."""
+        if not self._manager_started:
+            self._manager_started = True
+            self.started = time.monotonic()
+            self._wait(self.manager.start(), "the rollout manager to start")
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> OnlineSource:
@@ -130,6 +165,7 @@ class OnlineSource:
 
         from megatron_spo.data.problems import problems_from_task_config
         from megatron_spo.data.prompts import make_prompts
+        from megatron_spo.environments.base import needs_sandbox as env_needs_sandbox
         from megatron_spo.hooks import load_hook
         from megatron_spo.rewards.reward import RewardPool, needs_sandbox
         from megatron_spo.rewards.sandbox import SandboxPool
@@ -157,7 +193,8 @@ class OnlineSource:
         if not prompts:
             raise ConfigError("task: no usable prompts")
         sandbox = None
-        if needs_sandbox(problems, custom):  # a custom reward, or math only, runs no programs
+        # a custom reward, or math only, runs no programs; a multi-turn environment may (code_feedback)
+        if needs_sandbox(problems, custom) or env_needs_sandbox(cfg.rollout.env):
             with children_ignore_preemption_signals():
                 sandbox = SandboxPool(cfg.sandbox)
         rewards = RewardPool(sandbox, custom=custom)
@@ -166,7 +203,7 @@ class OnlineSource:
             return (await rewards.score(problem, text)).reward
 
         manager = RolloutManager(cfg.rollout, prompts, reward_fn, endpoints=urls,
-                                 routed_experts_top_k=replayed_top_k(cfg))
+                                 routed_experts_top_k=replayed_top_k(cfg), tokenizer=tokenizer, sandbox=sandbox)
         broadcaster = None
         if endpoints.engine_urls:
             from megatron_spo.rollout.weight_sync import WeightBroadcaster
@@ -179,10 +216,53 @@ class OnlineSource:
                                             engine_tp_sizes=None if tp is None else [tp] * len(endpoints.engine_urls),
                                             pause_mode=r.weight_sync_pause)
         q0 = online_q0_table(cfg, prompts)
-        source = cls(manager, q0=q0,
+        # with the engines known, nothing is sampled before the trainer checked their weights (check_engines)
+        source = cls(manager, q0=q0, start=broadcaster is None,
                      on_close=[rewards.close] + [c.close for c in (sandbox, broadcaster) if c is not None])
         source.broadcaster = broadcaster
+        source.init = cfg.init
+        source.lora = cfg.lora
         return source
+
+    init = None
+    lora = None
+    _manager_started = True  # (an instance made by __init__ says False until start())
+
+    def check_engines(self, trainer_dtype: str) -> tuple[str | None, str | None]:
+        """Rank 0, before the first sample: (why the engines may hold other weights than the trainer's, None when they
+        hold init.hf's as loaded; one line on their dtype against the trainer's ``trainer_dtype``, None when they
+        report none). They may when one reports a weight_version other than its launch one ('default': a push since
+        it loaded, e.g. by an earlier run), serves another folder than init.hf, or the trainer starts from
+        init.megatron (full-weight training: its weights need not be init.hf's). The trainer then pushes its own
+        weights before sampling starts. Waits for the engines as a push does (rollout.engine_wait_s)."""
+        from megatron_spo.rollout.client import get_json
+
+        if self.broadcaster is None:
+            return None, None
+        self._await_fleet(())
+        why, served = [], {}
+        hf = os.path.realpath(self.init.hf) if self.init is not None and self.init.hf else None
+        for url in self.broadcaster.engine_urls:
+            base = url.rstrip("/")
+            try:
+                (status, info), (s_status, server) = get_json(base + "/model_info", 10.0), get_json(
+                    base + "/server_info", 10.0)
+            except OSError as err:  # it answered a moment ago: judged by the push that follows
+                why.append(f"{url} did not answer /model_info ({err})")
+                continue
+            info = info if status == 200 and isinstance(info, dict) else {}
+            version, path = info.get("weight_version"), info.get("model_path")
+            if version not in (None, "", "default"):
+                why.append(f"{url} holds weight_version {version!r} (weights pushed since it loaded)")
+            elif hf and path and os.path.realpath(str(path)) != hf:
+                why.append(f"{url} serves {path}, not init.hf {self.init.hf}")
+            dtype = server.get("dtype") if s_status == 200 and isinstance(server, dict) else None
+            if dtype:
+                served[url] = engine_dtype(str(dtype), self.init.hf if self.init is not None else None)
+        if not why and self.init is not None and self.init.megatron and self.lora is None:
+            why.append(f"the trainer starts from init.megatron {self.init.megatron}, the engines from init.hf")
+        reason = why[0] + (f" (and {len(why) - 1} more)" if len(why) > 1 else "") if why else None
+        return reason, dtype_line(served, trainer_dtype)
 
     broadcaster = None
     adapter_pusher = None
@@ -225,6 +305,7 @@ class OnlineSource:
 
         Waits at most timeout_s (default rollout.wait_timeout_s), then raises RuntimeError with the rollout
         counters, so a fleet that stopped delivering ends the run with a reason instead of a hang."""
+        self.start()
         n = self.manager.cfg.samples_per_prompt
         timeout_s = timeout_s or self.manager.cfg.wait_timeout_s
         try:
@@ -253,6 +334,7 @@ class OnlineSource:
 
         if self.broadcaster is None:  # nothing to push to (router only); the gather's owner drains it
             self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
+            self.start()
             return {}
         self._await_fleet(named_tensors)
         try:
@@ -266,6 +348,7 @@ class OnlineSource:
             metrics = {"weight_sync/failed": 1.0, "weight_sync/engines_updated": 0.0,
                        "weight_sync/engines_failed": float(len(self.broadcaster.engine_urls))}
         self.loop.call_soon_threadsafe(self.manager.set_policy_version, version)
+        self.start()
         return metrics
 
     def push_mode(self, lora, model_cfg, base_dir: str | None, run_dir: str | None = None) -> str:
@@ -337,6 +420,7 @@ class OnlineSource:
         self._call(switch(), timeout=60)  # new requests select the new adapter before any old one goes
         self.lora_path = report.lora_name
         self.adapter_pusher.retire()
+        self.start()
         return report.metrics()
 
     def stats(self) -> dict[str, float]:
@@ -350,7 +434,8 @@ class OnlineSource:
 
     def close(self) -> None:
         try:
-            self._call(self.manager.stop(), timeout=60)
+            if self._manager_started:
+                self._call(self.manager.stop(), timeout=60)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=10)

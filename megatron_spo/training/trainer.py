@@ -854,11 +854,30 @@ class Trainer:
         cfg = self.cfg
         progress = progress_line(self.rank == 0 and cfg.logging.progress, cfg.steps, self.step)
         online = self.rank == 0 and hasattr(self.online, "push_weights")
-        flags = [online]
+        flags = [online, None]  # and why the engines may hold other weights than this policy (None: they do not)
+        if online and hasattr(self.online, "check_engines"):  # before the first sample (training/online.py)
+            try:
+                flags[1], dtypes = self.online.check_engines(self.model_cfg.params_dtype)
+                if dtypes:
+                    print(f"[megatron-spo] {dtypes}", flush=True)
+            except WAIT_ENDED as err:  # every rank raises it (below)
+                flags[1] = err
         dist.broadcast_object_list(flags, src=0)
         try:
-            if flags[0] and self.policy_version > 0:  # resumed: the fleet may still hold older weights
+            if isinstance(flags[1], WAIT_ENDED):
+                raise flags[1]
+            if flags[0] and (self.policy_version > 0 or flags[1]):  # resumed, or engines that may hold other weights
+                if flags[1] and self._push_mode() == "adapter":
+                    raise RuntimeError(f"fleet: {flags[1]}; adapter pushes (lora.push) cannot replace the engines' base "
+                                       "weights: restart the engines, or set lora.push=merged")
+                if flags[1] and self.rank == 0:
+                    print(f"[megatron-spo] fleet: {flags[1]}: pushing this run's weights (version "
+                          f"{self.policy_version}) before the first sample", flush=True)
                 self.sync_weights(new_version=False)
+                if self.policy_version == 0:
+                    self._sync_metrics = {}  # not a step's push: step 1's metrics stay those of step 1
+            if online and hasattr(self.online, "start"):
+                self.online.start()
             while self.step < cfg.steps:
                 metrics = self.train_step()
                 progress(self.step, metrics)
