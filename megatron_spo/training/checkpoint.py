@@ -97,6 +97,8 @@ def save(trainer) -> Path:
             state = {"step": trainer.step, "policy_version": trainer.policy_version,
                      "reference_step": trainer.reference_step, "sampler": trainer.sampler.state_dict()}
             (d / "trainer_state.json").write_text(json.dumps(state))
+            if hasattr(trainer.online, "buffered_groups"):  # finished rollouts not yet trained: trained next
+                write_rollout_buffer(d / ROLLOUT_BUFFER, trainer.online.buffered_groups())
             (d / CONFIG_NAME).write_text(dump_config(trainer.cfg))  # what a resume compares its config with
             write_model_description(trainer, d)
             if trainer.cfg.lora is not None:  # the base model the adapters belong to
@@ -105,6 +107,38 @@ def save(trainer) -> Path:
                 (d / BASE_IDENTITY_FILE).write_text(json.dumps(lora_base(trainer)) + "\n")
 
     return trainer.ckpt.save(trainer.step, write, {"world_size": trainer.world, "algo": trainer.cfg.algo})
+
+
+ROLLOUT_BUFFER = "rollout_buffer.jsonl"  # one finished rollout group per line (the online source's, not yet trained)
+
+
+def write_rollout_buffer(path: Path, groups: list[list]) -> None:
+    """Groups of rollout.manager.Trajectory, one JSON line each: every field (the record's and the sampling
+    metadata: request id, temperature, weight versions, ...), routes in the engine's base64 form."""
+    with open(path, "w", encoding="utf-8") as f:
+        for group in groups:
+            f.write(json.dumps([t.to_dict() for t in group]) + "\n")
+
+
+def read_rollout_buffer(path: Path) -> list[list]:
+    """write_rollout_buffer's groups back (their records validated as a trajectory file's; ValueError naming the
+    line otherwise)."""
+    from dataclasses import fields
+
+    from megatron_spo.data.trajectory import FIELDS, validate_record
+    from megatron_spo.rollout.manager import Trajectory
+
+    extra = {f.name for f in fields(Trajectory)} - set(FIELDS)
+    groups = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        group = []
+        for item in json.loads(line):
+            where = f"{path}:{lineno}"
+            record = validate_record({k: v for k, v in item.items() if k in FIELDS}, where)
+            meta = {k: v for k, v in item.items() if k in extra}
+            group.append(Trajectory(**{f.name: getattr(record, f.name) for f in fields(record)}, **meta))
+        groups.append(group)
+    return groups
 
 
 def write_model_description(trainer, d: Path) -> None:
@@ -210,6 +244,11 @@ def resume(trainer) -> None:
         trainer.reference_step = trainer_state.get("reference_step", 0)
     if trainer.rank == 0:
         trainer.sampler.load_state_dict(trainer_state["sampler"])
+        if (path / ROLLOUT_BUFFER).is_file() and hasattr(trainer.online, "restore_groups"):
+            groups = read_rollout_buffer(path / ROLLOUT_BUFFER)
+            trainer.online.restore_groups(groups)
+            print(f"[megatron-spo] the checkpoint's {sum(map(len, groups))} rollouts not yet trained "
+                  f"({len(groups)} groups) are trained first", flush=True)
     if trainer.rank == 0:
         print(f"[megatron-spo] resumed from {path} at step {trainer.step}", flush=True)
 

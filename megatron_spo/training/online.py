@@ -429,6 +429,22 @@ class OnlineSource:
     def state_dict(self) -> dict:
         return {"policy_version": self.manager.policy_version}
 
+    def buffered_groups(self) -> list[list]:
+        """The finished groups not yet trained (the manager's taken-but-unserved and its queue, in serving order),
+        copied, not taken: what a checkpoint keeps so a resumed run trains on them next (training/checkpoint.py)."""
+        async def snapshot():
+            queued = list(self.manager.buffer._queue) if self.manager.buffer is not None else []
+            return [list(g) for g in [*self.manager._taken, *queued]]
+
+        return self._call(snapshot(), timeout=60)
+
+    def restore_groups(self, groups: list[list]) -> None:
+        """Serve these groups (a checkpoint's buffered_groups) before any new one."""
+        async def restore():
+            self.manager._taken[:0] = groups
+
+        self._call(restore(), timeout=60)
+
     def load_state_dict(self, state: dict) -> None:
         self.loop.call_soon_threadsafe(self.manager.set_policy_version, state["policy_version"])
 
