@@ -12,6 +12,8 @@ export LOCAL_RANK="$SLURM_LOCALID"
 export LOCAL_WORLD_SIZE="$((SLURM_NTASKS / SLURM_NNODES))"
 export NODE_RANK="$SLURM_NODEID"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "${MODE:-gpu}" = cpu ] && echo 1 || echo 8)}"
+. "$(dirname "${BASH_SOURCE[0]}")/job_env.sh"
+source_env_file launch_rank.sh || exit 1  # NCCL / IB settings (submit.sh --env-file), on this node
 echo "[launch_rank $(date -u +%H:%M:%S)] rank $RANK/$WORLD_SIZE local $LOCAL_RANK node $SLURMD_NODENAME" \
      "restart ${SPO_RESTART_COUNT:-0}: $1"
 # SIGUSR1 before the command runs (srun delivers it to every process of the step): nothing was

@@ -7,6 +7,7 @@ cluster before a real run (`slurm/submit.sh --probe`); the tests run it on a rea
 
     python3 slurm/probe.py trainer --steps 20 --step-seconds 0.5   # one process per rank (srun)
     python3 slurm/probe.py engine --port 30000                     # an SGLang-protocol /generate stub
+                                       # (weight_version "default" until POST /update_weight_version sets one)
     python3 slurm/probe.py q0                                      # the Q0 stage's driver
 
 Everything goes to $SPO_RUN_DIR/probe/: env-<role>-...json, metrics.jsonl, checkpoints under
@@ -26,7 +27,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-ENV_PREFIXES = ("SLURM_", "SLURMD_", "SPO_", "MASTER_", "CUDA_VISIBLE_DEVICES")
+ENV_PREFIXES = ("SLURM_", "SLURMD_", "SPO_", "MASTER_", "CUDA_VISIBLE_DEVICES", "NCCL_", "GLOO_")  # + submit.sh --env-file
 ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "ENGINE_PORT", "ENGINE_TP")
 
 
@@ -89,7 +90,8 @@ def generate_through(router_url: str, timeout_s: float) -> dict:
 def engine_main(args: argparse.Namespace) -> int:
     name = f"{os.environ.get('SLURMD_NODENAME', socket.gethostname())}:{args.port}"
     info = {"model_path": "probe", "served_model_name": "probe", "tp_size": 1, "dp_size": 1,
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "is_generation": True}
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "is_generation": True,
+            "weight_version": "default"}  # SGLang's until a weight update names one
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, obj: dict, status: int = 200) -> None:
@@ -111,6 +113,8 @@ def engine_main(args: argparse.Namespace) -> int:
         def do_POST(self) -> None:  # noqa: N802
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
+            if self.path == "/update_weight_version":
+                info["weight_version"] = str(body["new_version"])
             if self.path != "/generate":
                 self._send({"success": True})
                 return
@@ -119,7 +123,8 @@ def engine_main(args: argparse.Namespace) -> int:
                 "text": "", "output_ids": [7] * n,
                 "meta_info": {"id": f"probe-engine@{name}", "finish_reason": {"type": "length", "length": n},
                               "prompt_tokens": len(body.get("input_ids") or []), "completion_tokens": n,
-                              "output_token_logprobs": [[-0.5, 7, None]] * n, "weight_version": "0"},
+                              "output_token_logprobs": [[-0.5, 7, None]] * n,
+                              "weight_version": info["weight_version"]},
             })
 
         def log_message(self, *a) -> None:

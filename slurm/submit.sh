@@ -42,6 +42,13 @@ options (defaults in brackets):
   --eval-data PATH          with --flow: their problems (a file or glob) [the config's task.paths]
   --q0-args, --pts-args, --eval-args 'ARGS'
                             more arguments of estimate-q0 / pts / eval (e.g. --q0-args '--samples 64')
+  --container-image IMG     run every srun of the jobs in this image (pyxis: an enroot URI or a .sqsh file)
+  --container-mounts M      more bind mounts, SRC[:DST[:FLAGS]][,...] (pyxis); the checkout, the run directory,
+                            --model-path and --config's directory are mounted at their own paths
+  --container-workdir DIR   [the checkout] working directory inside the container
+  --env-file FILE           NCCL / InfiniBand settings (NCCL_SOCKET_IFNAME=..., NCCL_IB_HCA=..., GLOO_SOCKET_IFNAME=...)
+                            that every trainer rank and engine worker sources before it starts (copied to
+                            RUN_DIR/env.sh: the job reads the copy, also after a requeue)
   --probe                   run slurm/probe.py instead of the trainer, engines and Q0 (a launch check)
   --dry-run                 print every command; submit nothing, create nothing
 EOF
@@ -50,7 +57,7 @@ EOF
 mode=gpu preset=llama3.1-8b config="" model_path="" trainer_nodes=8 worker_nodes=8 gpus=8
 procs="" engines="" engine_tp="" run_dir="" job_name=megatron-spo time_limit=24:00:00 lead=600
 q0=0 q0_only=0 flow=0 pts=0 probe=0 dry=0 extra=() overrides=() offline_data=() eval_task="" eval_data=""
-q0_args="" pts_args="" eval_args=""
+q0_args="" pts_args="" eval_args="" image="" mounts="" workdir="" env_file=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --mode) mode="$2"; shift 2 ;;
@@ -77,6 +84,10 @@ while [ $# -gt 0 ]; do
     --q0-args) q0_args="$2"; shift 2 ;;
     --pts-args) pts_args="$2"; shift 2 ;;
     --eval-args) eval_args="$2"; shift 2 ;;
+    --container-image) image="$2"; shift 2 ;;
+    --container-mounts) mounts="$2"; shift 2 ;;
+    --container-workdir) workdir="$2"; shift 2 ;;
+    --env-file) env_file="$2"; shift 2 ;;
     --probe) probe=1; shift ;;
     --dry-run) dry=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -112,10 +123,38 @@ fi
 [ -z "$config" ] || [ -f "$config" ] || [ "$probe" = 1 ] || die "--config: no such file '$config'"
 [ -n "$config" ] && config="$(cd "$(dirname "$config")" && pwd)/$(basename "$config")"
 for p in "${offline_data[@]}"; do [ -e "$p" ] || die "--offline-data: no such file or store '$p'"; done
+# ---- containers (pyxis) and the env file: checked here, before any allocation ------------------------------------
+[ -z "$image" ] && [ -n "$mounts$workdir" ] && die "--container-mounts and --container-workdir need --container-image"
+IFS=, read -ra user_mounts <<<"$mounts"
+[ -n "$mounts" ] && [ "${mounts: -1}" = , ] && user_mounts+=("")
+for m in "${user_mounts[@]}"; do  # pyxis: SRC[:DST[:FLAGS]], SRC a path (or tmpfs / umount); absolute here
+  IFS=: read -r m_src m_dst m_rest <<<"$m"
+  [[ "$m_src" == /* || "$m_src" == tmpfs || "$m_src" == umount ]] && [[ "$m" != *: ]] &&
+    [[ -z "$m_dst$m_rest" || "$m_dst" == /* ]] && [[ "$m_rest" != *:* ]] ||
+    die "--container-mounts: '$m' is not SRC[:DST[:FLAGS]] with absolute paths (e.g. /data:/data:ro)"
+done
+[ -z "$workdir" ] || [[ "$workdir" == /* ]] || die "--container-workdir must be an absolute path, got '$workdir'"
+if [ -n "$env_file" ]; then
+  [ -f "$env_file" ] && [ -r "$env_file" ] || die "--env-file: no such file '$env_file'"
+  syntax="$(bash -n "$env_file" 2>&1 | head -n 1)" || die "--env-file: '$env_file' is not a file bash can source ($syntax)"
+fi
 
 run_dir="${run_dir:-$SPO_HOME/runs/$job_name-$(date -u +%Y%m%d-%H%M%S)}"
 run_dir="$(realpath -m "$run_dir")"  # absolute, created only when something is submitted
 q0_dir="$run_dir/q0"
+if [ -n "$image" ]; then  # what the job itself reads is mounted at its own path, unless a same-path mount covers it
+  covered() { local m d; for m in "${all_mounts[@]}"; do d="${m%%:*}"
+    [[ "$m" == "$d" || "$m" == "$d:$d" || "$m" == "$d:$d:"* ]] && [[ "$1" == "$d" || "$1" == "$d"/* ]] && return 0
+  done; return 1; }
+  all_mounts=("${user_mounts[@]}")
+  for p in "$SPO_HOME" "$run_dir" "$model_path" "${config:+$(dirname "$config")}"; do
+    [ -n "$p" ] && ! covered "$p" && all_mounts+=("$p:$p")
+  done
+  export SPO_CONTAINER_IMAGE="$image" SPO_CONTAINER_MOUNTS="$(IFS=,; echo "${all_mounts[*]}")"
+  export SPO_CONTAINER_WORKDIR="${workdir:-$SPO_HOME}"
+fi
+[ -n "$env_file" ] && export SPO_ENV_FILE="$run_dir/env.sh"
+. "$SPO_HOME/slurm/job_env.sh"  # container_args: what every srun of the jobs gets
 
 # ---- the trainer's arguments after the config: where the flow's stages put their outputs, then the user's -----
 quote() { local out="" a; for a in "$@"; do out+=" $(printf '%q' "$a")"; done; echo "${out# }"; }
@@ -215,8 +254,13 @@ submit() {  # submit STAGE "AFTER STAGES" [VAR=value ...] -- [sbatch options...]
     ids[$stage]="DRYRUN-$stage"
     echo "$stage ${ids[$stage]}"
     echo "  $(quote env STAGE="$stage" "${envs[@]}" sbatch "${common[@]}" --job-name="$job_name-$stage" "${dep[@]}" "$@")"
+    if [ -n "$image" ]; then echo "  every srun: srun ${container_args[*]} ..."; fi
+    if [ -n "$env_file" ]; then echo "  every rank, engine worker and stage command first sources $SPO_ENV_FILE"; fi
   else
     mkdir -p "$run_dir/logs"
+    if [ -n "$env_file" ] && [ ! "$env_file" -ef "$SPO_ENV_FILE" ] && [ "${#ids[@]}" = 0 ]; then  # once, at the first
+      cp "$env_file" "$SPO_ENV_FILE" || die "--env-file: cannot copy '$env_file' to $SPO_ENV_FILE"
+    fi
     ids[$stage]="$(env STAGE="$stage" "${envs[@]}" sbatch "${common[@]}" --job-name="$job_name-$stage" "${dep[@]}" "$@" | cut -d';' -f1)"
     echo "$stage ${ids[$stage]}"
   fi
@@ -226,6 +270,12 @@ show() { [ "$dry" = 1 ] && echo "  $1: $2" || true; }  # the command a stage run
 if [ "$dry" = 1 ]; then
   echo "preset $preset: engine TP ${ENGINE_TP:-?}, config ${CONFIG:-<none>}, model ${MODEL_PATH:-<none>}"
   [ -n "$validate_cmd" ] && echo "validate (before submitting): $submit_validate_cmd"
+  [ -n "$image" ] && echo "container (pyxis, every srun of every job): ${container_args[*]}"
+  if [ -n "$env_file" ]; then
+    echo "env file (every trainer rank and engine worker sources it before it starts): $SPO_ENV_FILE, a copy of" \
+         "$(realpath "$env_file"):"
+    grep -vE '^[[:space:]]*(#|$)' "$env_file" | sed 's/^/  /'
+  fi
 fi
 export SPO_VALIDATE="$([ "$flow" = 1 ] && [ -n "$validate_cmd" ] && echo 1 || echo 0)"
 if [ "$flow" = 1 ]; then

@@ -100,15 +100,23 @@ def batch_log(run_dir: Path) -> str:
     return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.out")))
 
 
-def job_commands(tmp_path: Path, **env: str) -> dict[str, str]:
+def job_commands(tmp_path: Path, **env: str) -> dict:
     """The commands slurm/spo.sbatch starts, without a cluster: scontrol and srun stand-ins (trainer node n0 : worker
-    node n1) record ENGINE_CMD and TRAIN_CMD as the job leaves them (unexpanded) and return at once. ``env``: the
-    job's variables (MODE, CONFIG, MODEL_PATH, SPO_TRAIN_ARGS, ...). {"engine", "train", "stderr"}."""
+    node n1) record ENGINE_CMD and TRAIN_CMD as the job leaves them (unexpanded), and every srun's arguments, and
+    return at once (as where pyxis is absent: its --container-* options are recorded, not run). ``env``: the job's
+    variables (MODE, CONFIG, MODEL_PATH, SPO_TRAIN_ARGS, SPO_CONTAINER_IMAGE, ...). {"engine", "train", "stderr",
+    "sruns": [each srun's argv]}."""
     out = Path(tempfile.mkdtemp(dir=tmp_path))
     (out / "bin").mkdir()
     (out / "bin" / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && echo node1\nexit 0\n')
-    (out / "bin" / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$ENGINE_CMD" > "$OUT/engine"\n'
-                                      'printf "%s\\n" "$TRAIN_CMD" > "$OUT/train"\nexit 0\n')
+    # the job stops one step once the other ended: each stand-in appends its arguments in one write, then returns only
+    # once both steps (workers, driver) wrote theirs (or after 30 s), so neither record is lost to that stop
+    (out / "bin" / "srun").write_text('#!/bin/bash\nargv="$(printf "%s\\x1f" "$@")"\n'
+                                      'printf "%s\\n" "$argv" >> "$OUT/sruns"\n'
+                                      'printf "%s\\n" "$ENGINE_CMD" > "$OUT/engine"\n'
+                                      'printf "%s\\n" "$TRAIN_CMD" > "$OUT/train"\n'
+                                      'for _ in $(seq 600); do [ "$(wc -l < "$OUT/sruns")" -ge 2 ] && break; sleep 0.05; '
+                                      'done\nexit 0\n')
     for tool in ("scontrol", "srun"):
         (out / "bin" / tool).chmod(0o755)
     job = {"PATH": f"{out / 'bin'}:{os.environ['PATH']}", "HOME": str(out), "SLURM_JOB_ID": "7", "SLURM_HET_SIZE": "2",
@@ -117,4 +125,5 @@ def job_commands(tmp_path: Path, **env: str) -> dict[str, str]:
     proc = subprocess.run(["bash", str(REPO / "slurm" / "spo.sbatch")], env=job, capture_output=True, text=True,
                           timeout=120)
     read = {name: (out / name).read_text().strip() if (out / name).exists() else "" for name in ("engine", "train")}
-    return {**read, "stderr": proc.stderr}
+    sruns = (out / "sruns").read_text().splitlines() if (out / "sruns").exists() else []
+    return {**read, "stderr": proc.stderr, "sruns": [line.split("\x1f")[:-1] for line in sruns]}

@@ -266,6 +266,40 @@ def test_a_lagging_engine_is_resynced_with_sglang_health_behaviour(model_dir):
         assert status == 200 and item["meta_info"]["weight_version"] == "2"
 
 
+def test_a_restarted_engine_is_found_by_the_next_push_and_gets_it_all_in_a_new_group(model_dir):
+    """An engine restarted on its port between two pushes (it never missed one: the group's members did not change)
+    reports its launch weight_version: needs_weights() names it, and the next push counts it restarted, forms the
+    broadcast group anew (the old one died with the old process) and brings it to the pushed weights."""
+    import torch
+
+    new_state = perturbed_state_dict(model_dir, seed=23)
+    torch.set_num_threads(1)
+    with ServerThread(LocalEngine(model_dir, seed=0)) as good:
+        # bound by the server itself (SO_REUSEADDR, as an engine process binds): its port is free again at once
+        first = ServerThread(LocalEngine(model_dir, seed=1), port=free_port()).__enter__()
+        url = first.url
+        with WeightBroadcaster([good.url, url], bucket_bytes=20_000) as sync:
+            try:
+                assert sync.push(new_state.items(), version="1").engines_updated == [good.url, url]
+                assert sync.needs_weights() == []
+                group = sync.group_name
+            finally:
+                first.__exit__(None, None, None)  # the engine goes (a kill), then comes back on its port
+            assert sync.needs_weights() == []  # nothing answers there: no push could reach it
+            with ServerThread(LocalEngine(model_dir, seed=1), port=first.port) as again:
+                assert get_json(url + "/model_info", 5)[1]["weight_version"] == "default"
+                assert sync.needs_weights() == [url]
+                report = sync.push(new_state.items(), version="2")
+                assert report.engines_updated == [good.url, url] and report.failed == {}
+                assert report.restarted == [url] and report.resynced == [url] and sync.group_name != group
+                assert report.metrics()["fleet/engine_restarts"] == 1.0
+                assert report.metrics()["weight_sync/engines_restarted"] == 1.0
+                assert all(torch.equal(t, new_state[n]) for n, t in again.engine.model.state_dict().items())
+                assert sync.needs_weights() == []
+                report = sync.push(new_state.items(), version="3")  # nothing restarted since: the same group
+                assert report.restarted == [] and report.metrics()["fleet/engine_restarts"] == 1.0
+
+
 def test_the_first_push_finds_an_engine_a_stopped_run_left_paused(model_dir):
     """A resumed trainer's first push waits for the engines; one that a stopped run's push left paused answers
     /health 503 (SGLang) for ever, so the wait asks /model_info and the push resyncs it."""
@@ -402,3 +436,123 @@ def test_a_stop_after_a_finished_step_checkpoints_it_and_every_rank_exits(tmp_pa
         assert json.loads((tmp_path / f"result.{rank}").read_text()) == {"step": 2, "latest": 2}
     assert ("[megatron-spo] preempted: checkpoint at step 2 saved, exiting (SIGTERM received while waiting for "
             "rollouts)" in capfd.readouterr().out)
+
+
+# -- an engine killed (kill -9) mid-run comes back ---------------------------------------------------------------
+def train_through_an_engine_kill(cfg_data: dict, model_dir: str, out_file: str) -> None:
+    """One rank, two real engines behind the router (rollout/fleet.py's supervisor restarts what dies): engine 1 is
+    SIGKILLed while it holds a request of step 3's rollouts; step 4 waits (deadline) until its restart answers, so
+    the pushes of steps 4 and 5 must reach it. Writes what the test checks."""
+    import json
+
+    from rollout_helpers import engine_env
+
+    from megatron_spo.rollout.fleet import EngineWatch, Fleet
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    with Fleet(model_dir, 2, env=engine_env(), log_dir=os.path.join(cfg_data["run_dir"], "fleet"),
+               watch=EngineWatch(max_restarts=2)) as fleet:
+        cfg_data["fleet"] = {"engine_urls": fleet.engine_urls, "router_url": fleet.router_url}
+        trainer = Trainer(TrainConfig.model_validate(cfg_data))
+        manager = trainer.online.manager
+        victim = manager.endpoints[1]
+        kill_now, in_flight, killed = threading.Event(), threading.Event(), threading.Event()
+        generate = victim.client.generate
+
+        async def generate_on_victim(*args, **kw):  # the kill lands while this request is on engine 1
+            if kill_now.is_set():
+                in_flight.set()
+            return await generate(*args, **kw)
+
+        victim.client.generate = generate_on_victim
+
+        def killer() -> None:
+            if in_flight.wait(600):
+                os.kill(fleet.engines[1].proc.pid, signal.SIGKILL)
+                killed.set()
+
+        threading.Thread(target=killer, daemon=True).start()
+        take, batches = trainer.online.take, []
+
+        def recording_take(k, timeout_s=None):
+            if len(batches) == 1:
+                kill_now.set()
+            if len(batches) == 3:  # restarted and answering: this step's push must reach it
+                deadline = time.monotonic() + 180
+                while fleet.engines[1].restarts < 1 or fleet.engines[1].state not in ("needs_weights", "serving"):
+                    assert time.monotonic() < deadline, f"engine 1 not back: {fleet.engines[1].state}"
+                    time.sleep(0.1)
+            batch = take(k, timeout_s)
+            if len(batches) == 1:  # the take made room in the buffer: the workers generate, engine 1 too
+                assert killed.wait(120), "engine 1 got no request to be killed in"
+            batches.append([[t.request_id, t.sample_index, t.prompt_id, list(t.response_tokens), t.policy_version]
+                            for t in batch])
+            return batch
+
+        trainer.online.take = recording_take
+        trainer.sampler.sources["online"].take = recording_take
+        try:
+            trainer.train()
+            stats = trainer.online.stats()
+            deadline = time.monotonic() + 60  # the supervisor re-admits it once it reports the pushed version
+            while fleet.engines[1].state != "serving" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            result = {"batches": batches, "policy_version": trainer.policy_version, "stats": stats,
+                      "versions": list(fleet.engine_versions().values()), "fleet": fleet.metrics(),
+                      "restarts": [e.restarts for e in fleet.engines], "state": fleet.engines[1].state,
+                      "routed": sorted(fleet.router_workers()), "urls": fleet.engine_urls}
+        finally:
+            trainer.close()
+    with open(out_file, "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_an_engine_killed_mid_run_is_restarted_resynced_and_no_trajectory_is_lost_or_doubled(tmp_path, model_dir,
+                                                                                               monkeypatch):
+    """kill -9 of one of two engines in the middle of a CPU run (the trainer with real local engines): its request
+    is retried on the other engine, the fleet restarts it on its port, the next push finds it restarted (a new
+    broadcast group) and brings it to the current weights; the run finishes all its steps with both engines at the
+    final version, the restarted one back in the router; every trained trajectory is one sample of one request,
+    none failed or delivered twice, and the experience archive holds exactly the trained ones."""
+    import json
+
+    from megatron_spo.data.offline_store import OfflineStore
+    from megatron_spo.models.parallel import spawn_local
+
+    monkeypatch.chdir(REPO)  # examples.custom_reward (no sandbox)
+    steps, per_step = 5, 4
+    cfg = dict(run_dir=str(tmp_path / "run"), steps=steps, algo="grpo", init={"hf": model_dir},
+               optimizer={"lr": 1e-3, "warmup_steps": 1}, model_update_interval=1,
+               task={"kind": "toy", "reward": "examples.custom_reward:fenced_code", "limit": 4,
+                     "max_prompt_tokens": 400},
+               batch={"sequences_per_step": per_step, "max_tokens_per_micro_batch": 1024, "max_seq_length": 512},
+               rollout={"samples_per_prompt": 2, "max_new_tokens": 8, "buffer_groups": 4, "max_inflight_requests": 4,
+                        "temperature_range": [1.0, 1.0], "top_p": 1.0, "retry_backoff_s": 0.1,
+                        "retry_backoff_max_s": 0.5, "endpoint_cooldown_s": 0.5, "max_retries": 20},
+               checkpoint={"interval": 100, "export_hf": False}, logging={"progress": False})
+    spawn_local(train_through_an_engine_kill, 1, cfg, model_dir, str(tmp_path / "result.json"))
+    result = json.loads((tmp_path / "result.json").read_text())
+
+    assert result["policy_version"] == steps  # a push after every step
+    assert result["versions"] == [str(steps)] * 2  # the restarted engine holds the final weights too
+    assert result["restarts"] == [0, 1] and result["state"] == "serving"
+    assert result["routed"] == sorted(result["urls"])  # back in the router once it held them
+    assert result["fleet"]["fleet/engine_restarts"] == 1.0 and result["fleet"]["fleet/engines_serving"] == 2.0
+    stats = result["stats"]
+    assert stats["rollout/retries"] >= 1  # what was sent to the killed engine went to the other one
+    assert stats["rollout/failed_requests"] == 0 and stats["rollout/duplicates_dropped"] == 0
+
+    trained = [row for batch in result["batches"] for row in batch]
+    assert len(result["batches"]) == steps and all(len(b) == per_step for b in result["batches"])
+    assert len({(r[0], r[1]) for r in trained}) == steps * per_step  # no sample trained twice
+    archived = OfflineStore(tmp_path / "run" / "experience").trajectories()
+    key = lambda prompt_id, tokens, version: (str(prompt_id), tuple(tokens), int(version))  # noqa: E731
+    assert sorted(key(t.prompt_id, t.response_tokens, t.policy_version) for t in archived) == sorted(
+        key(*r[2:]) for r in trained)
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert max(m.get("fleet/engine_restarts", 0.0) for m in metrics) == 1.0  # the trainer's pushes saw it restarted
+    assert max(m.get("weight_sync/engines_resynced", 0.0) for m in metrics) >= 1.0

@@ -1,5 +1,6 @@
 """The fleet for real: engine processes behind sglang-router, weight sync by gloo broadcast, an engine
-killed mid-run and restarted, and Ctrl-C of `megatron-spo fleet up` leaving no process behind."""
+killed mid-run and restarted, engines (and the router) the supervisor brings back, and Ctrl-C of `megatron-spo
+fleet up` leaving no process behind."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from rollout_helpers import engine_env, make_tiny_llama, perturbed_state_dict  #
 from megatron_spo.net import free_port  # noqa: E402
 from megatron_spo.rollout.client import get_json, post_json  # noqa: E402
 from megatron_spo.rollout.config import RolloutConfig  # noqa: E402
-from megatron_spo.rollout.fleet import Fleet  # noqa: E402
+from megatron_spo.rollout.fleet import EngineWatch, Fleet, RouterHealth  # noqa: E402
 from megatron_spo.rollout.manager import Prompt, RolloutManager  # noqa: E402
 from megatron_spo.rollout.weight_sync import WeightBroadcaster, WeightSyncError
 
@@ -34,7 +35,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, tmp_path_factory):
-    with Fleet(model_dir, 2, env=engine_env(), log_dir=str(tmp_path_factory.mktemp("fleet_logs"))) as f:
+    # no restarts by the supervisor: these tests kill and restart engines themselves
+    with Fleet(model_dir, 2, env=engine_env(), log_dir=str(tmp_path_factory.mktemp("fleet_logs")),
+               watch=EngineWatch(max_restarts=0)) as f:
         yield f
 
 
@@ -215,3 +218,107 @@ def test_an_engine_whose_port_was_taken_before_it_bound_starts_on_another(model_
             Fleet(model_dir, 1, env=engine_env(), engine_ports=[taken], router=False).start()
     finally:
         holder.close()
+
+
+PROBE_ENGINE = f"{sys.executable} {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/slurm/probe.py engine " \
+               "--host {host} --port {port}"  # starts in a second: an SGLang-protocol stub with a weight_version
+
+
+def until(condition, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.05)
+
+
+def answers(url: str) -> bool:
+    try:
+        return get_json(url + "/health", 5)[0] == 200
+    except OSError:
+        return False
+
+
+def test_the_supervisor_restarts_dead_and_hung_engines_readmits_them_at_the_current_weights_and_drops_after_max(
+        tmp_path, caplog):
+    """Engine 1 SIGKILLed: out of the router at once, started again on its port, and back in the router only once it
+    reports the weight version the engine in service holds (a push would set it; here /update_weight_version does).
+    Engine 0 stopped (SIGSTOP: it answers nothing): killed after 3 failed health checks and restarted. Engine 1 killed
+    past max_restarts: dropped, in one line, and the fleet goes on. The router killed: started again over the engines
+    in service, and a serving engine it loses is added again. Each restart counted (fleet/engine_restarts,
+    fleet/router_restarts)."""
+    env = dict(engine_env(), SPO_RUN_DIR=str(tmp_path))
+    watch = EngineWatch(interval_s=0.2, timeout_s=0.5, failures=3, max_restarts=2)
+    with caplog.at_level("INFO", logger="megatron_spo.fleet"), \
+            Fleet(None, 2, engine_command=PROBE_ENGINE, env=env, watch=watch,
+                  router_health=RouterHealth(interval_s=1, timeout_s=1, failures=2)) as fleet:
+        urls = fleet.engine_urls
+        for url in urls:  # the weights of a first push
+            assert post_json(url + "/update_weight_version", {"new_version": "5"})[0] == 200
+        until(lambda: fleet.weight_version == "5", "the supervisor saw version 5 in service")
+
+        fleet.kill_engine(1)
+        until(lambda: fleet.engines[1].state == "needs_weights", "engine 1 restarted and answering")
+        assert urls[1] not in fleet.router_workers()  # its launch weights ("default") are not the current ones
+        assert fleet.metrics()["fleet/engines_needing_weights"] == 1.0
+        assert post_json(urls[1] + "/update_weight_version", {"new_version": "5"})[0] == 200  # the push reaches it
+        until(lambda: fleet.engines[1].state == "serving" and urls[1] in fleet.router_workers(), "engine 1 back")
+
+        os.kill(fleet.engines[0].proc.pid, signal.SIGSTOP)
+        until(lambda: fleet.engines[0].restarts == 1 and answers(urls[0]), "the hung engine 0 killed and restarted")
+        assert post_json(urls[0] + "/update_weight_version", {"new_version": "5"})[0] == 200
+        until(lambda: fleet.engines[0].state == "serving", "engine 0 back")
+
+        fleet.kill_engine(1)
+        until(lambda: fleet.engines[1].restarts == 2 and fleet.engines[1].alive, "engine 1 restarted again")
+        fleet.kill_engine(1)
+        until(lambda: fleet.engines[1].state == "dropped", "engine 1 dropped")
+        assert urls[1] not in fleet.router_workers() and answers(urls[0])
+
+        port = fleet.router_url.rsplit(":", 1)[1]
+        os.kill(fleet.router.proc.pid, signal.SIGKILL)
+        until(lambda: fleet.router_restarts == 1 and answers(fleet.router_url), "the router restarted")
+        assert fleet.router_url.endswith(f":{port}")
+        until(lambda: fleet.router_workers().keys() == {urls[0]}, "the new router routes to engine 0 alone")
+        assert fleet.router_remove(urls[0])  # the router lost a worker that serves: the supervisor adds it again
+        until(lambda: fleet.router_workers().keys() == {urls[0]}, "engine 0 added again")
+        assert fleet.metrics() == {"fleet/engine_restarts": 3.0, "fleet/engines_serving": 1.0,
+                                   "fleet/engines_needing_weights": 0.0, "fleet/engines_dropped": 1.0,
+                                   "fleet/router_restarts": 1.0}
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"engine1 at {urls[1]} exited with code -9: restarting it on its port (restart 1 of 2) " \
+           "[fleet/engine_restarts 1, serving 1 of 2]" in lines
+    assert any(m.startswith(f"engine0 at {urls[0]} stopped answering (3 health checks in a row failed): restarting")
+               for m in lines)
+    assert f"engine1 at {urls[1]} back in service at weight version 5 (restart 1 of 2) [fleet/engine_restarts 1, " \
+           "serving 2 of 2]" in lines
+    assert any(m.startswith(f"engine1 at {urls[1]} exited with code -9: dropped after 2 restarts (max_restarts); "
+                            "the fleet goes on with ") for m in lines)
+
+
+def test_rejoin_and_watch_bring_back_an_engine_another_launcher_restarted(tmp_path):
+    """`fleet rejoin` (slurm/launch_workers.sh, after it restarted an engine): the engine leaves the router at once and
+    is added back once it holds the version its peers hold; `fleet watch` SIGKILLs an engine that stops answering."""
+    env = dict(engine_env(), SPO_RUN_DIR=str(tmp_path))
+    quiet = EngineWatch(interval_s=3600, max_restarts=0)  # the fleet only starts the processes here: its checks sleep
+    with Fleet(None, 2, engine_command=PROBE_ENGINE, env=env, watch=quiet) as fleet:
+        urls = fleet.engine_urls
+        assert post_json(urls[0] + "/update_weight_version", {"new_version": "3"})[0] == 200
+        rejoin = subprocess.Popen([sys.executable, "-m", "megatron_spo.rollout.fleet", "rejoin", "--router",
+                                   fleet.router_url, "--engine", urls[1], "--peers", ",".join(urls), "--timeout-s",
+                                   "120"], env=env, stdout=subprocess.PIPE, text=True)
+        until(lambda: urls[1] not in fleet.router_workers(), "engine 1 out of the router")
+        assert rejoin.poll() is None  # it reports "default", engine 0 holds "3"
+        assert post_json(urls[1] + "/update_weight_version", {"new_version": "3"})[0] == 200
+        out, _ = rejoin.communicate(timeout=60)
+        assert rejoin.returncode == 0 and out.strip() == f"fleet rejoin: {urls[1]} back in the router at weight version 3"
+        assert urls[1] in fleet.router_workers()
+
+        pid = fleet.engines[0].proc.pid
+        watcher = subprocess.Popen([sys.executable, "-m", "megatron_spo.rollout.fleet", "watch", "--engine", urls[0],
+                                    "--pid", str(pid), "--health-interval-s", "0.2", "--health-timeout-s", "0.5",
+                                    "--health-failures", "2"], env=env, stdout=subprocess.PIPE, text=True)
+        assert watcher.stdout.readline().startswith(f"fleet watch: {urls[0]} answers")  # judged from now on
+        os.kill(pid, signal.SIGSTOP)
+        out, _ = watcher.communicate(timeout=60)
+        assert out.strip() == f"fleet watch: {urls[0]} stopped answering (2 health checks in a row failed): killed pid {pid}"
+        until(lambda: not fleet.engines[0].alive, "the hung engine killed")

@@ -4,15 +4,21 @@ slurm/probe.py stands in for the trainer, the engines and the Q0 driver (tests/t
 real ones); the router is the real sglang-router. What is proven: the heterogeneous layout
 and its env contract (ranks, MASTER_ADDR/PORT through a real gloo rendezvous, router and engine URLs),
 the Q0 stage ordered before training by afterok, per-component logs, preemption (SIGUSR1 -> checkpoint ->
-requeue -> resume continuing the step counter) and fail-fast when a component dies. Without a cluster: the engine
-command spo.sbatch builds for a mixture-of-experts run (the routed-experts flags) and a dense one (none).
+requeue -> resume continuing the step counter), an engine that dies restarted and the job failing fast once none is
+left, and submit.sh's container (pyxis) options on every srun with its env file sourced by every rank and engine.
+Without a cluster: the engine command spo.sbatch builds for a mixture-of-experts run (the routed-experts flags) and a
+dense one (none); the srun options and env file of every step; launch_workers.sh bringing back engines that die.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -210,9 +216,10 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster):
 
 
 def test_dead_worker_fails_the_job_fast(cluster):
-    """An engine that exits stops the trainer and fails the job, naming the component and its logs."""
+    """An engine that keeps exiting is restarted ENGINE_RESTARTS times, then dropped; with no engine left on the only
+    worker node the trainer is stopped and the job fails, naming the component and its logs."""
     run_dir = cluster["root"] / "run_c"
-    jobs = submit(cluster, run_dir, "--trainer-nodes", "1", "--worker-nodes", "1",
+    jobs = submit(cluster, run_dir, "--trainer-nodes", "1", "--worker-nodes", "1", ENGINE_RESTARTS="1",
                   ENGINE_CMD="bash -c 'echo engine crashed; exit 3'", PROBE_TRAIN_ARGS="--steps 1000")
     start = time.monotonic()
     info = wait_job(cluster, jobs["train"], 60)
@@ -221,5 +228,251 @@ def test_dead_worker_fails_the_job_fast(cluster):
     log = batch_log(run_dir)
     assert "ERROR: worker component died (exit 3) while the trainer was running" in log
     workers_log = (run_dir / "logs" / "workers-node0.log").read_text()
-    assert "ERROR: engine 0 (http://127.0.0.1:" in workers_log and "exited with status 3" in workers_log
+    engine = re.search(r"ERROR: engine 0 \((http://127\.0\.0\.1:\d+), (\S+)\) exited with status 3: ", workers_log)
+    assert engine, workers_log
+    assert f"ERROR: engine 0 ({engine[1]}, {engine[2]}) exited with status 3: restarting it on its GPUs and port " \
+           "(restart 1 of 1)" in workers_log
+    assert f"ERROR: engine 0 ({engine[1]}, {engine[2]}) exited with status 3: dropped after 1 restarts " \
+           "(ENGINE_RESTARTS); 0 engine(s) left on this node" in workers_log
+    assert "ERROR: no engine left on the only worker node: stopping" in workers_log
     assert metrics(run_dir) == []
+
+
+def test_container_options_reach_every_srun_and_the_env_file_every_rank(cluster, tmp_path):
+    """submit.sh --container-image/--container-mounts/--container-workdir on a cluster without pyxis: an srun stand-in
+    first on PATH records the pyxis options each srun of the job is given, drops them and runs the real srun. Every
+    srun (workers, trainer) got them; every trainer rank and engine found the --env-file's settings in its
+    environment (sourced on its node), a value computed there included."""
+    run_dir = cluster["root"] / "run_d"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    real = subprocess.run(["bash", "-c", "command -v srun"], env=cluster["env"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    (bin_dir / "srun").write_text(f"""#!/bin/bash
+args=() seen=()
+for a in "$@"; do case "$a" in --container-*|--no-container-*) seen+=("$a") ;; *) args+=("$a") ;; esac; done
+line="$(printf '%s\x1f' "${{seen[@]}}")"
+printf '%s\n' "$line" >> "{tmp_path}/sruns"  # one write: the job's two sruns run at once
+exec {real} "${{args[@]}}"
+""")
+    (bin_dir / "srun").chmod(0o755)
+    env_file = tmp_path / "nccl.env"
+    env_file.write_text("# the cluster's network\nNCCL_SOCKET_IFNAME=lo\nexport NCCL_IB_HCA=mlx5_0\n"
+                        "GLOO_SOCKET_IFNAME=lo\nNCCL_TOPO_NODE=$(hostname)\n")
+    jobs = submit(cluster, run_dir, "--trainer-nodes", "1", "--worker-nodes", "1", "--container-image",
+                  "nvcr.io#nvidia/pytorch:25.01-py3", "--container-mounts", "/data:/data:ro", "--env-file",
+                  str(env_file), PATH=f"{bin_dir}:{cluster['env']['PATH']}", PROBE_TRAIN_ARGS="--steps 2")
+    info = wait_job(cluster, jobs["train"], 120)
+    assert [c["JobState"] for c in info] == ["COMPLETED", "COMPLETED"], batch_log(run_dir)
+    pyxis = ["--container-image=nvcr.io#nvidia/pytorch:25.01-py3", "--no-container-mount-home",
+             f"--container-workdir={REPO}", f"--container-mounts=/data:/data:ro,{REPO}:{REPO},{run_dir}:{run_dir}"]
+    sruns = [line.split("\x1f")[:-1] for line in (tmp_path / "sruns").read_text().splitlines()]
+    assert sruns == [pyxis, pyxis]  # the workers' srun and the trainer's
+    assert (run_dir / "env.sh").read_text() == env_file.read_text()  # the job read the copy in its run directory
+    envs = [read_env(run_dir, "trainer-rank0-restart0")] + [
+        json.loads(p.read_text()) for p in (run_dir / "probe").glob("env-engine-*.json")]
+    assert len(envs) == 2
+    for rec in envs:
+        assert {k: rec["env"].get(k) for k in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME")} == {
+            "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "mlx5_0", "GLOO_SOCKET_IFNAME": "lo"}
+        assert rec["env"]["NCCL_TOPO_NODE"] == rec["hostname"]
+    assert f"env file (sourced by every rank and engine worker): {run_dir}/env.sh" in batch_log(run_dir)
+
+
+# -- without a cluster: submit.sh's container and env-file options, the sruns they reach, engines that come back --
+PYXIS_ARGS = ("--container-image", "nvcr.io#nvidia/pytorch:25.01-py3", "--container-mounts", "/data:/data:ro,/scratch",
+              "--container-workdir", "/workspace")
+
+
+def test_submit_dry_run_shows_the_container_and_env_file_on_every_srun(tmp_path):
+    env_file = tmp_path / "nccl.env"
+    env_file.write_text("# InfiniBand\nexport NCCL_SOCKET_IFNAME=ib0\nNCCL_IB_HCA=mlx5_0,mlx5_1\n\nGLOO_SOCKET_IFNAME=eth0\n")
+    run_dir = tmp_path / "run"
+    out = subprocess.run(["bash", str(SUBMIT), "--mode", "cpu", "--probe", "--q0", "--dry-run", "--run-dir", str(run_dir),
+                          *PYXIS_ARGS, "--env-file", str(env_file)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pyxis = (f"srun --container-image=nvcr.io#nvidia/pytorch:25.01-py3 --no-container-mount-home "
+             f"--container-workdir=/workspace --container-mounts=/data:/data:ro,/scratch,{REPO}:{REPO},{run_dir}:{run_dir}")
+    lines = out.stdout.splitlines()
+    assert f"container (pyxis, every srun of every job): {pyxis[len('srun '):]}" in lines
+    at = lines.index(f"env file (every trainer rank and engine worker sources it before it starts): {run_dir}/env.sh, "
+                     f"a copy of {env_file}:")
+    assert lines[at + 1:at + 4] == ["  export NCCL_SOCKET_IFNAME=ib0", "  NCCL_IB_HCA=mlx5_0,mlx5_1",
+                                    "  GLOO_SOCKET_IFNAME=eth0"]
+    for job in ("q0", "train"):  # each job's sbatch line, then what every srun of it gets
+        at = lines.index(f"{job} DRYRUN-{job}")
+        assert lines[at + 2:at + 4] == [f"  every srun: {pyxis} ...",
+                                        f"  every rank, engine worker and stage command first sources {run_dir}/env.sh"]
+    assert not run_dir.exists()  # a dry run creates nothing
+
+
+def test_submit_refuses_a_missing_env_file_and_malformed_mounts_in_one_line(tmp_path):
+    bad_shell = tmp_path / "bad.env"
+    bad_shell.write_text("NCCL_IB_HCA=(mlx5_0\n")
+    cases = [
+        (["--env-file", "/no/such.env"], "--env-file: no such file '/no/such.env'"),
+        (["--env-file", str(bad_shell)], f"--env-file: '{bad_shell}' is not a file bash can source ({bad_shell}: "),
+        (["--container-mounts", "/data:/data"], "--container-mounts and --container-workdir need --container-image"),
+        (["--container-image", "img", "--container-workdir", "work"],
+         "--container-workdir must be an absolute path, got 'work'"),
+    ]
+    for mount in ("data:/data", "/data:", "/data:data", "/data:/data:ro:x", "/a,,/b", "/a,"):
+        cases.append((["--container-image", "img", "--container-mounts", mount],
+                      f"--container-mounts: '{mount.split(',')[1] if ',' in mount else mount}' is not "
+                      "SRC[:DST[:FLAGS]] with absolute paths (e.g. /data:/data:ro)"))
+    for args, message in cases:
+        out = subprocess.run(["bash", str(SUBMIT), "--mode", "cpu", "--probe", "--dry-run", *args], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, (args, out.stderr)
+        assert out.stderr.startswith(f"submit.sh: {message}"), (args, out.stderr)
+
+
+def test_every_srun_of_a_job_gets_the_container_options_and_every_step_the_env_file(tmp_path):
+    """spo.sbatch (each stage's sruns: the workers' and the trainer's or the driver's) and stage.sbatch (one srun with a
+    container, none without) under srun stand-ins; the stage's command sees the env file's settings."""
+    mounts = f"/data:/data:ro,{REPO}:{REPO}"
+    pyxis = ["--container-image=img.sqsh", "--no-container-mount-home", f"--container-workdir={REPO}",
+             f"--container-mounts={mounts}"]
+    env_file = tmp_path / "env.sh"
+    env_file.write_text("NCCL_SOCKET_IFNAME=ib0\n")
+    container = {"SPO_CONTAINER_IMAGE": "img.sqsh", "SPO_CONTAINER_MOUNTS": mounts, "SPO_ENV_FILE": str(env_file)}
+    for stage, driver in (("train", "TRAIN_CMD"), ("q0", "Q0_CMD"), ("eval", "EVAL_CMD")):
+        job = job_commands(tmp_path, MODE="cpu", STAGE=stage, **{driver: "true"}, **container)
+        assert len(job["sruns"]) == 2 and all(argv[:4] == pyxis for argv in job["sruns"]), (stage, job)
+        assert sorted(argv[4] for argv in job["sruns"]) == ["--het-group=0", "--het-group=1"]  # driver, workers
+    plain = job_commands(tmp_path, MODE="cpu", STAGE="train", TRAIN_CMD="true")
+    assert len(plain["sruns"]) == 2 and not any(a.startswith("--container") for argv in plain["sruns"] for a in argv)
+    missing = job_commands(tmp_path, MODE="cpu", STAGE="train", TRAIN_CMD="true", SPO_ENV_FILE="/no/such.env")
+    assert missing["sruns"] == [] and missing["stderr"].strip().endswith(
+        "ERROR: SPO_ENV_FILE='/no/such.env' (submit.sh --env-file) is not readable")
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/bash\n" 'printf "%s\\n" "$@" > "$OUT/srun"\n'  # its options, then run the rest
+                                  'while [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    stage = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SPO_HOME": str(REPO), "RUN_DIR": str(tmp_path / "run"),
+             "OUT": str(tmp_path), "STAGE": "convert", "STAGE_CMD": 'echo "$NCCL_SOCKET_IFNAME" > "$OUT/seen"'}
+    for extra in ({"SPO_ENV_FILE": str(env_file)}, container):
+        (tmp_path / "srun").unlink(missing_ok=True)
+        out = subprocess.run(["bash", str(REPO / "slurm" / "stage.sbatch")], env={**stage, **extra}, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert (tmp_path / "seen").read_text() == "ib0\n"
+        if extra is container:  # in the container: one srun step
+            assert (tmp_path / "srun").read_text().splitlines()[:6] == pyxis + ["--nodes=1", "--ntasks=1"]
+        else:
+            assert not (tmp_path / "srun").exists()
+
+
+def test_every_trainer_rank_sources_the_env_file_on_its_node(tmp_path):
+    env_file = tmp_path / "env.sh"
+    env_file.write_text("NCCL_SOCKET_IFNAME=ib0\nNCCL_IB_HCA=mlx5_$SLURM_LOCALID\n")  # a value computed per rank
+    rank = {"PATH": os.environ["PATH"], "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+            "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURMD_NODENAME": "n1", "SPO_ENV_FILE": str(env_file)}
+    out = subprocess.run(["bash", str(REPO / "slurm" / "launch_rank.sh"), 'echo "$NCCL_SOCKET_IFNAME $NCCL_IB_HCA $RANK"'],
+                         env=rank, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ib0 mlx5_1 1", out.stderr
+    out = subprocess.run(["bash", str(REPO / "slurm" / "launch_rank.sh"), "true"],
+                         env={**rank, "SPO_ENV_FILE": "/no/such.env"}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.strip() == (
+        "launch_rank.sh: ERROR: SPO_ENV_FILE='/no/such.env' (submit.sh --env-file) is not readable on "
+        f"{socket.gethostname()}")
+
+
+def test_launch_workers_restarts_a_dead_or_hung_engine_keeps_the_others_and_drops_it_after_the_last_try(tmp_path):
+    """launch_workers.sh with two stub engines (slurm/probe.py) and the real router: engine 1 SIGKILLed is started
+    again on its port, leaves the router at once and rejoins it only once it holds the weight version engine 0 holds,
+    while engine 0 keeps running; engine 0 stopped (SIGSTOP) is killed by its health watch and restarted; engine 1
+    killed past ENGINE_RESTARTS is dropped in one line and taken out of the router, and the node goes on; the router
+    killed is started again; SIGTERM stops everything it started. Every engine sees the env file's settings."""
+    import psutil
+
+    from megatron_spo.net import free_port
+    from megatron_spo.rollout.client import get_json, post_json
+    from megatron_spo.rollout.fleet import router_workers
+
+    ports = [free_port() for _ in range(4)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    router = f"http://127.0.0.1:{ports[2]}"
+    (tmp_path / "logs").mkdir()
+    env_file = tmp_path / "env.sh"
+    env_file.write_text("NCCL_SOCKET_IFNAME=ib0\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPO_"))}, "SLURM_NODEID": "0", "SLURMD_NODENAME": "n1", "MODE": "cpu", "ENGINES_PER_NODE": "2",
+           "ENGINE_TP": "1", "GPUS_PER_NODE": "1", "SPO_ENGINE_URLS": ",".join(urls), "SPO_ROUTER_URL": router,
+           "LOG_DIR": str(tmp_path / "logs"), "SPO_RUN_DIR": str(tmp_path), "SPO_ENV_FILE": str(env_file),
+           "ENGINE_RESTARTS": "1", "ENGINE_HEALTH_INTERVAL_S": "0.2", "ENGINE_HEALTH_TIMEOUT_S": "0.5",
+           "ENGINE_HEALTH_FAILURES": "3", "PYTHONPATH": str(REPO),
+           "ENGINE_CMD": f'{sys.executable} slurm/probe.py engine --host 127.0.0.1 --port "$ENGINE_PORT"',
+           "ROUTER_CMD": f"{sys.executable} -m megatron_spo.cli router --host 127.0.0.1 --port {ports[2]} --worker-urls "
+                         f"{' '.join(urls)} --policy round_robin --log-level warn --prometheus-host 127.0.0.1 "
+                         f"--prometheus-port {ports[3]}"}
+    log_path = tmp_path / "workers.log"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(["bash", str(REPO / "slurm" / "launch_workers.sh")], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def until(condition, what: str, timeout_s: float = 120.0) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not condition():
+                assert proc.poll() is None and time.monotonic() < deadline, f"{what}:\n{log_path.read_text()}"
+                time.sleep(0.05)
+
+        def pid(i: int) -> int:  # the engine's latest start
+            return int(re.findall(rf"engine {i} on cpu at {urls[i]} \(pid (\d+),", log_path.read_text())[-1])
+
+        def listed() -> list[str]:
+            try:
+                return sorted(router_workers(router))
+            except OSError:
+                return []
+
+        def answers(url: str) -> bool:
+            try:
+                return get_json(url + "/health", 2)[0] == 200
+            except OSError:
+                return False
+
+        until(lambda: listed() == sorted(urls), "the router lists both engines")
+        assert post_json(urls[0] + "/update_weight_version", {"new_version": "4"})[0] == 200  # a push engine 1 missed
+        first = [pid(0), pid(1)]
+        os.kill(first[1], signal.SIGKILL)
+        until(lambda: pid(1) != first[1] and answers(urls[1]), "engine 1 restarted on its port")
+        until(lambda: listed() == [urls[0]], "engine 1 out of the router: it holds the launch weights")
+        assert pid(0) == first[0] and answers(urls[0])  # the other engine kept running
+        assert post_json(urls[1] + "/update_weight_version", {"new_version": "4"})[0] == 200  # the next push
+        until(lambda: listed() == sorted(urls), "engine 1 back in the router")
+
+        os.kill(first[0], signal.SIGSTOP)
+        until(lambda: pid(0) != first[0] and answers(urls[0]), "the hung engine 0 killed and restarted")
+
+        second = pid(1)
+        os.kill(second, signal.SIGKILL)
+        until(lambda: "dropped after" in log_path.read_text(), "engine 1 dropped")
+        until(lambda: urls[1] not in listed(), "engine 1 out of the router")
+        assert proc.poll() is None and answers(urls[0])  # the node goes on with engine 0 and the router
+
+        router_pid = int(re.findall(r"sglang-router at \S+ over 2 engines \(pid (\d+),", log_path.read_text())[-1])
+        os.kill(router_pid, signal.SIGKILL)
+        until(lambda: "router (" in log_path.read_text() and urls[0] in listed(), "the router restarted, engine 0 in it")
+        text = log_path.read_text()
+        assert f"ERROR: router ({router}) exited with status 137: restarting it (restart 1 of 1)" in text
+        log0, log1 = (f"{tmp_path}/logs/engine-n1-{i}.log" for i in (0, 1))
+        assert (f"ERROR: engine 1 ({urls[1]}, {log1}) exited with status 137: restarting it on its GPUs and port "
+                "(restart 1 of 1)") in text
+        assert f"fleet rejoin: {urls[1]} back in the router at weight version 4" in text
+        assert f"fleet watch: {urls[0]} stopped answering (3 health checks in a row failed): killed pid {first[0]}" in text
+        assert f"ERROR: engine 0 ({urls[0]}, {log0}) exited with status 137: restarting it" in text
+        assert (f"ERROR: engine 1 ({urls[1]}, {log1}) exited with status 137: dropped after 1 restarts "
+                "(ENGINE_RESTARTS); 1 engine(s) left on this node") in text
+        for port in ports[:2]:
+            assert json.loads((tmp_path / "probe" / f"env-engine-n1-{port}.json").read_text())[
+                "env"]["NCCL_SOCKET_IFNAME"] == "ib0"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+        psutil.wait_procs(children, timeout=30)
+        assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -15,7 +15,10 @@ Two transports, both SGLang's own:
   /update_weights_from_disk inside the same pause.
 A push never reports an engine as updated unless it took every bucket and the version: an engine that
 missed it stays paused (its requests aborted, so clients retry elsewhere) and keeps its old weight_version,
-so version gating gives it no work; the next push brings it back ("resynced").
+so version gating gives it no work; the next push brings it back ("resynced"). An engine that was restarted
+(rollout/fleet.py, slurm/launch_workers.sh) reports its initial weight_version, not the one the last push set: the
+push finds it so, counts it (fleet/engine_restarts) and sends it everything in a group formed anew (the old group
+died with it), which brings it to the current weights before version gating gives it work again.
 
 The input is any iterator of (hf_name, full tensor) pairs, e.g.
 ``megatron_spo.models.hf_map.iter_hf_tensors(model_chunks, model_cfg)`` on trainer rank 0, or a HF
@@ -260,6 +263,8 @@ class SyncReport:
     engines_updated: list[str]
     failed: dict[str, str] = field(default_factory=dict)  # url -> why; these engines stay out of service
     resynced: list[str] = field(default_factory=list)  # updated engines that had missed an earlier push
+    restarted: list[str] = field(default_factory=list)  # engines found restarted since this sender's last push
+    restarts_seen: int = 0  # engines found restarted by this sender so far (all pushes)
 
     @property
     def bytes_per_s(self) -> float:
@@ -275,7 +280,8 @@ class SyncReport:
                 "weight_sync/bytes": float(self.bytes_sent), "weight_sync/engines_updated": float(len(self.engines_updated)),
                 "weight_sync/engines_failed": float(len(self.failed)),
                 "weight_sync/engines_resynced": float(len(self.resynced)),
-                "weight_sync/failed": float(bool(self.failed))}
+                "weight_sync/engines_restarted": float(len(self.restarted)),
+                "fleet/engine_restarts": float(self.restarts_seen), "weight_sync/failed": float(bool(self.failed))}
 
 
 class WeightBroadcaster:
@@ -310,6 +316,8 @@ class WeightBroadcaster:
         self.mode, self.bucket_bytes, self.backend, self.pause_mode = mode, bucket_bytes, backend, pause_mode
         self.master_address, self.disk_dir, self.timeout_s = master_address, disk_dir, timeout_s
         self.lagging: dict[str, str] = {}  # engines that missed a push -> why (kept paused until resynced)
+        self.versions: dict[str, str] = {}  # engine -> the weight_version this sender's last push to it set
+        self.restarts_seen = 0
         self.group = None
         self.group_name: str | None = None
         self.group_members: tuple[str, ...] = ()
@@ -326,6 +334,27 @@ class WeightBroadcaster:
         for url, why in bad.items():
             failed.setdefault(url, f"{path}: {why}")
         return [u for u in urls if u not in bad]
+
+    def _restarted(self, urls: list[str]) -> list[str]:
+        """The engines among ``urls`` whose /model_info weight_version is no longer the one this sender set (they
+        were restarted, and hold their launch weights); an engine that does not answer is not judged here."""
+        def changed(url: str) -> bool:
+            try:
+                status, info = get_json(f"{url}/model_info", PROBE_TIMEOUT_S)
+            except OSError:
+                return False
+            return status == 200 and isinstance(info, dict) and info.get("weight_version") != self.versions[url]
+
+        known = [u for u in urls if u in self.versions]
+        return [u for u, moved in zip(known, self.pool.map(changed, known)) if moved]
+
+    def needs_weights(self) -> list[str]:
+        """Engines that answer but lack the weights this sender last pushed: a push missed them (lagging) or they were
+        restarted since. ``push(..., engines=these)`` (the current version again) brings them back without waiting for
+        the next scheduled push."""
+        restarted = set(self._restarted(self.engine_urls))
+        behind = tuple(u for u in self.engine_urls if u in self.lagging or u in restarted)
+        return self._ready(behind, {}) if behind else []
 
     def _ready(self, targets: tuple[str, ...], failed: dict[str, str]) -> list[str]:
         """Engines that answer /server_info and, for a broadcast, report a TP size (dp_size 1) that agrees
@@ -426,6 +455,14 @@ class WeightBroadcaster:
     def _push(self, tensors, version: str, targets: tuple[str, ...], start: float) -> SyncReport:
         failed: dict[str, str] = {}
         ready = self._ready(targets, failed)
+        restarted = self._restarted(ready)
+        for url in restarted:
+            log.warning("weight sync to version %s: %s was restarted (weight_version %s was set, it reports another):"
+                        " it gets the whole push, in a new group", version, url, self.versions.pop(url))
+            self.lagging.setdefault(url, "restarted")
+        self.restarts_seen += len(restarted)
+        if set(restarted) & set(self.group_members):
+            self._destroy_group()  # its end of the group died with the old process
         buckets = iter_buckets(tensors, self.bucket_bytes)
         nbytes = ntensors = nbuckets = 0
         transfer = pause = 0.0
@@ -462,8 +499,9 @@ class WeightBroadcaster:
                 self._post_all([u for u in paused if u in failed], "/abort_request", {"abort_all": True}, {}, 30.0)
                 pause = time.perf_counter() - t_pause
         resynced = [u for u in updated if self.lagging.pop(u, None) is not None]
+        self.versions.update({u: version for u in updated})
         return SyncReport(version, nbytes, ntensors, nbuckets, time.perf_counter() - start, pause, transfer,
-                          updated, failed, resynced)
+                          updated, failed, resynced, restarted, self.restarts_seen)
 
     def _broadcast(self, current: Bucket, buckets: Iterator[Bucket], version: str, paused: list[str],
                    failed: dict[str, str]):
