@@ -56,3 +56,16 @@ def test_collate_trains_only_the_models_tokens():
     mb = collate([t], pad_id=0)
     # prompt (2) + response (5) - 1 positions: the response's targets sit at 1..5, the environment's at 3, 4
     assert mb.loss_mask[0].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_a_conversation_longer_than_the_trainer_takes_is_refused_at_config_time():
+    from megatron_spo.config import ConfigError, build_config
+    from megatron_spo.training.config import TrainConfig
+
+    with pytest.raises(ConfigError) as err:
+        build_config(TrainConfig, {"init": {"hf": "x"}, "rollout": {"env": {"name": "calculator",
+                                                                            "max_total_tokens": 900}},
+                                   "batch": {"max_seq_length": 512}})
+    assert str(err.value) == ("rollout.env.max_total_tokens: a conversation of up to 900 tokens does not fit "
+                              "batch.max_seq_length 512 (the trainer refuses longer records); lower it or raise "
+                              "batch.max_seq_length")

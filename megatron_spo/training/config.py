@@ -537,6 +537,11 @@ class TrainConfig(StrictModel):
             raise ValueError(f"grpo.guide_path: demonstrations join GRPO's prompt groups (mixed-policy GRPO); algo is "
                              f"'{self.algo}' (SPO takes other data as a source: sources.NAME.path)")
         self._check_eval()
+        env = self.rollout.env
+        if env is not None and env.max_total_tokens > self.batch.max_seq_length:
+            raise ValueError(f"rollout.env.max_total_tokens: a conversation of up to {env.max_total_tokens} tokens "
+                             f"does not fit batch.max_seq_length {self.batch.max_seq_length} (the trainer refuses "
+                             "longer records); lower it or raise batch.max_seq_length")
         if self.batch.pack_sequences and self.parallel.attention_kernel == "dot_product":
             raise ValueError("batch.pack_sequences: megatron-core's DotProductAttention (parallel.attention_kernel "
                              "dot_product) refuses packed sequences; use attention_kernel sdpa, or pack_sequences false")
