@@ -365,4 +365,5 @@ def test_grpo_at_beta_0_reads_no_q0_table(tmp_path):
     grpo = TrainConfig.model_validate({**base, "algo": "grpo"})
     assert grpo.beta == 0 and online_q0_table(grpo, []) is None
     ppo = TrainConfig.model_validate({**base, "algo": "ppo", "beta": 0.5})
-    assert online_q0_table(ppo, []) == {"p0": pytest.approx(0.5 * math.log(0.25 + 0.75 * math.exp(-1 / 0.5)))}
+    s0 = (1 + 0.5) / (4 + 1)  # 1 of 4 under the task's Jeffreys prior (task.q0_prior, data/q0.py)
+    assert online_q0_table(ppo, []) == {"p0": pytest.approx(0.5 * math.log(s0 + (1 - s0) * math.exp(-1 / 0.5)))}
