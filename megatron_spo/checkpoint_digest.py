@@ -278,7 +278,8 @@ def write_manifest(root: str | Path, files: Iterable[str] | None = None,
     """Write root/digests.json (atomically) for ``files`` (default: every file under root) once they are complete.
     ``known``: {name: (size, digest)} a writer computed while writing (not read again). ``collective``: every rank
     of torch.distributed's default group calls it after the files are written (a barrier); each digests its share
-    and rank 0 writes the manifest (the others return None)."""
+    and rank 0 writes the manifest (the others return None); each rank's ``known`` counts (a file of that size is
+    not read again)."""
     root = Path(root)
     dist = _group() if collective else None
     if dist is None:
@@ -290,11 +291,13 @@ def write_manifest(root: str | Path, files: Iterable[str] | None = None,
         names = checkpoint_files(root) if files is None else sorted(set(files))
         plan = [{n: (root / n).stat().st_size for n in names}]
     dist.broadcast_object_list(plan, src=0)
-    parts = _gathered(dist, digest_files(root, _share(plan[0], dist.get_rank(), dist.get_world_size())))
+    told = {k: v for part in _gathered(dist, dict(known or {})) for k, v in part.items()}
+    todo = {n: size for n, size in plan[0].items() if n not in told or told[n][0] != size}
+    parts = _gathered(dist, digest_files(root, _share(todo, dist.get_rank(), dist.get_world_size())))
     if dist.get_rank() != 0:
         return None
-    entries = {k: v for part in parts for k, v in part.items()}
-    return _write(root, {**entries, **{n: v for n, v in (known or {}).items() if n in entries}})
+    entries = {n: told[n] for n in plan[0] if n not in todo}
+    return _write(root, {**entries, **{k: v for part in parts for k, v in part.items()}})
 
 
 def add_to_manifest(root: str | Path, files: Iterable[str]) -> None:

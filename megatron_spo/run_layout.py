@@ -88,7 +88,12 @@ class CheckpointDir:
 
     def save(self, step: int, write: Callable[[Path], None], meta: dict | None = None) -> Path:
         """Collective: every rank calls write(partial_dir); rank 0 then commits. Returns the final path."""
-        final = self.root / step_dir_name(step)
+        partial = self.begin(step)
+        write(partial)
+        return self.commit(step, meta)
+
+    def begin(self, step: int) -> Path:
+        """Collective: a fresh partial directory for the step (a left-over one removed); commit() completes it."""
         partial = self.root / (step_dir_name(step) + ".partial")
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -96,10 +101,17 @@ class CheckpointDir:
                 shutil.rmtree(partial)
             partial.mkdir()
         _barrier()
-        write(partial)
+        return partial
+
+    def commit(self, step: int, meta: dict | None = None, known: dict | None = None) -> Path:
+        """Collective, once every rank has written its files into begin(step)'s directory: flushed, digested
+        (``known``: {name under the directory: (size, digest)} this rank has already computed), marked complete,
+        renamed to the step's directory and made `latest`. Returns the final path."""
+        final = self.root / step_dir_name(step)
+        partial = self.root / (step_dir_name(step) + ".partial")
         fsync_tree(partial)  # each rank flushes what it wrote (and the folders) before rank 0 marks it complete
         _barrier()
-        write_manifest(partial, collective=True)  # each rank digests its share of the files, rank 0 writes it
+        write_manifest(partial, known=known, collective=True)  # each rank digests its share, rank 0 writes it
         if _rank() == 0:
             marker = {"step": step, "time": time.time(), **(meta or {})}
             write_text_atomic(partial / COMPLETE, json.dumps(marker, indent=1))

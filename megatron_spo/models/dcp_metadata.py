@@ -25,8 +25,8 @@ import torch
 
 METADATA_NAME = ".metadata"
 # (module, name) pairs a DCP .metadata pickle may name. Our checkpoints (torch 2.13, megatron-core 0.16) need 12 of
-# them plus torch dtypes, collected by unpickling the tests' checkpoints; MCore*, _StoragePrefix, the _shard pair,
-# PurePosixPath and OrderedDict are what other torch / megatron versions write. All are plain data holders:
+# them plus torch dtypes (17 with an async save's plans), collected by unpickling the tests' checkpoints; MCore*,
+# _StoragePrefix, the _shard pair, PurePosixPath and OrderedDict are what other torch / megatron versions write. All are plain data holders:
 # building one runs no code of the file's choosing.
 _ALLOWED = frozenset({
     ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -37,6 +37,12 @@ _ALLOWED = frozenset({
     ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
     ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    # megatron-core's async save keeps every rank's save plan in the metadata (Metadata.all_local_plans)
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("torch.distributed.checkpoint.planner", "BytesIOWriteData"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),

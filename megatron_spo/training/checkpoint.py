@@ -7,6 +7,8 @@ run resumes from the latest complete one. The directory layout and its atomicity
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spo.config import dump_config
-from megatron_spo.run_layout import rng_state, set_rng_state
+from megatron_spo.run_layout import CheckpointError, rng_state, set_rng_state, step_dir_name
 
 CONFIG_NAME = "config.yaml"
 HISTORY_DIR = "config-history"
@@ -81,32 +83,93 @@ def check_lora_base(trainer, step_dir: Path) -> str | None:
     return None
 
 
-def save(trainer) -> Path:
+def save(trainer, *, background: bool = False) -> Path:
     """Collective: a complete checkpoint of the step (models, optimizers, RNG, sampler) under the run's
-    checkpoint directory; returns its path."""
+    checkpoint directory; returns its path. ``background`` (checkpoint.async_save): the model and optimizer shards
+    are written by a thread while the next steps train; the checkpoint is complete (and `latest`) once
+    complete_pending() finds every rank's shards written. A save still in flight is completed first."""
     from megatron_spo.models.megatron_checkpoint import save_sharded_state_dict
 
-    def write(d: Path) -> None:
-        (d / "dist").mkdir(exist_ok=True) if trainer.rank == 0 else None
-        dist.barrier()
+    complete_pending(trainer, wait=True)
+    t0 = time.perf_counter()
+    d = trainer.ckpt.begin(trainer.step)
+    (d / "dist").mkdir(exist_ok=True) if trainer.rank == 0 else None
+    dist.barrier()
+    meta = {"world_size": trainer.world, "algo": trainer.cfg.algo}
+    if background:
+        from megatron_spo.models import async_save
+
+        shards = async_save.start(sharded_state_dict(trainer), d / "dist")
+    else:
         # megatron's torch_dist format, written by this process (no forked writer next to the rollout
         # thread), every file fsync'd before the checkpoint is marked complete
         save_sharded_state_dict(sharded_state_dict(trainer), d / "dist")
-        torch.save(rng_state(), d / f"rng_rank{trainer.rank:05d}.pt")
-        if trainer.rank == 0:
-            state = {"step": trainer.step, "policy_version": trainer.policy_version,
-                     "reference_step": trainer.reference_step, "sampler": trainer.sampler.state_dict()}
-            (d / "trainer_state.json").write_text(json.dumps(state))
-            if hasattr(trainer.online, "buffered_groups"):  # finished rollouts not yet trained: trained next
-                write_rollout_buffer(d / ROLLOUT_BUFFER, trainer.online.buffered_groups())
-            (d / CONFIG_NAME).write_text(dump_config(trainer.cfg))  # what a resume compares its config with
-            write_model_description(trainer, d)
-            if trainer.cfg.lora is not None:  # the base model the adapters belong to
-                from megatron_spo.models.lora import BASE_IDENTITY_FILE
+    _write_trainer_files(trainer, d)
+    if background:
+        trainer.pending_save = PendingCheckpoint(trainer.step, meta, shards, t0, time.perf_counter() - t0)
+        return trainer.ckpt.root / step_dir_name(trainer.step)
+    path = trainer.ckpt.commit(trainer.step, meta)
+    trainer.checkpoint_metrics = {"checkpoint/blocked_s": time.perf_counter() - t0}
+    return path
 
-                (d / BASE_IDENTITY_FILE).write_text(json.dumps(lora_base(trainer)) + "\n")
 
-    return trainer.ckpt.save(trainer.step, write, {"world_size": trainer.world, "algo": trainer.cfg.algo})
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose shards are being written (save(background=True)): its step, COMPLETE marker's fields,
+    the shards' save (models/async_save.py), when it started (perf_counter) and the seconds the step was blocked."""
+
+    step: int
+    meta: dict
+    shards: Any
+    started: float
+    blocked_s: float
+
+
+def complete_pending(trainer, *, wait: bool) -> Path | None:
+    """Collective: complete the checkpoint in flight, if any, once every rank's shards are written (``wait``:
+    waiting for them); returns its path, or None (none in flight, or not written yet)."""
+    from megatron_spo.models import async_save
+
+    pending = getattr(trainer, "pending_save", None)
+    if pending is None or not (wait or async_save.written(pending.shards)):
+        return None
+    t0 = time.perf_counter()
+    trainer.pending_save = None  # completed here, or failed: never retried (its .partial is not `latest`)
+    partial = trainer.ckpt.root / (step_dir_name(pending.step) + ".partial")
+    try:
+        async_save.finish(pending.shards, partial)
+    except async_save.AsyncSaveError as err:
+        latest = trainer.ckpt.latest()
+        raise CheckpointError(f"{err}; the last complete checkpoint is "
+                              + (f"step {latest[0]} ({latest[1]})" if latest else "none")) from None
+    known = {path.relative_to(partial).as_posix(): v for path, v in pending.shards.digests.items()}
+    path = trainer.ckpt.commit(pending.step, pending.meta, known)
+    now = time.perf_counter()
+    trainer.checkpoint_metrics = {"checkpoint/blocked_s": pending.blocked_s + (now - t0),
+                                  "checkpoint/background_s": now - pending.started}
+    if trainer.rank == 0:
+        print(f"[megatron-spo] checkpoint at step {pending.step} complete: {path} (written in the background in "
+              f"{now - pending.started:.1f} s; the steps were blocked {pending.blocked_s + now - t0:.2f} s)",
+              flush=True)
+    return path
+
+
+def _write_trainer_files(trainer, d: Path) -> None:
+    """Everything of a checkpoint but the model and optimizer shards: each rank's RNG; rank 0's step, policy version
+    and sampler, the rollouts not yet trained, the config, the model description and a LoRA run's base model."""
+    torch.save(rng_state(), d / f"rng_rank{trainer.rank:05d}.pt")
+    if trainer.rank == 0:
+        state = {"step": trainer.step, "policy_version": trainer.policy_version,
+                 "reference_step": trainer.reference_step, "sampler": trainer.sampler.state_dict()}
+        (d / "trainer_state.json").write_text(json.dumps(state))
+        if hasattr(trainer.online, "buffered_groups"):  # finished rollouts not yet trained: trained next
+            write_rollout_buffer(d / ROLLOUT_BUFFER, trainer.online.buffered_groups())
+        (d / CONFIG_NAME).write_text(dump_config(trainer.cfg))  # what a resume compares its config with
+        write_model_description(trainer, d)
+        if trainer.cfg.lora is not None:  # the base model the adapters belong to
+            from megatron_spo.models.lora import BASE_IDENTITY_FILE
+
+            (d / BASE_IDENTITY_FILE).write_text(json.dumps(lora_base(trainer)) + "\n")
 
 
 ROLLOUT_BUFFER = "rollout_buffer.jsonl"  # one finished rollout group per line (the online source's, not yet trained)

@@ -331,6 +331,11 @@ class CheckpointConfig(StrictModel):
     interval: int = Field(100, gt=0, description="save every this many steps (and on SIGTERM / SIGUSR1)")
     keep_last: int = Field(2, gt=0)
     dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
+    async_save: bool = Field(False, description="write the model and optimizer shards in a background thread while "
+                             "the next steps train (megatron-core's torch_dist format and planning); the step blocks "
+                             "for the planning and a copy to host memory (as much host memory as this rank's shards), "
+                             "and the checkpoint becomes complete and `latest` once every rank has written it. The "
+                             "last step's and a preemption's checkpoints are written before the run exits")
     export_hf: bool = Field(True, description="write the final policy as an HF directory RUN_DIR/hf")
     allow_config_change: bool = Field(False, description="resume with a config that differs from the checkpoint's "
                                       "(the changes are logged and kept in RUN_DIR/config-history); else refused")

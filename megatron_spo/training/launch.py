@@ -18,7 +18,7 @@ from pathlib import Path
 from megatron_spo.checkpoint_digest import CheckpointDigestError, set_verify
 from megatron_spo.cli import STOP_SIGNALS, exit_while_starting
 from megatron_spo.config import ConfigError, load_config
-from megatron_spo.run_layout import Stopped
+from megatron_spo.run_layout import CheckpointError, Stopped
 from megatron_spo.training.config import TrainConfig
 from megatron_spo.training.online import FleetUnavailable
 from megatron_spo.training.trainer import Trainer, _model_config_from_init, check_before_start
@@ -170,6 +170,8 @@ def launch(cfg: TrainConfig) -> None:
             raise CheckpointDigestError(reason) from None
         if name == "ConfigError":  # what only a rank finds (its data, its micro-batches): its one line
             raise ConfigError(reason) from None
+        if name == "CheckpointError":  # a checkpoint that could not be written (every rank says why)
+            raise CheckpointError(reason) from None
         if name == "ProcessExitedException":  # e.g. SIGTERM forwarded before the rank could handle it
             raise RankExited(f"rank {reason.removeprefix('process ')}") from None
         raise
@@ -206,7 +208,7 @@ def main(argv: list[str]) -> int:
     except MemoryPreflightError as err:
         print(f"megatron-spo train: error: {err}", file=sys.stderr)
         return 2
-    except (FleetUnavailable, RankExited) as err:
+    except (FleetUnavailable, RankExited, CheckpointError) as err:
         print(f"megatron-spo train: error: {err}", file=sys.stderr)
         return 1
     except CheckpointDigestError as err:

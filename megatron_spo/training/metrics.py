@@ -71,6 +71,8 @@ PANELS: dict[str, tuple[str, ...]] = {
     "weight pushes vs generation (cumulative)": ("rollout/aborted_requests", "rollout/retracted_samples",
                                                  "rollout/mixed_version_samples", "rollout/mixed_version_dropped"),
     "step time split (s)": ("time/*", "weight_sync/seconds"),
+    "checkpoint (s): the steps blocked, written in the background (checkpoint.async_save)": (
+        "checkpoint/blocked_s", "checkpoint/background_s"),
     "weight push (s): engines paused, transfer": ("weight_sync/pause_seconds", "weight_sync/transfer_seconds"),
     "weight sync to the fleet (bytes / s)": ("weight_sync/bytes_per_s",),
     "bytes per weight push": ("weight_sync/bytes",),

@@ -546,6 +546,8 @@ class Trainer:
         t_fb = time.perf_counter() - t_fb
         t_sync, evaluation = self.push()
         self._gap_pass = None
+        if self.pending_save is not None:  # a background checkpoint: complete once every rank has written it
+            checkpoint.complete_pending(self, wait=False)
         return self.log(trajs, update, gap, lr=lr, pad_share=self._pad_share(mbs), t_step=t_step, t_wait=t_wait,
                         t_fb=t_fb, t_sync=t_sync, evaluation=evaluation)
 
@@ -625,6 +627,8 @@ class Trainer:
                                reference_step=self.reference_step if cfg.reference_refresh_interval else None)
         if self._idle_total:
             metrics["batch/idle_micro_batches"] = float(self._idle_total)
+        metrics.update(self.checkpoint_metrics)
+        self.checkpoint_metrics = {}
         self.metrics.log(self.step, metrics)
         warning = gap_warning(self.step, metrics, cfg.logging.max_logprob_gap)
         if warning and self.rank == 0:
@@ -840,10 +844,13 @@ class Trainer:
         return Path(out_dir)
 
     # -- checkpoints (training/checkpoint.py) -------------------------------------------------
-    def save_checkpoint(self) -> Path:
+    pending_save = None  # a checkpoint whose shards are being written (checkpoint.async_save)
+    checkpoint_metrics: dict = {}  # the last save's seconds, logged with the next step's metrics
+
+    def save_checkpoint(self, background: bool = False) -> Path:
         if self.archive is not None:  # what a checkpoint has trained on is archived for good
             self.archive.flush()
-        return checkpoint.save(self)
+        return checkpoint.save(self, background=background)
 
     def _resume(self) -> None:
         checkpoint.resume(self)
@@ -882,8 +889,9 @@ class Trainer:
                 metrics = self.train_step()
                 progress(self.step, metrics)
                 preempted = self.preemption.requested()
-                if preempted or self.step % cfg.checkpoint.interval == 0 or self.step == cfg.steps:
-                    self.save_checkpoint()
+                last = preempted or self.step == cfg.steps  # the process exits next: written before it does
+                if last or self.step % cfg.checkpoint.interval == 0:
+                    self.save_checkpoint(background=cfg.checkpoint.async_save and not last)
                 if preempted:
                     if self.rank == 0:
                         print(f"[megatron-spo] preempted: checkpoint at step {self.step} saved, exiting", flush=True)
@@ -918,6 +926,7 @@ class Trainer:
 
     def _checkpoint_finished_step(self) -> str:
         """Save the last finished step unless a checkpoint of it exists; says what was done."""
+        checkpoint.complete_pending(self, wait=True)
         latest = self.ckpt.latest()
         if self.step == 0 or (latest is not None and latest[0] == self.step):
             return f"step {self.step} is already checkpointed" if self.step else "no step had finished"
@@ -932,6 +941,8 @@ class Trainer:
         from megatron_spo.models.parallel import destroy_parallel
 
         self.preemption.restore()
+        if self.pending_save is not None and self.pending_save.shards.thread is not None:
+            self.pending_save.shards.thread.join()  # never completed (the run failed): left a .partial, not `latest`
         if self._deterministic_before is not None:  # the flag is the process's: the next trainer picks its own
             torch.use_deterministic_algorithms(self._deterministic_before)
         self.library_warnings.close()
