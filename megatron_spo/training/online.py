@@ -326,6 +326,27 @@ class OnlineSource:
                 t.q0 = self.q0[str(t.prompt_id)]
         return out
 
+    _behind_probe: tuple[int, concurrent.futures.Future] | None = None  # (pushes when it started, its answer)
+    _pushes = 0
+
+    def engines_needing_weights(self) -> list[str]:
+        """Without waiting: the engines the last finished probe found answering without the weights the fleet holds
+        (restarted, or a push missed them: WeightBroadcaster.needs_weights), and the next probe started on a thread
+        of its own, so that a hung engine's probe timeout never holds a step. A probe a push overtook is dropped."""
+        if getattr(self, "broadcaster", None) is None:
+            return []
+        found, probe = [], self._behind_probe
+        if probe is not None and probe[1].done():
+            if probe[0] == self._pushes and probe[1].exception() is None:
+                found = probe[1].result()
+            probe = None
+        if probe is None:
+            if getattr(self, "_probe_pool", None) is None:
+                self._probe_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-probe")
+                self._on_close.append(lambda: self._probe_pool.shutdown(wait=False, cancel_futures=True))
+            self._behind_probe = (self._pushes, self._probe_pool.submit(self.broadcaster.needs_weights))
+        return found
+
     def push_weights(self, version: int, named_tensors) -> dict[str, float]:
         """Send the new weights to every engine (pause -> session -> buckets -> continue, weight_sync.py), then
         let new requests carry this policy version. Engines that missed the push keep their old version, so
@@ -337,6 +358,7 @@ class OnlineSource:
             self.start()
             return {}
         self._await_fleet(named_tensors)
+        self._pushes += 1  # a probe of the engines started before this push no longer tells their state
         try:
             metrics = self.broadcaster.push(named_tensors, version=str(version)).metrics()
             self.last_sync_error = None

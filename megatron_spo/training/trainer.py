@@ -602,8 +602,11 @@ class Trainer:
 
     def push(self) -> tuple[float, dict[str, float]]:
         """Every model_update_interval steps the policy's weights to the fleet, then the held-out evaluation
-        when due (the engines hold this step's weights): (seconds pushing, eval metrics)."""
-        if self.step % self.cfg.model_update_interval:
+        when due (the engines hold this step's weights): (seconds pushing, eval metrics). Between those steps, an
+        engine that answers without the weights the fleet holds (restarted, or a push missed it) brings the next push
+        forward to this step: pushing it the pushed version's weights is impossible (the policy has trained on since),
+        and the current weights under that version would mislabel its samples."""
+        if self.step % self.cfg.model_update_interval and not self._engines_behind():
             return 0.0, {}
         t_sync = self.sync_weights()
         # the other ranks wait at the metrics gather in log()
@@ -752,6 +755,9 @@ class Trainer:
                 raise missed[0]
             if not missed[0]:
                 self._holds_pushed_weights = True
+                self._pushed_step = self.step
+                if self._early_pushes:
+                    self._sync_metrics["weight_sync/early_pushes"] = float(self._early_pushes)
                 break
             if attempt == attempts:
                 raise RuntimeError(f"weight sync to version {self.policy_version} reached no engine in {attempts} "
@@ -763,6 +769,27 @@ class Trainer:
 
     _sync_metrics: dict = {}
     _decided_push_mode: str | None = None
+    _early_pushes = 0  # pushes brought forward for an engine behind (the run's total)
+    _pushed_step = -1  # the step the fleet's weights are of
+    _early_step: int | None = None  # the step of the last push brought forward
+
+    def _engines_behind(self) -> bool:
+        """Collective: does an engine answer without the weights the fleet holds (rank 0 asks the sender)? Then a
+        line says which, and the push is brought forward (fleet/early_pushes counts them)."""
+        if "online" not in self.cfg.sources:  # every rank knows: no collective for an offline run
+            return False
+        if self._early_step is not None and self.step - self._early_step < self.cfg.model_update_interval:
+            return False  # one early push per interval: an engine every push misses does not make each step push
+        online = self.rank == 0 and hasattr(self.online, "engines_needing_weights")
+        behind = [self.online.engines_needing_weights() if online else []]
+        dist.broadcast_object_list(behind, src=0)
+        if behind[0]:
+            self._early_pushes, self._early_step = self._early_pushes + 1, self.step
+            if self.rank == 0:
+                print(f"[megatron-spo] fleet: {', '.join(behind[0])} answer without weight version "
+                      f"{self.policy_version} (restarted, or a push missed them): the next push is sent now, at step "
+                      f"{self.step}", flush=True)
+        return bool(behind[0])
 
     def _push_mode(self) -> str:
         """Collective, decided at the first push: 'adapter' (LoRA adapters alone) or 'merged' (full weights), by
@@ -896,7 +923,7 @@ class Trainer:
                     if self.rank == 0:
                         print(f"[megatron-spo] preempted: checkpoint at step {self.step} saved, exiting", flush=True)
                     break
-            if self.step >= cfg.steps and flags[0] and self.step % cfg.model_update_interval:
+            if self.step >= cfg.steps and flags[0] and self._pushed_step != self.step:
                 self.sync_weights()  # the fleet ends with the final policy (for evaluation through it)
             if self.step >= cfg.steps and cfg.checkpoint.export_hf:
                 path = self.export_hf(self.run_dir / "hf")
