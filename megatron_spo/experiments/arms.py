@@ -51,6 +51,10 @@ ARMS: dict[str, Arm] = {
                     "SPO's 3e-5 without a sweep; a sweep tries 10x its learning rates: LoRA's best lr is commonly ~10x "
                     "full fine-tuning's (Thinking Machines, \"LoRA Without Regret\", 2025; Biderman et al. 2024)",
                     lr_scale=10.0),
+    # issue 62: what the Jeffreys prior on S0 changes (q0_prior 0.5, the default) against the plain success rate
+    "spo-q0-rate": Arm("spo", ("q0_prior=0",), "train.beta", (PAPER_BETA, 0.5, 1.0),
+                       "SPO (the quickstart's) with Q0 from the plain success rate of the Q0 samples (q0_prior 0: a "
+                       "prompt with no success gets S0 = 0 and the clipped Q0, as before issue 62)"),
     "agro": Arm("agro", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
