@@ -9,6 +9,7 @@ import os
 import platform
 import socket
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -132,6 +133,17 @@ def test_many_programs_concurrently_and_async(pool):
 
     good, bad = asyncio.run(both())
     assert good.passed and bad.statuses == ("wrong_answer",)
+    assert not leftovers(pool)
+
+
+def test_a_run_its_caller_cancelled_leaves_the_pool_serving(pool):
+    """A caller that gives up (a stopped rollout cancels its asyncio task, and with it the run's future): the result
+    that arrives later is dropped, and the reader thread keeps serving every other run."""
+    slow = pool.submit("import time\ntime.sleep(1)\nprint(3)", [("", "3")], **LIMITS)
+    assert slow.cancel()
+    assert pool.submit(ADD, [("1 2\n", "3\n")], **LIMITS).result(timeout=120).passed
+    time.sleep(1.5)  # the cancelled run's result has come back by now
+    assert pool._reader.is_alive() and pool.submit(ADD, [("2 2\n", "4\n")], **LIMITS).result(timeout=120).passed
     assert not leftovers(pool)
 
 

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -466,6 +466,18 @@ def _check_tests(tests: Sequence) -> None:
             raise TypeError(f"run_tests: tests[{i}] must be a pair of strings (input, expected_output), got {pair!r:.80}")
 
 
+def _resolve(future: Future, outcome: Any) -> None:
+    """Set a run's result (or its SandboxError), unless its caller cancelled it meanwhile (a rollout stopped, a
+    timed-out evaluation): the reader thread must outlive every caller that gives up."""
+    try:
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except InvalidStateError:
+        pass
+
+
 class SandboxPool:
     """Runs many programs at once, one sandbox per program, ``slots`` sandboxes concurrently.
 
@@ -620,14 +632,14 @@ class SandboxPool:
             with self._lock:
                 future, checks = self._pending.pop(msg["id"])
             try:
-                future.set_result(self._report(msg, checks))
+                outcome = self._report(msg, checks)
             except SandboxError as err:
-                future.set_exception(err)
+                outcome = err
+            _resolve(future, outcome)
         with self._lock:  # the host died: nothing pending will ever resolve
             pending, self._pending = self._pending, {}
         for future, _ in pending.values():
-            if not future.done():
-                future.set_exception(SandboxError("sandbox pool host process exited"))
+            _resolve(future, SandboxError("sandbox pool host process exited"))
 
     def _report(self, msg: dict, checks: list[Callable[[bytes], bool]]) -> TestReport:
         frames, error = msg["frames"], msg["error"]
