@@ -243,3 +243,41 @@ def test_the_router_keeps_each_conversation_on_one_engine(model_dir):
     assert len(conversations) == 4 and all(len(urls) == 1 for urls in where.values()), where
     assert sum(len(rids) for rids in seen.values()) == 4 * 3
     assert len({u for urls in where.values() for u in urls}) == 2  # min_group: the keys spread over both engines
+
+
+def test_multi_turn_eval_scores_the_first_and_the_last_turn_of_each_conversation(server, recorded):
+    """evaluate_turns: n conversations per problem through the rollout manager, each model turn's text (as the engine
+    returned it) scored; pass@k at the first and the last turn, turns per conversation and the share fixed, all as
+    counted from the engine's own answers."""
+    from megatron_spo.engine_tools.eval import pass_at_ks
+    from megatron_spo.engine_tools.eval_turns import evaluate_turns, turn_ids
+    from megatron_spo.environments.config import EnvConfig
+    from megatron_spo.rewards.reward import RewardResult
+
+    class ParityPool:  # a reward hook's deterministic verdict on the text: passes when its length is even
+        hidden, custom = True, "parity"
+
+        async def score(self, problem, text):
+            return RewardResult(0.0 if len(text) % 2 == 0 else -1.0, len(text) % 2 == 0, {})
+
+    env = EnvConfig(name="env_helpers:Scripted", max_turns=4, options={"turns": 2, "reward": -0.25})
+    result = asyncio.run(evaluate_turns(PROMPTS, [server.url], server.engine.tokenizer, ParityPool(), env, n=4,
+                                        ks=(1, 2), max_new_tokens=5, temperature=0.8))
+    assert len(recorded) == len(PROMPTS) * 4 * 2  # two turns of 4 conversations a problem
+    fixed = 0
+    for prompt, first, last in zip(PROMPTS, result.first.problems, result.last.problems):
+        convs = {}
+        for body, _, out in recorded:
+            if body["input_ids"][:len(prompt.tokens)] == prompt.tokens and body["rid"].split("-", 1)[1].startswith(
+                    f"{prompt.prompt_id}."):
+                convs.setdefault(body["rid"].rsplit(".t", 1)[0], []).append((body["rid"], out["text"]))
+        texts = [[text for _, text in sorted(turns)] for turns in convs.values()]
+        assert len(texts) == 4 and all(len(t) == 2 for t in texts)
+        passed_first = sum(len(t[0]) % 2 == 0 for t in texts)
+        passed_last = sum(len(t[1]) % 2 == 0 for t in texts)
+        fixed += sum(len(t[0]) % 2 == 1 and len(t[1]) % 2 == 0 for t in texts)
+        assert (first.prompt_id, first.n, first.correct) == (prompt.prompt_id, 4, passed_first)
+        assert (last.correct, last.pass_at) == (passed_last, pass_at_ks(4, passed_last, (1, 2)))
+    assert result.mean_turns == 2.0 and result.fixed_share == fixed / 8
+    assert turn_ids([5, 6, 7, 8, 9], [1, 1, 0, 1, 1]) == [[5, 6], [8, 9]] and turn_ids([1, 2], None) == [[1, 2]]
+    assert set(result.to_json()) == {"first_turn", "last_turn", "mean_turns", "fixed_share"}

@@ -110,7 +110,19 @@ def test_quickstart_multi_turn_code_feedback(tmp_path):
                           text=True, timeout=1500, env={**os.environ, "MEGATRON_SPO_TEST_RUN": tag})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run = out / "spo"
-    assert json.loads((run / "results.json").read_text())["train_steps"] == 3
+    result = json.loads((run / "results.json").read_text())
+    assert result["train_steps"] == 3
+    # the held-out problems as conversations too: each turn's pass@k, the last against single-turn sampling
+    turns = {tag: json.loads((run / f"eval_turns_{tag}.json").read_text()) for tag in ("before", "after")}
+    multi = result["multi_turn"]
+    assert multi["env"] == "code_feedback" and multi["max_turns"] == 3
+    for tag, t in turns.items():
+        assert t["first_turn"]["num_problems"] == t["last_turn"]["num_problems"] == 2 and 1 <= t["mean_turns"] <= 3
+        assert multi[tag]["last_vs_first"]["pass@1"]["after"] == pytest.approx(t["last_turn"]["mean"]["pass@1"])
+        assert multi[tag]["last_vs_first"]["pass@1"]["before"] == pytest.approx(t["first_turn"]["mean"]["pass@1"])
+    assert multi["last_turn_vs_single_turn"]["pass@1"]["before"] == pytest.approx(result["pass@1"]["after"])
+    line = "multi-turn (code_feedback, up to 3 turns), held-out pass@1 after training: last turn"
+    assert line in " ".join(proc.stdout.split())  # (the console wraps it)
     metrics = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all("loss/online" in m for m in metrics)
     assert all(m["rollout/conversations"] >= 1 and m["rollout/env_errors"] == 0 for m in metrics)

@@ -55,6 +55,11 @@ ARMS: dict[str, Arm] = {
     "spo-q0-rate": Arm("spo", ("q0_prior=0",), "train.beta", (PAPER_BETA, 0.5, 1.0),
                        "SPO (the quickstart's) with Q0 from the plain success rate of the Q0 samples (q0_prior 0: a "
                        "prompt with no success gets S0 = 0 and the clipped Q0, as before issue 62)"),
+    # issue 63: the online rollouts as conversations with the sandbox's feedback (the code task)
+    "spo-multi-turn": Arm("spo", ("env.name=code_feedback",), "train.beta", (PAPER_BETA, 0.5, 1.0),
+                          "SPO (the quickstart's) on multi-turn rollouts: the model's program, the failing public "
+                          "test's input / expected / actual output, a revision (env=code_feedback, up to 4 turns); "
+                          "held out, its single-turn pass@k and, in results.json, its first and last turns'"),
     "agro": Arm("agro", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),

@@ -743,9 +743,20 @@ def run(cfg: QuickstartConfig) -> dict:
             def eval_file(where: Path, tag: str, split: str) -> Path:  # the quickstart's names of old
                 return where / {"heldout": f"eval_{tag}.jsonl"}.get(split, f"eval_{split}_{tag}.jsonl")
 
+            def eval_turns_now(tag: str):  # env: the held-out problems as conversations (engine_tools/eval_turns.py)
+                from megatron_spo.engine_tools.eval_turns import evaluate_turns, write_turns_eval
+
+                turns = asyncio.run(evaluate_turns(
+                    prompts["heldout"], [fleet.router_url], tokenizer, eval_rewards, quickstart_env(cfg), n=cfg.eval_n,
+                    temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, ks=(1, 10),
+                    max_new_tokens=cfg.train.max_new_tokens, seed=cfg.seed, sandbox=sandbox))
+                write_turns_eval(turns, out / f"eval_turns_{tag}.json")
+                return turns
+
             t0 = stage("4/6 evaluate the reference: " + ", ".join(f"{len(prompts[n])} {n}" for n in evaluated)
                        + f" problems x {cfg.eval_n} samples")
             before = {name: asyncio.run(eval_now(eval_file(shared, "before", name), name)) for name in evaluated}
+            turns_before = eval_turns_now("before") if cfg.env is not None and "heldout" in evaluated else None
             wall["eval_before"] = time.perf_counter() - t0
             q0_dir = shared  # Q0 and its samples are pi_0's: the reference's are shared, an SFT'd policy's its own
             sft_eval = {}
@@ -816,6 +827,7 @@ def run(cfg: QuickstartConfig) -> dict:
 
             t0 = stage("evaluate the trained policy (the engines hold its weights)")
             after = {name: asyncio.run(eval_now(eval_file(out, "after", name), name)) for name in evaluated}
+            turns_after = eval_turns_now("after") if turns_before is not None else None
             wall["eval_after"] = time.perf_counter() - t0
     finally:
         rewards.close()
@@ -830,6 +842,13 @@ def run(cfg: QuickstartConfig) -> dict:
                    "wall_s": wall,
                    "train_steps": len(train_metrics),
                    "weight_pushes": int(max(m.get("policy_version", 0) for m in train_metrics))})
+    if turns_before is not None:  # the policy given the environment's feedback: its first and its last turn
+        result["multi_turn"] = {
+            "env": cfg.env.name, "max_turns": cfg.env.max_turns,
+            **{tag: {"last_vs_first": comparison(t.first, t.last), "mean_turns": t.mean_turns,
+                     "fixed_share": t.fixed_share} for tag, t in (("before", turns_before), ("after", turns_after))},
+            "last_turn": comparison(turns_before.last, turns_after.last),
+            "last_turn_vs_single_turn": comparison(after["heldout"], turns_after.last)}
     if cfg.offline_data:
         result["offline_data"] = {"trajectories": len(data), "passing": sum(r.reward >= 0 for r in data),
                                   "other_problems_dropped": data_dropped}
@@ -857,6 +876,14 @@ def run(cfg: QuickstartConfig) -> dict:
                       f"mismatch KL up to {g['mismatch_kl']:.2g} ({g['steps']} steps, "
                       f"{g['steps_of_current_weights']} on samples of the current weights"
                       + (f": mean {g['mean_abs_current']:.2g} there" if "mean_abs_current" in g else "") + ")")
+    if "multi_turn" in result:
+        m, t = result["multi_turn"], result["multi_turn"]["last_turn_vs_single_turn"]["pass@1"]
+        turns = m["after"]["last_vs_first"]["pass@1"]
+        console.print(f"multi-turn ({m['env']}, up to {m['max_turns']} turns), held-out pass@1 after training: last turn "
+                      f"{t['after']:.3f} vs single-turn {t['before']:.3f}: {t['delta']:+.3f} [{t['ci95'][0]:+.3f}, "
+                      f"{t['ci95'][1]:+.3f}]; first turn {turns['before']:.3f} -> last {turns['after']:.3f}, "
+                      f"{m['after']['mean_turns']:.2f} turns a conversation, {m['after']['fixed_share']:.1%} fixed by "
+                      f"the feedback (reference: {m['before']['last_vs_first']['pass@1']['after']:.3f} at its last turn)")
     plots = plot_run(out / "train", out / "plots", smooth=5)
     if "heldout" in before:
         plot_comparison(result, out / "plots" / "pass_at_k.png", cfg.algo)
