@@ -694,3 +694,46 @@ def test_the_report_gives_what_sft_alone_gave_and_what_rl_added(tmp_path):
     archive(root, tmp_path / "archive")
     there = study.model_copy(update={"out_dir": str(tmp_path / "archive")})
     assert write_report(there, tmp_path / "archive", chosen).read_text() == report
+
+
+def test_the_report_sets_a_multi_turn_arms_last_turn_against_single_turn_spo(tmp_path):
+    """An arm whose runs evaluated the held-out problems as conversations (eval_turns_after.json): its first and
+    last turns' pass@k, last minus first, and each against single-turn SPO's samples, paired per seed and problem."""
+    from megatron_spo.experiments.study_report import ArmRuns, _multi_turn, paired_difference
+
+    def rec(pid, p1, p10):
+        return {"prompt_id": pid, "n": 10, "correct": round(10 * p1), "pass@1": p1, "pass@10": p10, "tests": {}}
+
+    rng = random.Random(4)
+    single_runs, multi_runs, last, single = {}, {}, {}, {}
+    for seed in (0, 1):
+        (tmp_path / "shared" / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / "shared" / f"seed{seed}" / "eval_before.jsonl").write_text(
+            "".join(json.dumps(rec(f"q{i}", 0.1, 0.5)) + "\n" for i in range(4)))
+        for name, runs in (("spo", single_runs), ("spo-multi-turn", multi_runs)):
+            run = tmp_path / name / f"seed{seed}"
+            run.mkdir(parents=True)
+            (run / "results.json").write_text("{}")
+            values = [(round(rng.random(), 1), 1.0) for _ in range(4)]
+            (run / "eval_after.jsonl").write_text("".join(json.dumps(rec(f"q{i}", *v)) + "\n"
+                                                          for i, v in enumerate(values)))
+            runs[seed] = run
+            single[name, seed] = [v[0] for v in values]
+        lasts = [round(rng.random(), 1) for _ in range(4)]
+        last[seed] = lasts
+        (multi_runs[seed] / "eval_turns_after.json").write_text(json.dumps({
+            "first_turn": {"problems": [rec(f"q{i}", single["spo-multi-turn", seed][i], 1.0) for i in range(4)]},
+            "last_turn": {"problems": [rec(f"q{i}", v, 1.0) for i, v in enumerate(lasts)]},
+            "mean_turns": 1.5 + seed, "fixed_share": 0.25}))
+    spo, multi = ArmRuns("spo", single_runs, tmp_path), ArmRuns("spo-multi-turn", multi_runs, tmp_path)
+    lines = _multi_turn([spo, multi], spo)
+    [row] = [x for x in lines if x.startswith("| spo-multi-turn")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    first = sum(sum(single["spo-multi-turn", s]) for s in (0, 1)) / 8  # summed as the report sums: seed by seed
+    mean_last = sum(sum(last[s]) for s in (0, 1)) / 8
+    assert cells[:2] == ["spo-multi-turn", "2 x 4"] and cells[2] == f"{first:.3f} / 1.000"
+    assert cells[3] == f"{mean_last:.3f} / 1.000" and cells[5:7] == ["2.00", "25.0%"]
+    want = paired_difference([last[s] for s in (0, 1)], [single["spo", s] for s in (0, 1)])
+    assert cells[7] == f"{want[0]:+.3f} [{want[1]:+.3f}, {want[2]:+.3f}]"
+    assert not [x for x in lines if x.startswith("| spo |")]  # a single-turn arm has no row
+    assert _multi_turn([spo], spo) == []

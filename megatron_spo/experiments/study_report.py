@@ -91,6 +91,14 @@ def _records(path: Path) -> dict[str, dict]:
     return out
 
 
+def _turn_records(path: Path) -> dict:
+    """A multi-turn evaluation (engine_tools/eval_turns.py) as {"first": records, "last": records, "mean_turns",
+    "fixed_share"}, each records {prompt_id: per-problem record}."""
+    data = json.loads(path.read_text())
+    out = {tag: {r["prompt_id"]: r for r in data[f"{tag}_turn"]["problems"]} for tag in ("first", "last")}
+    return {**out, "mean_turns": data["mean_turns"], "fixed_share": data["fixed_share"]}
+
+
 def _metrics(run: Path) -> list[dict]:
     from megatron_spo.training.metrics import read_metrics
 
@@ -110,6 +118,9 @@ class ArmRuns:
         self.results = {s: json.loads((r / "results.json").read_text()) for s, r in runs.items()}
         self.metrics = {s: _metrics(r) for s, r in runs.items()}
         self.sft = {s: _records(r / "eval_sft.jsonl") for s, r in runs.items()}  # the SFT'd policy, before RL
+        # multi-turn runs (quickstart env): the held-out problems as conversations, per turn ("first" / "last")
+        self.turns = {s: _turn_records(r / "eval_turns_after.json") for s, r in runs.items()
+                      if (r / "eval_turns_after.json").exists()}
 
     @property
     def seeds(self) -> list[int]:
@@ -477,6 +488,7 @@ def write_report(study, root: Path, chosen: dict) -> Path:
         diffs = [compare(by["grpo"], by["trl-grpo"], w)[:3] for w in ("pass@1", "pass@10", "gap", "distinct")]
         agree = all(lo <= 0 <= hi for _, lo, hi in diffs[:2])
         lines += ["| " + " | ".join(_ci(*d) for d in diffs) + f" | {'yes' if agree else 'no'} (pass@1, pass@10) |", ""]
+    lines += _multi_turn(arms, by.get("spo"))
     lines += _long_runs(study, root, chosen, long, by)
     lines += _sft_stage(arms)
     lines += _data_tokens(arms)
@@ -487,6 +499,48 @@ def write_report(study, root: Path, chosen: dict) -> Path:
     (root / "report.json").write_text(json.dumps(
         {a.name: {w: compare(a, None, w)[:3] for w in ("pass@1", "pass@10", "gap")} for a in arms}, indent=2) + "\n")
     return report
+
+
+def _multi_turn(arms: list[ArmRuns], single: ArmRuns | None) -> list[str]:
+    """Issue 63: arms trained on conversations (their runs' eval_turns_after.json): held-out pass@k at the first
+    and the last turn after training, the last minus the first (what the feedback adds at evaluation), and each
+    turn against single-turn SPO's single-turn samples (the spo arm), paired per seed and problem."""
+    multi = [a for a in arms if a.turns]
+    if not multi:
+        return []
+    lines = ["## Multi-turn: the held-out problems as conversations (first and last turn)", "",
+             "| arm | seeds x problems | first turn pass@1 / pass@10 | last turn pass@1 / pass@10 | last minus first: "
+             "pass@1 | turns a conversation | fixed by the feedback | last turn minus single-turn spo: pass@1 | "
+             "pass@10 | first turn minus single-turn spo: pass@1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in multi:
+        seeds = sorted(arm.turns)
+        problems = sorted(set.intersection(*(set(arm.turns[s]["last"]) for s in seeds)))
+
+        def m(tag: str, what: str, arm=arm, seeds=seeds, problems=problems) -> list[list[float]]:
+            return [[arm.turns[s][tag][p][what] for p in problems] for s in seeds]
+
+        mean = {(t, w): sum(map(sum, m(t, w))) / (len(seeds) * len(problems))
+                for t in ("first", "last") for w in ("pass@1", "pass@10")}
+        cells = ["n/a"] * 3
+        if single is not None:
+            both = [s for s in seeds if s in single.after]
+            common = [p for p in problems if all(p in single.after[s] for s in both)]
+            if both and common:
+                def against(tag: str, what: str, arm=arm, both=both, common=common) -> str:
+                    x = [[arm.turns[s][tag][p][what] for p in common] for s in both]
+                    return _ci(*paired_difference(x, single.matrix(what, both, common)))
+
+                cells = [against("last", "pass@1"), against("last", "pass@10"), against("first", "pass@1")]
+        turns = sum(arm.turns[s]["mean_turns"] for s in seeds) / len(seeds)
+        fixed = sum(arm.turns[s]["fixed_share"] for s in seeds) / len(seeds)
+        lines.append(f"| {arm.name} | {len(seeds)} x {len(problems)} | {mean['first', 'pass@1']:.3f} / "
+                     f"{mean['first', 'pass@10']:.3f} | {mean['last', 'pass@1']:.3f} / {mean['last', 'pass@10']:.3f} | "
+                     f"{_ci(*paired_difference(m('last', 'pass@1'), m('first', 'pass@1')))} | {turns:.2f} | "
+                     f"{fixed:.1%} | " + " | ".join(cells) + " |")
+    return lines + ["", "A conversation's first turn is what single-turn sampling of the same prompt gets; its last is "
+                    "the program it ends on after the environment's feedback (up to env.max_turns model turns, so "
+                    "more generated tokens than one sample); single-turn spo is sampled once per problem and "
+                    "sample.", ""]
 
 
 def _lora(full: ArmRuns, lora: ArmRuns) -> list[str]:
@@ -705,7 +759,7 @@ def archive(root: Path, dest: Path) -> dict[str, int]:
             put(failed.relative_to(root), failed.read_text())
         for done in sorted(root.glob(f"{kind}/*/*/*/results.json")):
             run, runs = done.parent, runs + 1
-            for path in [done, *sorted(run.glob("eval_*.jsonl"))]:
+            for path in [done, *sorted(run.glob("eval_*.jsonl")), *sorted(run.glob("eval_turns_*.json"))]:
                 put(path.relative_to(root), path.read_text())
             if (run / "train" / METRICS_FILE).exists():
                 kept = [{k: v for k, v in m.items() if k in REPORT_METRICS or k.startswith(REPORT_PREFIXES)}
