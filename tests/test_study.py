@@ -737,3 +737,20 @@ def test_the_report_sets_a_multi_turn_arms_last_turn_against_single_turn_spo(tmp
     assert cells[7] == f"{want[0]:+.3f} [{want[1]:+.3f}, {want[2]:+.3f}]"
     assert not [x for x in lines if x.startswith("| spo |")]  # a single-turn arm has no row
     assert _multi_turn([spo], spo) == []
+
+
+STUDIES_12_02 = sorted(str(p.parent.relative_to(REPO / "docs")) for p in (REPO / "docs").glob("study-2026-12-02-*/*/study.json"))
+
+
+@pytest.mark.parametrize("name", STUDIES_12_02)
+def test_each_2026_12_02_archive_rewrites_its_report_byte_for_byte(tmp_path, capsys, name):
+    """Issue 62's Q0-prior study and issue 63's multi-turn study: `compare --report-only` gives each report back."""
+    import shutil
+
+    out = tmp_path / "study"
+    shutil.copytree(REPO / "docs" / name, out)
+    for made in ("report.md", "report.json"):
+        (out / made).unlink()
+    assert st.main(["--report-only", f"out_dir={out}"]) == 0
+    capsys.readouterr()
+    assert (out / "report.md").read_text() == (REPO / "docs" / name / "report.md").read_text()
