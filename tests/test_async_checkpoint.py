@@ -77,11 +77,11 @@ def test_the_staged_copy_owns_its_memory():
 def _train_with_a_failing_writer(cfg_data: dict) -> None:
     """One rank: rank 1's shard writer fails on the step-4 save (its bucket's file cannot be opened)."""
     import torch.distributed as dist
+    from trainer_helpers import DeterministicSource
 
     from megatron_spo.models import async_save
     from megatron_spo.training.config import TrainConfig
     from megatron_spo.training.trainer import Trainer
-    from trainer_helpers import DeterministicSource
 
     stage = async_save._stage
 

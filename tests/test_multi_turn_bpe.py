@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 
+import env_helpers
 import pytest
 import torch
 from rollout_helpers import ServerThread
 from test_multi_turn_rollout import recorded, rollout, turns_of  # noqa: F401 (recorded: a fixture)
 
-import env_helpers
 from megatron_spo.experiments import real_model
 
 pytestmark = pytest.mark.skipif(not real_model.available(), reason=f"the real model needs {real_model.REAL_MODEL_INSTALL}")
