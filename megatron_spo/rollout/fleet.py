@@ -162,7 +162,9 @@ class Fleet:
         self.restarts = 0  # engine restarts so far (fleet/engine_restarts)
         self.router_restarts = 0
         self.weight_version: str | None = None  # the newest weight_version seen in service
-        self._next_reconcile = 0.0
+        # the first membership check one interval after the start (the router starts with every engine): a quiet
+        # watch's checks then really sleep, and a `fleet rejoin` of another launcher is not undone at once
+        self._next_reconcile = time.monotonic() + self.watch.interval_s
         self._router_spec = (router_health or RouterHealth(), router_args or [])
         self._router_port_chosen = router_port is None
         if router:
