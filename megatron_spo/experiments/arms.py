@@ -59,7 +59,7 @@ ARMS: dict[str, Arm] = {
     "spo-multi-turn": Arm("spo", ("env.name=code_feedback",), "train.beta", (PAPER_BETA, 0.5, 1.0),
                           "SPO (the quickstart's) on multi-turn rollouts: the model's program, the failing public "
                           "test's input / expected / actual output, a revision (env=code_feedback, up to 4 turns); "
-                          "held out, its single-turn pass@k and, in results.json, its first and last turns'"),
+                          "evaluated by single-turn samples (this table) and as conversations (the multi-turn section)"),
     "agro": Arm("agro", (), "train.beta", (PAPER_BETA, 0.5, 1.0), "AGRO, online"),
     "ppo": Arm("ppo", (), "train.beta", (0.05, 0.5), "PPO: value model, GAE, KL reward, push every step"),
     "grpo": Arm("grpo", (), "train.beta", (0.0, 0.04), "GRPO on megatron-core"),
