@@ -9,20 +9,9 @@ import os
 import pytest
 import yaml
 from test_frameworks import CHATML, trl_rows, verl_rows, write_jsonl, write_parquet
+from trainer_helpers import train_configs
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
-
-
-def _train_runs(runs: list[dict]) -> None:
-    from megatron_spo.training.config import TrainConfig
-    from megatron_spo.training.trainer import Trainer
-
-    for i, cfg_data in enumerate(runs):
-        trainer = Trainer(TrainConfig.model_validate(cfg_data))
-        try:
-            trainer.train()
-        finally:
-            trainer.close(keep_process_group=i < len(runs) - 1)
 
 
 def test_verl_slime_and_trl_chat_prompts_each_train_a_step_and_evaluate(tmp_path, monkeypatch):
@@ -67,7 +56,7 @@ def test_verl_slime_and_trl_chat_prompts_each_train_a_step_and_evaluate(tmp_path
                                 "top_p": 1.0})
             runs.append(cfg)
             (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-        spawn_local(_train_runs, 1, runs)
+        spawn_local(train_configs, 1, runs)
         for name in tasks:
             [step] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
             assert step["step"] == 1 and step["samples/online"] == 4.0, (name, step)

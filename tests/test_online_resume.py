@@ -7,20 +7,9 @@ import json
 import os
 
 import pytest
+from trainer_helpers import train_configs
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
-
-
-def _train(runs: list[dict]) -> None:
-    from megatron_spo.training.config import TrainConfig
-    from megatron_spo.training.trainer import Trainer
-
-    for i, cfg_data in enumerate(runs):
-        trainer = Trainer(TrainConfig.model_validate(cfg_data))
-        try:
-            trainer.train()
-        finally:
-            trainer.close(keep_process_group=i < len(runs) - 1)
 
 
 def test_a_resumed_online_run_trains_the_checkpoints_buffered_rollouts_first(tmp_path, monkeypatch):
@@ -45,10 +34,10 @@ def test_a_resumed_online_run_trains_the_checkpoints_buffered_rollouts_first(tmp
                         fleet={"engine_urls": [url]}, checkpoint={"interval": 2, "export_hf": False},
                         rollout={"samples_per_prompt": 2, "max_new_tokens": 8, "buffer_groups": 4,
                                  "max_inflight_requests": 2, "max_staleness": 100, "stale_policy": "tag"})
-        spawn_local(_train, 1, [cfg(2)])
+        spawn_local(train_configs, 1, [cfg(2)])
         saved = read_rollout_buffer(tmp_path / "run" / "checkpoints" / "iter_0000002" / ROLLOUT_BUFFER)
         assert len(saved) >= 2, "the buffer held fewer than a step's groups at the checkpoint"
-        spawn_local(_train, 1, [cfg(3)])
+        spawn_local(train_configs, 1, [cfg(3)])
     archived = load_trajectories(str(tmp_path / "run" / "experience"))
     step3 = archived[8:12]  # steps 1-2 archived 8 trajectories; step 3 the resumed run's first 4
     expected = [t for g in saved[:2] for t in g]

@@ -142,7 +142,10 @@ def test_a_run_its_caller_cancelled_leaves_the_pool_serving(pool):
     slow = pool.submit("import time\ntime.sleep(1)\nprint(3)", [("", "3")], **LIMITS)
     assert slow.cancel()
     assert pool.submit(ADD, [("1 2\n", "3\n")], **LIMITS).result(timeout=120).passed
-    time.sleep(1.5)  # the cancelled run's result has come back by now
+    deadline = time.monotonic() + 120  # until the cancelled run's result has come back (the reader pops it)
+    while pool._pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pool._pending, "the cancelled run's result never came back"
     assert pool._reader.is_alive() and pool.submit(ADD, [("2 2\n", "4\n")], **LIMITS).result(timeout=120).passed
     assert not leftovers(pool)
 

@@ -167,6 +167,19 @@ def train_and_dump(runs: list[tuple[dict, str]]) -> None:
             trainer.close(keep_process_group=i < len(runs) - 1)
 
 
+def train_configs(runs: list[dict]) -> None:
+    """One rank: train each TrainConfig data in turn with its own sources (the processes shared by the runs)."""
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    for i, cfg_data in enumerate(runs):
+        trainer = Trainer(TrainConfig.model_validate(cfg_data))
+        try:
+            trainer.train()
+        finally:
+            trainer.close(keep_process_group=i < len(runs) - 1)
+
+
 def run_spawned(runs: list[tuple[dict, str]], world_size: int) -> None:
     from megatron_spo.models.parallel import spawn_local
 
