@@ -1,7 +1,7 @@
 """checkpoint.async_save (issue 65): shards written by a thread while the next steps train. The run trains exactly as
 with synchronous saves, its background checkpoint holds the step it was taken at (a run resumed from it ends on the
 straight run's weights), the staged copy owns its memory, and a failed writer fails every rank with the reason and
-leaves the previous checkpoint `latest`."""
+leaves the previous checkpoint `latest`; a preemption while a save is written completes it first."""
 
 import json
 import shutil
@@ -117,3 +117,90 @@ def test_a_failed_background_write_fails_every_rank_and_keeps_the_previous_check
     assert ckpts.complete_steps() == [2] and ckpts.latest()[0] == 2
     # found at step 5 (or at the next save, when the writer fails slower than a step): the run stops there
     assert [m["step"] for m in _metrics(tmp_path, "failing")] in ([1, 2, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6])
+
+
+def _train_preempted_while_a_save_is_written(cfg_data: dict, out_file: str) -> None:
+    """One rank: the step-2 background save's writer is held until the checkpoint is completed (async_save.finish),
+    so it is in flight when SIGTERM reaches rank 0 during step 3; rank 0 writes what it saw and printed."""
+    import contextlib
+    import io
+    import os
+    import signal
+    import threading
+
+    import torch.distributed as dist
+    from trainer_helpers import DeterministicSource
+
+    from megatron_spo.models import async_save
+    from megatron_spo.models.hf_map import iter_hf_tensors
+    from megatron_spo.training.config import TrainConfig
+    from megatron_spo.training.trainer import Trainer
+
+    release, write, finish = threading.Event(), async_save._write, async_save.finish
+
+    def held_write(transforms, buckets, results_queue, pending):
+        if "iter_0000002" in buckets[0][0]:
+            release.wait(timeout=120)
+        write(transforms, buckets, results_queue, pending)
+
+    def releasing_finish(pending, ckpt_dir):
+        release.set()
+        finish(pending, ckpt_dir)
+
+    async_save._write, async_save.finish = held_write, releasing_finish
+    trainer = Trainer(TrainConfig.model_validate(cfg_data), online_source=DeterministicSource())
+    seen, train_step = {}, trainer.train_step
+
+    def signalled_step():
+        if trainer.step == 2:
+            seen["in_flight"] = trainer.pending_save is not None and trainer.pending_save.step == 2
+            if dist.get_rank() == 0:
+                os.kill(os.getpid(), signal.SIGTERM)  # rank 1 learns it from the step's agreement
+        return train_step()
+
+    trainer.train_step = signalled_step
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            seen["last_step"] = trainer.train()
+        weights = {name: t.clone() for name, t in iter_hf_tensors(trainer.policy, trainer.model_cfg)}
+        seen["pending_after"] = trainer.pending_save is not None
+        if dist.get_rank() == 0:
+            torch.save({"weights": weights, "seen": seen, "printed": printed.getvalue()}, out_file)
+    finally:
+        trainer.close()
+
+
+def test_sigterm_while_a_background_save_is_written_completes_it_then_saves_the_step_and_both_resume(tmp_path, hf):
+    """A preemption while a background checkpoint is still being written: the run stops at the end of that step,
+    the checkpoint in flight is completed first (its shards hold the step it was taken at, though the weights moved
+    on under the held writer), then the step is saved in line; a run resumed from either ends on the straight run's
+    weights."""
+    from megatron_spo.models.parallel import spawn_local
+
+    def cfg(name, **checkpoint):
+        return trainer_config(tmp_path, hf, name, tp=2, steps=6, checkpoint={"interval": 2, **checkpoint})
+
+    out = str(tmp_path / "preempted.pt")
+    spawn_local(_train_preempted_while_a_save_is_written, 2, cfg("preempted", async_save=True), out)
+    got = torch.load(out)
+    assert got["seen"] == {"in_flight": True, "last_step": 3, "pending_after": False}, got["seen"]
+    ckpts = CheckpointDir(tmp_path / "preempted" / "checkpoints")
+    assert ckpts.complete_steps() == [2, 3] and ckpts.latest()[0] == 3 and not list(ckpts.root.glob("*.partial"))
+    lines = [x for x in got["printed"].splitlines() if x.startswith("[megatron-spo]") and "library warning" not in x]
+    assert lines[0].startswith(f"[megatron-spo] checkpoint at step 2 complete: {ckpts.root / 'iter_0000002'} ("), lines
+    assert lines[1:] == ["[megatron-spo] preempted: checkpoint at step 3 saved, exiting"], lines
+    assert [m["step"] for m in _metrics(tmp_path, "preempted")] == [1, 2, 3]
+
+    runs = [(cfg("straight"), str(tmp_path / "straight.pt"))]
+    for step in (2, 3):
+        resumed = tmp_path / f"from-{step}-ckpts"
+        shutil.copytree(ckpts.root / f"iter_000000{step}", resumed / f"iter_000000{step}")
+        (resumed / "latest").write_text(f"iter_000000{step}")
+        runs.append((cfg(f"from-{step}", dir=str(resumed), allow_config_change=True), str(tmp_path / f"from-{step}.pt")))
+    run_spawned(runs, 2)
+    straight = torch.load(runs[0][1])
+    assert [m["loss"] for m in _metrics(tmp_path, "preempted")] == [m["loss"] for m in _metrics(tmp_path, "straight")][:3]
+    for step in (2, 3):
+        assert [m["step"] for m in _metrics(tmp_path, f"from-{step}")] == list(range(step + 1, 7))
+        assert all(torch.equal(w, straight[k]) for k, w in torch.load(tmp_path / f"from-{step}.pt").items()), step
