@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_helpers import make_tiny_hf, run_spawned  # noqa: E402
+from trainer_helpers import make_tiny_hf, run_spawned, toy_q0_file  # noqa: E402
 
 from megatron_spo.config import ConfigError  # noqa: E402
 from megatron_spo.training.config import TrainConfig  # noqa: E402
@@ -106,7 +106,7 @@ def test_custom_reward_scores_the_online_rollouts(tmp_path, monkeypatch):
         cfg = _cfg(tmp_path, model, "reward", batch={"sequences_per_step": 4, "max_tokens_per_micro_batch": 1024,
                                                       "max_seq_length": 512},
                    task={"kind": "toy", "reward": "examples.custom_reward:fenced_code", "limit": 4,
-                         "max_prompt_tokens": 400, "q0_path": _toy_q0(tmp_path, limit=4)},
+                         "max_prompt_tokens": 400, "q0_path": toy_q0_file(tmp_path, limit=4)},
                    fleet={"engine_urls": [url]},
                    rollout={"samples_per_prompt": 2, "max_new_tokens": 8, "buffer_groups": 4,
                             "max_inflight_requests": 2})
@@ -116,16 +116,6 @@ def test_custom_reward_scores_the_online_rollouts(tmp_path, monkeypatch):
     assert len(seen["rewards"]) == 8 and all(r == -1.0 or -0.5 <= r <= 0.0 for r in seen["rewards"])
     metrics = [json.loads(x) for x in (tmp_path / "reward" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-
-
-def _toy_q0(tmp_path: Path, limit: int) -> str:
-    """A q0 file for the toy task's first ``limit`` training prompts (SPO refuses prompts without Q0)."""
-    from test_user_data import write_q0
-
-    from megatron_spo.data.problems import problems_from_task_config
-
-    task = TrainConfig.model_validate(dict(init={"hf": "x"}, task={"kind": "toy", "limit": limit})).task
-    return write_q0(tmp_path / "q0.jsonl", {p.id: (1, 2) for p in problems_from_task_config(task)})
 
 
 def _train_and_record(cfg_data: dict, out: str) -> None:

@@ -439,10 +439,11 @@ def test_a_stop_after_a_finished_step_checkpoints_it_and_every_rank_exits(tmp_pa
 
 
 # -- an engine killed (kill -9) mid-run comes back ---------------------------------------------------------------
-def train_through_an_engine_kill(cfg_data: dict, model_dir: str, out_file: str) -> None:
+def train_through_an_engine_kill(cfg_data: dict, model_dir: str, out_file: str, kill_at_step: int = 2,
+                                 back_by_step: int = 4) -> None:
     """One rank, two real engines behind the router (rollout/fleet.py's supervisor restarts what dies): engine 1 is
-    SIGKILLed while it holds a request of step 3's rollouts; step 4 waits (deadline) until its restart answers, so
-    the pushes of steps 4 and 5 must reach it. Writes what the test checks."""
+    SIGKILLed while it holds a request generated after step ``kill_at_step``'s take; step ``back_by_step`` waits
+    (deadline) until its restart answers, so the pushes from there on must reach it. Writes what the test checks."""
     import json
 
     from rollout_helpers import engine_env
@@ -476,15 +477,15 @@ def train_through_an_engine_kill(cfg_data: dict, model_dir: str, out_file: str) 
         take, batches = trainer.online.take, []
 
         def recording_take(k, timeout_s=None):
-            if len(batches) == 1:
+            if len(batches) == kill_at_step - 1:
                 kill_now.set()
-            if len(batches) == 3:  # restarted and answering: this step's push must reach it
+            if len(batches) == back_by_step - 1:  # restarted and answering: this step's push must reach it
                 deadline = time.monotonic() + 180
                 while fleet.engines[1].restarts < 1 or fleet.engines[1].state not in ("needs_weights", "serving"):
                     assert time.monotonic() < deadline, f"engine 1 not back: {fleet.engines[1].state}"
                     time.sleep(0.1)
             batch = take(k, timeout_s)
-            if len(batches) == 1:  # the take made room in the buffer: the workers generate, engine 1 too
+            if len(batches) == kill_at_step - 1:  # the take made room in the buffer: the workers generate, engine 1 too
                 assert killed.wait(120), "engine 1 got no request to be killed in"
             batches.append([[t.request_id, t.sample_index, t.prompt_id, list(t.response_tokens), t.policy_version]
                             for t in batch])
@@ -556,3 +557,45 @@ def test_an_engine_killed_mid_run_is_restarted_resynced_and_no_trajectory_is_los
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert max(m.get("fleet/engine_restarts", 0.0) for m in metrics) == 1.0  # the trainer's pushes saw it restarted
     assert max(m.get("weight_sync/engines_resynced", 0.0) for m in metrics) >= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_an_engine_restarted_between_scheduled_pushes_gets_the_weights_early_and_serves_again(tmp_path, model_dir,
+                                                                                              monkeypatch):
+    """The same kill -9 in an SPO run pushing every 5 steps, after the push of step 5: the restarted engine answers
+    with the initial weights, not version 1, from step 7, so the probe for engines behind brings the next push forward
+    (to step 7, 8 or 9: the probe runs beside the steps) instead of leaving it out of the router until step 10; that push
+    and the scheduled one reach both engines, and the run ends with both at the final version and no trajectory lost
+    or doubled."""
+    import json
+
+    from trainer_helpers import toy_q0_file
+
+    from megatron_spo.models.parallel import spawn_local
+
+    monkeypatch.chdir(REPO)
+    steps, per_step = 10, 4
+    cfg = dict(run_dir=str(tmp_path / "run"), steps=steps, algo="spo", init={"hf": model_dir},
+               optimizer={"lr": 1e-3, "warmup_steps": 1}, model_update_interval=5,
+               task={"kind": "toy", "reward": "examples.custom_reward:fenced_code", "limit": 4,
+                     "max_prompt_tokens": 400, "q0_path": toy_q0_file(tmp_path, limit=4)},
+               batch={"sequences_per_step": per_step, "max_tokens_per_micro_batch": 1024, "max_seq_length": 512},
+               rollout={"samples_per_prompt": 2, "max_new_tokens": 8, "buffer_groups": 4, "max_inflight_requests": 4,
+                        "temperature_range": [1.0, 1.0], "top_p": 1.0, "retry_backoff_s": 0.1,
+                        "retry_backoff_max_s": 0.5, "endpoint_cooldown_s": 0.5, "max_retries": 20},
+               checkpoint={"interval": 100, "export_hf": False}, logging={"progress": False})
+    spawn_local(train_through_an_engine_kill, 1, cfg, model_dir, str(tmp_path / "result.json"), 6, 7)
+    result = json.loads((tmp_path / "result.json").read_text())
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    pushed = [step for step, m in metrics.items() if "weight_sync/engines_updated" in m]
+    assert len(pushed) == 3 and pushed[0] == 5 and pushed[1] in (7, 8, 9) and pushed[2] == 10, pushed  # the schedule kept
+    early = metrics[pushed[1]]
+    assert early["weight_sync/early_pushes"] == 1.0 and early["weight_sync/engines_updated"] == 2.0, early
+    assert metrics[10]["weight_sync/early_pushes"] == 1.0  # the run's total: no other push was brought forward
+    assert metrics[5]["weight_sync/engines_updated"] == metrics[10]["weight_sync/engines_updated"] == 2.0
+    assert result["policy_version"] == 3 and result["versions"] == ["3", "3"] and result["restarts"] == [0, 1]
+    assert result["state"] == "serving" and result["routed"] == sorted(result["urls"])
+    trained = [row for batch in result["batches"] for row in batch]
+    assert len(trained) == steps * per_step == len({(r[0], r[1]) for r in trained})
+    assert result["stats"]["rollout/failed_requests"] == 0 and result["stats"]["rollout/duplicates_dropped"] == 0

@@ -292,3 +292,17 @@ def train_on_engine_samples(runs: list[tuple[dict, dict]]) -> None:
             trainer.train()
         finally:
             trainer.close(keep_process_group=i < len(runs) - 1)
+
+
+def toy_q0_file(root, limit: int) -> str:
+    """A q0 file for the toy task's first ``limit`` training prompts (SPO refuses prompts without Q0): 1 success
+    of 2 samples each."""
+    from pathlib import Path
+
+    from test_user_data import write_q0
+
+    from megatron_spo.data.problems import problems_from_task_config
+    from megatron_spo.training.config import TrainConfig
+
+    task = TrainConfig.model_validate(dict(init={"hf": "x"}, task={"kind": "toy", "limit": limit})).task
+    return write_q0(Path(root) / "q0.jsonl", {p.id: (1, 2) for p in problems_from_task_config(task)})
