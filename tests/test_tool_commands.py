@@ -289,3 +289,48 @@ def test_what_eval_reads_of_a_training_config_keeps_the_trainers_defaults():
     from megatron_spo.training.config import HeldOutEvalConfig
 
     assert HeldOutView().model_dump() == HeldOutEvalConfig().model_dump(include=set(HeldOutView.model_fields))
+
+
+def test_eval_of_a_config_with_an_environment_also_evaluates_conversations(model_dir, engine, hooks, tmp_path,
+                                                                           capsys):
+    """`eval CONFIG` whose rollout.env is code_feedback: beside the single-turn samples, the held-out problems as
+    conversations (up to 2 model turns; the tiny random model's programs always fail, so every conversation takes
+    both), in OUT.turns.json and one line; the environment's sandbox is started though the reward is a hook that
+    needs none. --single-turn skips it; an unknown environment is one line naming the field, before sampling; on
+    engines with deterministic inference the conversations are refused in one line, the single-turn results kept."""
+    from megatron_spo.data.problems import load_problems
+    from megatron_spo.rollout.local_engine import LocalEngine
+
+    def config(url: str, env: str) -> str:
+        path = tmp_path / f"train-{env.split(':')[0]}.yaml"
+        path.write_text(f"init: {{hf: {model_dir}}}\ntask: {{kind: toy, reward: '{hooks}:even'}}\n"
+                        f"fleet: {{engine_urls: ['{url}']}}\nrollout: {{env: {{name: {env}, max_turns: 2, max_total_tokens: 256, max_observation_tokens: 64}}}}\n")
+        return str(path)
+
+    argv = ["-n", "4", "--ks", "1", "2", *SAMPLING]
+    with ServerThread(LocalEngine(model_dir, seed=0)) as sampling_engine:
+        good = config(sampling_engine.url, "code_feedback")
+        assert cli.main(["eval", good, "--out", str(tmp_path / "ev.jsonl"), *argv]) == 0
+        said = capsys.readouterr().out
+        assert cli.main(["eval", good, "--out", str(tmp_path / "single.jsonl"), "--single-turn", *argv]) == 0
+    turns = json.loads((tmp_path / "ev.turns.json").read_text())
+    held_out = [p.id for p in load_problems("toy", split="heldout")[:2]]
+    assert [p["prompt_id"] for p in turns["first_turn"]["problems"]] == held_out
+    assert [p["prompt_id"] for p in turns["last_turn"]["problems"]] == held_out
+    assert all(p["n"] == 4 and p["tests"] == {"custom": 1} for p in turns["last_turn"]["problems"])
+    assert turns["mean_turns"] == 2.0 and (turns["first_turn"]["temperature"], turns["first_turn"]["top_p"]) == (1.0, 0.95)
+    first, last = (turns[k]["mean"] for k in ("first_turn", "last_turn"))
+    assert (f"eval: as conversations with code_feedback (up to 2 model turns): pass@1 {first['pass@1']:.4f} at the "
+            f"first turn, {last['pass@1']:.4f} at the last, pass@2 {first['pass@2']:.4f} at the first turn, "
+            f"{last['pass@2']:.4f} at the last; 2.00 model turns a conversation, {100 * turns['fixed_share']:.1f}% "
+            f"fixed by the feedback -> {tmp_path / 'ev.turns.json'}") in said
+    assert (tmp_path / "single.jsonl").exists() and not (tmp_path / "single.turns.json").exists()
+
+    assert cli.main(["eval", config(engine.url, "no_such_env"), "--out", str(tmp_path / "bad.jsonl"), *argv]) == 2
+    assert "rollout.env.name" in capsys.readouterr().err and not (tmp_path / "bad.jsonl").exists()
+    assert cli.main(["eval", config(engine.url, "env_helpers:Scripted"), "--out", str(tmp_path / "det.jsonl"),
+                     *argv]) == 2
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"megatron-spo eval: error: rollout engines ['{engine.url}'] run with --enable-deterministic-inference: the 4 "
+        "samples of each request would be identical (SGLang shares one seed among them); restart them without it")
+    assert len(jsonl(tmp_path / "det.jsonl")) == 2 and not (tmp_path / "det.turns.json").exists()

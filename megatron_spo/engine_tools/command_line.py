@@ -81,7 +81,7 @@ def apply_train_config(args: argparse.Namespace, parser: argparse.ArgumentParser
     if args.config and args.config_flag and args.config != args.config_flag:
         parser.error(f"two training configs: CONFIG {args.config} and --config {args.config_flag}; give one")
     args.config = args.config or args.config_flag
-    args.task_config = args.held_out = args.sandbox_config = None
+    args.task_config = args.held_out = args.sandbox_config = args.env = None
     args.config_reward = None  # the config's task.reward, when it names one
     if args.config:
         from megatron_spo.config import load_config
@@ -93,6 +93,7 @@ def apply_train_config(args: argparse.Namespace, parser: argparse.ArgumentParser
         args.task = args.task or cfg.task.kind
         args.config_reward = cfg.task.reward
         args.sandbox_config = cfg.sandbox
+        args.env = cfg.rollout.env
         args.tokenizer = args.tokenizer or cfg.init.hf
         fleet = cfg.fleet.resolved()
         args.engine_url = args.engine_url or fleet.router_url or (fleet.engine_urls or [None])[0]
@@ -121,9 +122,10 @@ def problems_from_args(args: argparse.Namespace) -> list:
     return problems
 
 
-def prompts_from_args(args: argparse.Namespace) -> list[Prompt]:
+def prompts_from_args(args: argparse.Namespace, tokenizer: Any = None) -> list[Prompt]:
     problems = problems_from_args(args)
-    return make_prompts(problems, load_tokenizer(args.tokenizer, args.engine_url), prompt_format=args.prompt_format)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.tokenizer, args.engine_url)
+    return make_prompts(problems, tokenizer, prompt_format=args.prompt_format)
 
 
 def engine_tokenizer_path(url: str) -> str | None:
@@ -187,10 +189,12 @@ def reward_hook_from_args(args: argparse.Namespace) -> tuple[Any, str | None]:
     return None, None
 
 
-def reward_pool_from_args(args: argparse.Namespace, problems: Sequence[Any], *, prog: str, hidden: bool = False):
+def reward_pool_from_args(args: argparse.Namespace, problems: Sequence[Any], *, prog: str, hidden: bool = False,
+                          env: Any = None):
     """The RewardPool train would score these problems with (reward_hook_from_args; a sandbox pool only when a
-    built-in code reward needs one, as the config's ``sandbox:`` and the flags set it), after one line naming
-    it. Close with close_reward_pool."""
+    built-in code reward or the environment ``env`` (an EnvConfig) needs one, as the config's ``sandbox:`` and the
+    flags set it), after one line naming it. Close with close_reward_pool."""
+    from megatron_spo.environments.base import needs_sandbox as env_needs_sandbox
     from megatron_spo.rewards.config import SandboxConfig
     from megatron_spo.rewards.reward import RewardPool, needs_sandbox
     from megatron_spo.rewards.sandbox import SandboxPool
@@ -204,7 +208,7 @@ def reward_pool_from_args(args: argparse.Namespace, problems: Sequence[Any], *, 
             for k in kinds) + ")"
     print(f"{prog}: scoring with {named}", flush=True)
     sandbox = None
-    if needs_sandbox(problems, custom):
+    if needs_sandbox(problems, custom) or env_needs_sandbox(env):
         flags = {k: v for k, v in (("slots", args.sandbox_slots), ("isolation", args.isolation)) if v is not None}
         base = args.sandbox_config.model_dump() if args.sandbox_config is not None else {}
         cfg = build_config(SandboxConfig, {**base, **flags}, "sandbox (--sandbox-slots, --isolation)")

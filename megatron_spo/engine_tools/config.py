@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 from megatron_spo.config import ConfigView, StrictModel
 from megatron_spo.data.config import TaskConfig
 from megatron_spo.data.q0 import PAPER_BETA
+from megatron_spo.environments.config import EnvConfig
 from megatron_spo.models.config import InitConfig
 from megatron_spo.rewards.config import SandboxConfig
 from megatron_spo.rollout.config import FleetEndpoints
@@ -89,10 +90,16 @@ class HeldOutView(ConfigView):
     hidden_tests: bool = True
 
 
+class RolloutEnvView(ConfigView):
+    """What the offline tools read of a training config's rollout section: its environment (multi-turn), if any."""
+
+    env: EnvConfig | None = None
+
+
 class TrainConfigView(ConfigView):
     """What the offline tools read of a training config: its task and reward (task.reward), the sandbox that
-    runs code rewards, tokenizer (init.hf), engines, beta and held-out problems (the trainer checks the rest of
-    the file)."""
+    runs code rewards, tokenizer (init.hf), engines, beta, held-out problems and the environment (rollout.env) the
+    conversations run (the trainer checks the rest of the file)."""
 
     task: TaskConfig = Field(default_factory=TaskConfig)
     init: InitConfig = Field(default_factory=InitConfig)
@@ -100,3 +107,4 @@ class TrainConfigView(ConfigView):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     beta: float = Field(PAPER_BETA, gt=0)
     eval: HeldOutView = Field(default_factory=HeldOutView)
+    rollout: RolloutEnvView = Field(default_factory=RolloutEnvView)

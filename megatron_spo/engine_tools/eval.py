@@ -11,7 +11,9 @@ SPO paper protocol (the defaults): n = 20 samples at temperature 0.4, top-p 0.95
     megatron-spo eval CONFIG --out eval.jsonl       # the config's held-out problems, reward, tokenizer, engines
 
 Beside the results, every sample (eval.completions.jsonl: prompt_id, sample, text, reward, passed, info): what
-a pass@1 of 0 was made of.
+a pass@1 of 0 was made of. A config with an environment (rollout.env) also evaluates the problems as conversations
+(engine_tools/eval_turns.py: pass@k at the first and the last model turn) into eval.turns.json, unless
+--single-turn; that part is not resumable (a cut run evaluates the conversations again).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megatron_spo.engine_tools.command_line import (
     add_task_args,
     apply_train_config,
     close_reward_pool,
+    load_tokenizer,
     prompts_from_args,
     reward_pool_from_args,
     run_cli,
@@ -132,6 +135,12 @@ def completions_path(out_path: str | Path) -> Path:
     return out.with_name((out.stem if out.suffix == ".jsonl" else out.name) + ".completions.jsonl")
 
 
+def turns_path(out_path: str | Path) -> Path:
+    """Where eval's conversations' result goes beside its results: eval.jsonl -> eval.turns.json."""
+    out = Path(out_path)
+    return out.with_name((out.stem if out.suffix == ".jsonl" else out.name) + ".turns.json")
+
+
 def completion_records(prompt_id: str, texts: Sequence[str], results: Sequence[Any]) -> list[dict]:
     """One record per sample: prompt_id, sample (its index), text, reward, passed and the reward's info."""
     return [{"prompt_id": prompt_id, "sample": i, "text": text, "reward": float(r.reward), "passed": bool(r.passed),
@@ -183,6 +192,25 @@ async def evaluate(prompts: Sequence[Prompt], client: Any, reward_pool: Any, *, 
     return EvalResult(problems, tuple(cfg.ks), cfg.n, cfg.sampling.temperature, cfg.sampling.top_p)
 
 
+async def evaluate_conversations(prompts: Sequence[Prompt], tokenizer: Any, pool: Any, env: Any, cfg: EvalConfig,
+                                 args: argparse.Namespace):
+    """`eval CONFIG` with rollout.env: the problems as conversations (eval_turns.evaluate_turns) at the command's
+    sampling, written to OUT.turns.json."""
+    from megatron_spo.engine_tools.eval_turns import evaluate_turns, write_turns_eval
+
+    sampling = cfg.sampling
+    try:
+        turns = await evaluate_turns(prompts, [args.engine_url], tokenizer, pool, env, n=cfg.n,
+                                     temperature=sampling.temperature, top_p=sampling.top_p, ks=cfg.ks,
+                                     max_new_tokens=sampling.max_new_tokens, seed=sampling.seed or 0,
+                                     sandbox=getattr(pool, "sandbox", None),
+                                     max_inflight_requests=sampling.concurrency)
+    except RuntimeError as err:  # conversations that failed: one line (run_cli), the single-turn results kept
+        raise ValueError(str(err)) from None
+    write_turns_eval(turns, turns_path(args.out))
+    return turns
+
+
 def main(argv: list[str]) -> int:
     defaults = EvalConfig()
     parser = argparse.ArgumentParser(prog="megatron-spo eval", description="pass@k of a model on a task (with a "
@@ -198,6 +226,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-hidden-tests", action="store_true",
                         help="score on the reward tests only (default: with the hidden tests, unless the config's "
                              "eval.hidden_tests is false)")
+    parser.add_argument("--single-turn", action="store_true",
+                        help="with a config whose rollout.env names an environment: evaluate single-turn samples "
+                             "only (default: also as conversations, OUT.turns.json)")
     add_sampling_args(parser, defaults.sampling)
     args = parser.parse_args(argv)
     if max(args.ks) > args.n:
@@ -207,19 +238,23 @@ def main(argv: list[str]) -> int:
     cfg = build_config(EvalConfig, {"n": args.n, "ks": tuple(args.ks), "hidden_tests": hidden,
                                     "sampling": sampling_from_args(args)})
     completions = completions_path(args.out)
+    env = None if args.single_turn else args.env
 
     async def body() -> int:
         from rich.console import Console
 
         from megatron_spo.rollout.client import EngineClient
 
-        prompts = prompts_from_args(args)
-        pool = reward_pool_from_args(args, [p.problem for p in prompts], prog="eval", hidden=cfg.hidden_tests)
+        tokenizer = load_tokenizer(args.tokenizer, args.engine_url)
+        prompts = prompts_from_args(args, tokenizer)
+        pool = reward_pool_from_args(args, [p.problem for p in prompts], prog="eval", hidden=cfg.hidden_tests,
+                                     env=env)
         try:
             async with EngineClient(args.engine_url, timeout_s=args.request_timeout) as client:
                 result = await evaluate(prompts, client, pool, n=cfg.n, temperature=cfg.sampling.temperature,
                                         top_p=cfg.sampling.top_p, ks=cfg.ks, sampling=cfg.sampling, out_path=args.out,
                                         completions_out=completions, progress=not args.no_progress)
+            turns = None if env is None else await evaluate_conversations(prompts, tokenizer, pool, env, cfg, args)
         finally:
             close_reward_pool(pool)
         if args.json:
@@ -227,6 +262,12 @@ def main(argv: list[str]) -> int:
         Console().print(result.table())
         print("eval: " + ", ".join(f"pass@{k} {v:.4f}" for k, v in result.mean.items())
               + f" over {len(result.problems)} problems -> {args.out} (samples: {completions})")
+        if turns is not None:
+            print(f"eval: as conversations with {env.name} (up to {env.max_turns} model turns): "
+                  + ", ".join(f"pass@{k} {turns.first.mean[k]:.4f} at the first turn, {turns.last.mean[k]:.4f} at "
+                              "the last" for k in cfg.ks)
+                  + f"; {turns.mean_turns:.2f} model turns a conversation, {100 * turns.fixed_share:.1f}% fixed by "
+                  f"the feedback -> {turns_path(args.out)}")
         return 0
 
     return run_cli("megatron-spo eval", body)
