@@ -57,8 +57,8 @@ def recorded(monkeypatch):
     return calls
 
 
-def rollout(server, env: dict, *, n: int, requests: int, prompts=PROMPTS, reward=None):
-    cfg = build_config(RolloutConfig, {"samples_per_prompt": n, "max_new_tokens": 5, "max_inflight_requests": 2,
+def rollout(server, env: dict, *, n: int, requests: int, prompts=PROMPTS, reward=None, max_new_tokens: int = 5):
+    cfg = build_config(RolloutConfig, {"samples_per_prompt": n, "max_new_tokens": max_new_tokens, "max_inflight_requests": 2,
                                        "temperature_range": [0.6, 0.9], "env": env, "seed": 3})
     tokenizer = server.engine.tokenizer
 
