@@ -96,6 +96,9 @@ def exit_while_starting(signum, frame) -> None:
     raise SystemExit(0)
 
 
+exit_while_starting.start_up_only = True  # PreemptionHandler.restore() does not put it back (run_layout.py)
+
+
 def usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
     rows = "\n".join(f"  {n.ljust(width)}  {h}" for n, (_, h) in SUBCOMMANDS.items())

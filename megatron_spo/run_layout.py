@@ -242,7 +242,9 @@ class PreemptionHandler:
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # a start-up handler ("nothing to save") is not put back: after the run it would say the run was starting
+            # when a launcher ends a rank whose peer died (seen: torch's spawn SIGTERMs the survivors)
+            signal.signal(sig, signal.SIG_DFL if getattr(handler, "start_up_only", False) else handler)
         self._previous.clear()
         if self in _handlers:
             _handlers.remove(self)
