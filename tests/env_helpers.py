@@ -54,3 +54,12 @@ class BadResult(NoStep):
 
 def broken_factory(ctx):
     raise RuntimeError("cannot start the game server")
+
+
+class LastTurnParity(Scripted):
+    """Scripted's observations for options.turns steps, then the final word: 0 when the last model turn's text has
+    an even number of characters, else -1 (a verdict a test can recompute from the conversation)."""
+
+    async def step(self, model_turn):
+        observation, done, _ = await super().step(model_turn)
+        return (None, True, 0.0 if len(model_turn) % 2 == 0 else -1.0) if done else (observation, False, None)

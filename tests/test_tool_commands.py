@@ -334,3 +334,54 @@ def test_eval_of_a_config_with_an_environment_also_evaluates_conversations(model
         f"megatron-spo eval: error: rollout engines ['{engine.url}'] run with --enable-deterministic-inference: the 4 "
         "samples of each request would be identical (SGLang shares one seed among them); restart them without it")
     assert len(jsonl(tmp_path / "det.jsonl")) == 2 and not (tmp_path / "det.turns.json").exists()
+
+
+def test_estimate_q0_of_a_config_with_an_environment_counts_conversations(model_dir, engine, hooks, tmp_path,
+                                                                          capsys):
+    """estimate-q0 CONFIG whose rollout.env is a 2-turn environment ending with 0 when the last model turn's text has
+    an even length: each prompt's successes are those conversations (all kept, with their mask, q0 and the verdict
+    recomputed from the decoded last turn), the line names the environment, a single-turn file does not resume as
+    conversations, and a final reward outside {0, -1} is one line."""
+    from transformers import AutoTokenizer
+
+    from megatron_spo.data.trajectory import model_turns
+    from megatron_spo.rollout.local_engine import LocalEngine
+
+    def config(url: str, env: str) -> str:
+        path = tmp_path / f"train-{env.split(':')[-1]}.yaml"
+        path.write_text(f"init: {{hf: {model_dir}}}\ntask: {{kind: toy, reward: '{hooks}:even'}}\n"
+                        f"fleet: {{engine_urls: ['{url}']}}\nrollout: {{env: {env}}}\n")
+        return str(path)
+
+    argv = ["--samples", "6", "--keep-successful", "6", *SAMPLING]
+    q0, kept = tmp_path / "q0.jsonl", tmp_path / "kept.jsonl"
+    with ServerThread(LocalEngine(model_dir, seed=0)) as sampling_engine:
+        good = config(sampling_engine.url, "{name: 'env_helpers:LastTurnParity', options: {turns: 2}}")
+        assert cli.main(["estimate-q0", good, "--out", str(q0), "--trajectories-out", str(kept), *argv]) == 0
+        said = capsys.readouterr().out
+        assert cli.main(["estimate-q0", good, "--out", str(tmp_path / "s.jsonl"), "--single-turn", *argv]) == 0
+        assert cli.main(["estimate-q0", good, "--out", str(tmp_path / "s.jsonl"), *argv]) == 2
+        refused = capsys.readouterr().out.strip().splitlines()[-1]
+        odd = config(sampling_engine.url, "{name: 'env_helpers:Scripted', options: {turns: 2, reward: -0.25}}")
+        assert cli.main(["estimate-q0", odd, "--out", str(tmp_path / "odd.jsonl"), *argv]) == 2
+        odd_said = capsys.readouterr().out.strip().splitlines()[-1]
+    lines, convs = jsonl(q0), jsonl(kept)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert len(lines) == 2 and all(r["env"] == "env_helpers:LastTurnParity" and r["n"] == 6 for r in lines)
+    assert 0 < len(convs) < 12  # some conversations ended even, some odd (all one way: 2 in 4096)
+    for line in lines:
+        mine = [c for c in convs if c["prompt_id"] == line["prompt_id"]]
+        assert len(mine) == line["correct"] and all(c["q0"] == line["q0"] and c["reward"] == 0.0 for c in mine)
+        for c in mine:
+            turns = model_turns(c["response_mask"])
+            assert len(turns) == 2 and c["source"] == "reference"
+            a, b = turns[-1]
+            assert len(tok.decode(c["response_tokens"][a:b], skip_special_tokens=True)) % 2 == 0
+    assert "6 conversations with env_helpers:LastTurnParity (up to 4 model turns) each" in said
+    assert "env" not in jsonl(tmp_path / "s.jsonl")[0]
+    assert refused == (f"megatron-spo estimate-q0: error: {tmp_path / 's.jsonl'}: prompt '{lines[0]['prompt_id']}' "
+                       "was estimated single-turn; this run asks conversations with env_helpers:LastTurnParity (use "
+                       "another output file)")
+    assert odd_said.startswith("megatron-spo estimate-q0: error: a conversation of prompt") and \
+        odd_said.endswith("ended with reward -0.25: Q0 from success counts needs final rewards of 0 or -1 "
+                          "(env_helpers:Scripted)")

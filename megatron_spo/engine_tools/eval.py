@@ -199,14 +199,10 @@ async def evaluate_conversations(prompts: Sequence[Prompt], tokenizer: Any, pool
     from megatron_spo.engine_tools.eval_turns import evaluate_turns, write_turns_eval
 
     sampling = cfg.sampling
-    try:
-        turns = await evaluate_turns(prompts, [args.engine_url], tokenizer, pool, env, n=cfg.n,
-                                     temperature=sampling.temperature, top_p=sampling.top_p, ks=cfg.ks,
-                                     max_new_tokens=sampling.max_new_tokens, seed=sampling.seed or 0,
-                                     sandbox=getattr(pool, "sandbox", None),
-                                     max_inflight_requests=sampling.concurrency)
-    except RuntimeError as err:  # conversations that failed: one line (run_cli), the single-turn results kept
-        raise ValueError(str(err)) from None
+    turns = await evaluate_turns(prompts, [args.engine_url], tokenizer, pool, env, n=cfg.n,
+                                 temperature=sampling.temperature, top_p=sampling.top_p, ks=cfg.ks,
+                                 max_new_tokens=sampling.max_new_tokens, seed=sampling.seed or 0,
+                                 sandbox=getattr(pool, "sandbox", None), max_inflight_requests=sampling.concurrency)
     write_turns_eval(turns, turns_path(args.out))
     return turns
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_spo.data.prompts import Prompt
-from megatron_spo.data.trajectory import model_turns
+from megatron_spo.data.trajectory import Trajectory, model_turns
 from megatron_spo.engine_tools.eval import EvalResult, ProblemEval, pass_at_ks, tests_used
 from megatron_spo.engine_tools.sampling import score_all
 
@@ -45,27 +45,27 @@ def turn_ids(tokens: Sequence[int], mask: Sequence[int] | None) -> list[list[int
     return [list(tokens[a:b]) for a, b in model_turns(list(mask))]
 
 
-async def evaluate_turns(prompts: Sequence[Prompt], endpoints: Sequence[str], tokenizer: Any, reward_pool: Any,
-                         env: Any, *, n: int = 20, temperature: float = 0.4, top_p: float = 0.95,
-                         ks: Sequence[int] = (1, 10), max_new_tokens: int = 512, seed: int = 0,
-                         sandbox: Any = None, max_inflight_requests: int = 8) -> TurnsEval:
-    """n conversations per prompt with environment ``env`` (an EnvConfig) over the engines at ``endpoints``, each
-    model turn scored with ``reward_pool`` (RewardPool(..., hidden=True) for the hidden tests). ``sandbox``: the pool
-    the environment runs programs in (code_feedback). RuntimeError naming the problems whose conversations failed
-    (an engine that kept failing, an environment that broke its contract: the manager's log says which)."""
+async def run_conversations(prompts: Sequence[Prompt], endpoints: Sequence[str], tokenizer: Any, reward_pool: Any,
+                            env: Any, *, n: int, temperature: float, top_p: float, max_new_tokens: int = 512,
+                            seed: int = 0, sandbox: Any = None,
+                            max_inflight_requests: int = 8) -> dict[str, list[Trajectory]]:
+    """prompt_id -> its n conversations (Trajectory, with the model/environment token mask) with environment ``env``
+    (an EnvConfig) over the engines at ``endpoints``, through the rollout manager's own code. The task's reward
+    (``reward_pool``) is the environment's fallback final word. ``sandbox``: the pool the environment runs programs in
+    (code_feedback). ValueError naming the problems whose conversations failed (an engine that kept failing, an
+    environment that broke its contract, a conversation longer than the engine's context: the manager's log says
+    which), one line for the commands."""
     from megatron_spo.config import build_config
     from megatron_spo.rollout.config import RolloutConfig
     from megatron_spo.rollout.manager import RolloutManager
 
-    if max(ks) > n:
-        raise ValueError(f"evaluate_turns: each k of {list(ks)} must be at most n {n}")
     cfg = build_config(RolloutConfig, {
         "samples_per_prompt": n, "temperature_range": [temperature, temperature], "top_p": top_p,
         "max_new_tokens": max_new_tokens, "env": env.model_dump() if hasattr(env, "model_dump") else env,
         "buffer_groups": max(1, len(prompts)), "seed": seed, "max_inflight_requests": max_inflight_requests},
-        "evaluate_turns")
+        "conversations")
 
-    async def reward(problem, text: str) -> float:  # the environment's fallback final word: the task's reward
+    async def reward(problem, text: str) -> float:
         return (await reward_pool.score(problem, text)).reward
 
     manager = RolloutManager(cfg, iter(prompts), reward, endpoints=list(endpoints), tokenizer=tokenizer,
@@ -81,9 +81,23 @@ async def evaluate_turns(prompts: Sequence[Prompt], endpoints: Sequence[str], to
     by_prompt = {str(g[0].prompt_id): g for g in groups}
     missing = [p.prompt_id for p in prompts if str(p.prompt_id) not in by_prompt]
     if missing:
-        raise RuntimeError(f"evaluate_turns: no conversations for {len(missing)} of {len(prompts)} problems "
+        raise ValueError(f"conversations: none for {len(missing)} of {len(prompts)} problems "
                            f"({', '.join(map(str, missing[:5]))}{', ...' if len(missing) > 5 else ''}): their requests "
                            "or environments failed (the log above says why)")
+    return by_prompt
+
+
+async def evaluate_turns(prompts: Sequence[Prompt], endpoints: Sequence[str], tokenizer: Any, reward_pool: Any,
+                         env: Any, *, n: int = 20, temperature: float = 0.4, top_p: float = 0.95,
+                         ks: Sequence[int] = (1, 10), max_new_tokens: int = 512, seed: int = 0,
+                         sandbox: Any = None, max_inflight_requests: int = 8) -> TurnsEval:
+    """n conversations per prompt (run_conversations), each model turn scored with ``reward_pool``
+    (RewardPool(..., hidden=True) for the hidden tests)."""
+    if max(ks) > n:
+        raise ValueError(f"evaluate_turns: each k of {list(ks)} must be at most n {n}")
+    by_prompt = await run_conversations(prompts, endpoints, tokenizer, reward_pool, env, n=n, temperature=temperature,
+                                        top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, sandbox=sandbox,
+                                        max_inflight_requests=max_inflight_requests)
     first, last, turns, fixed = [], [], 0, 0
     custom = getattr(reward_pool, "custom", None) is not None
     for prompt in prompts:
