@@ -129,16 +129,20 @@ def pass_at_ks(n: int, correct: int, ks: Sequence[int]) -> dict[int, float]:
     return {k: float(pass_at_k(n, correct, k)) for k in ks}
 
 
+def beside(out_path: str | Path, suffix: str) -> Path:
+    """A file next to eval's results: beside("eval.jsonl", ".turns.json") -> eval.turns.json."""
+    out = Path(out_path)
+    return out.with_name((out.stem if out.suffix == ".jsonl" else out.name) + suffix)
+
+
 def completions_path(out_path: str | Path) -> Path:
     """Where eval's samples go beside its results: eval.jsonl -> eval.completions.jsonl."""
-    out = Path(out_path)
-    return out.with_name((out.stem if out.suffix == ".jsonl" else out.name) + ".completions.jsonl")
+    return beside(out_path, ".completions.jsonl")
 
 
 def turns_path(out_path: str | Path) -> Path:
     """Where eval's conversations' result goes beside its results: eval.jsonl -> eval.turns.json."""
-    out = Path(out_path)
-    return out.with_name((out.stem if out.suffix == ".jsonl" else out.name) + ".turns.json")
+    return beside(out_path, ".turns.json")
 
 
 def completion_records(prompt_id: str, texts: Sequence[str], results: Sequence[Any]) -> list[dict]:
